@@ -1,0 +1,351 @@
+"""01_data.py: byte-level BPE against worked examples and tiktoken; shards; the loader."""
+
+import importlib
+import json
+import random
+import tracemalloc
+import urllib.error
+
+import numpy as np
+import pytest
+import tiktoken
+import torch
+
+data = importlib.import_module("01_data")
+EOT = data.EOT
+
+
+@pytest.fixture(scope="module")
+def real_text():
+    """~300 KB of real text: the first files of the standard-library corpus."""
+    docs = data.read_documents(data.stdlib_files()[:40])
+    return EOT.join(docs)[:300_000]
+
+
+@pytest.fixture(scope="module")
+def trained(real_text):
+    return data.train_bpe(real_text, 600)
+
+
+def random_unicode(rng: random.Random, n: int) -> str:
+    """Strings that stress the regex and the byte fallback: ASCII words, digits, apostrophes,
+    whitespace runs, accents, CJK, emoji, combining marks and lone control characters."""
+    alphabet = (
+        list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789 '\"!?.,;:-_()[]{}")
+        + [" ", "  ", "\n", "\n\n", "\t", " \n", "'s", "'ll", "'re", "'ve", "'t"]
+        + ["é", "ß", "Ω", "ж", "中", "文", "語", "😀", "🚀", "\u0301", "\u200b", "\x00", "\x7f"]
+    )
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+# ---------------------------------------------------------------------------------------------
+# BPE training
+# ---------------------------------------------------------------------------------------------
+def test_wikipedia_example_aaabdaaabac():
+    """Wikipedia's BPE example, byte-level, with our tie-break rule.
+
+    "aaabdaaabac" is one pre-token (all letters). Pair counts over its bytes:
+        (a,a)=4  (a,b)=2  (b,d)=1  (d,a)=1  (b,a)=1  (a,c)=1        -> merge 256 = "aa"
+    The word becomes [aa,a,b,d,aa,a,b,a,c] and the counts are
+        (aa,a)=2  (a,b)=2  (b,d)=1  (d,aa)=1  (b,a)=1  (a,c)=1
+    a tie at 2. The lexicographically greatest pair wins: (b"aa", b"a") > (b"a", b"b") because
+    b"aa" > b"a"                                                     -> merge 257 = "aaa"
+    (Wikipedia picks "ab" here; its tie-break is arbitrary.) Now [aaa,b,d,aaa,b,a,c] has
+    (aaa,b)=2 and everything else 1                                  -> merge 258 = "aaab"
+    so the text encodes as [aaab, d, aaab, a, c] = [258, 100, 258, 97, 99].
+    """
+    tok = data.train_bpe("aaabdaaabac", 256 + 3, special_tokens=())
+    assert tok.merges == [(b"a", b"a"), (b"aa", b"a"), (b"aaa", b"b")]
+    assert tok.encode("aaabdaaabac") == [258, ord("d"), 258, ord("a"), ord("c")]
+    assert tok.decode([258, 100]) == "aaabd"
+
+
+def test_ties_break_to_the_greatest_pair_whatever_the_input_order():
+    """In "ab cd" every pair occurs once: (a,b), (" ",c), (c,d). The greatest byte-string pair
+    is (b"c", b"d") (b"c" > b"a" > b" "), then (b"a", b"b"), then (b" ", b"cd"). The order in
+    which words appear, and hash seeds, must not matter."""
+    expected = [(b"c", b"d"), (b"a", b"b"), (b" ", b"cd")]
+    assert data.train_bpe("ab cd", 256 + 3, special_tokens=()).merges == expected
+    assert data.train_bpe("cd ab", 256 + 3, special_tokens=()).merges[:2] == expected[:2]
+
+
+def test_training_is_deterministic_and_lays_out_the_vocab(real_text, trained):
+    again = data.train_bpe(real_text, 600)
+    assert again.merges == trained.merges
+    assert len(trained.merges) == 600 - 256 - 1
+    assert all(trained.vocab[i] == bytes([i]) for i in range(256))
+    for i, (a, b) in enumerate(trained.merges):
+        assert trained.vocab[256 + i] == a + b
+    assert trained.special_tokens == {EOT: 599} and trained.n_vocab == 600
+    assert trained.eot_token == 599
+
+
+def test_special_tokens_are_never_merged_into_or_across():
+    """Without cutting specials out, "x<|endoftext|>y" repeated would make "<|", "endoftext",
+    "x<" and ">y" the most frequent pairs. None of those may appear in a learned token."""
+    text = f"x{EOT}y" * 200 + "hello world " * 10
+    tok = data.train_bpe(text, 300)
+    learned = [a + b for a, b in tok.merges]  # it runs out of pairs before 300: fine
+    assert learned and not any(b"<|" in t or b"|>" in t or b"endof" in t for t in learned), learned
+    assert tok.encode(EOT + EOT) == [tok.eot_token, tok.eot_token]  # doubled stays two tokens
+    assert tok.encode(f"x{EOT}y") == [ord("x"), tok.eot_token, ord("y")]
+    assert len(tok.encode_ordinary(EOT)) > 1  # as ordinary text it is just characters
+
+
+def test_rejects_a_vocab_too_small_for_the_specials():
+    with pytest.raises(AssertionError, match="vocab_size 256 < 256 bytes"):
+        data.train_bpe("abc", 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding: the pure-Python encoder equals tiktoken built from the same ranks
+# ---------------------------------------------------------------------------------------------
+def test_encoder_equals_tiktoken_on_random_unicode_and_real_text(trained, real_text):
+    fast = trained.to_tiktoken()
+    rng = random.Random(0)
+    for _ in range(300):
+        s = random_unicode(rng, rng.randint(0, 80))
+        assert trained.encode_ordinary(s) == fast.encode_ordinary(s), repr(s)
+        assert trained.encode(s + EOT + s) == fast.encode(s + EOT + s, allowed_special="all")
+    assert trained.encode(real_text) == fast.encode(real_text, allowed_special="all")
+
+
+def test_round_trip(trained):
+    rng = random.Random(1)
+    for _ in range(200):
+        s = random_unicode(rng, rng.randint(0, 60))
+        assert trained.decode(trained.encode(s)) == s
+
+
+def test_any_vocab_encodes_like_tiktoken():
+    """Not only vocabularies we trained: byte ids permuted, and a token ("abc") that is reachable
+    by two different splits. tiktoken looks up the rank of the concatenation, so we must too."""
+    order = list(range(256))
+    random.Random(2).shuffle(order)
+    vocab = {i: bytes([b]) for i, b in enumerate(order)}
+    merges = [(b"a", b"b"), (b"b", b"c"), (b"a", b"bc"), (b" ", b"abc")]
+    vocab.update({256 + i: a + b for i, (a, b) in enumerate(merges)})
+    tok = data.Tokenizer(vocab, merges, [EOT])
+    fast = tok.to_tiktoken()
+    for s in ["abc", "bcabc", " abcab", "aabbcc abc", "xyz abc" + EOT + "abc"]:
+        assert tok.encode(s) == fast.encode(s, allowed_special="all"), s
+
+
+def test_gpt2_merges_equal_tiktoken_gpt2(gpt2_encoding, real_text):
+    """GPT-2's own 50,000 merges, read from tiktoken's cached vocab.bpe, give tiktoken's ids."""
+    ours = data.gpt2_tokenizer()
+    assert len(ours.merges) == 50_000 and ours.n_vocab == gpt2_encoding.n_vocab == 50_257
+    assert ours.eot_token == gpt2_encoding.eot_token
+    rng = random.Random(3)
+    for _ in range(300):
+        s = random_unicode(rng, rng.randint(0, 80))
+        assert ours.encode(s) == gpt2_encoding.encode(s, allowed_special="all"), repr(s)
+    assert ours.encode(real_text) == gpt2_encoding.encode(real_text, allowed_special="all")
+
+
+def test_encode_iterable_equals_encode_for_any_chunking(trained, real_text):
+    """Chunk boundaries inside words, whitespace runs and special tokens change nothing."""
+    text = (real_text[:150_000] + " a \nb" + EOT + "  \n" + EOT) * 2
+    expected = trained.encode(text)
+    rng = random.Random(4)
+    for max_chunk in (1, 7, 5000):
+        chunks, pos = [], 0
+        while pos < len(text):
+            n = rng.randint(1, max_chunk)
+            chunks.append(text[pos : pos + n])
+            pos += n
+        assert list(trained.encode_iterable(chunks)) == expected
+
+
+def test_encode_iterable_runs_in_bounded_memory(trained):
+    """4 MB of text streamed from a generator: the peak Python allocation stays far below the
+    input size (a non-streaming encoder holds the 4 MB string plus a list of ~1M ids)."""
+    line = "def f(x):\n    return x + 1  # a line of code\n" + EOT
+    n_lines = 4_000_000 // len(line)
+    tracemalloc.start()
+    n_ids = sum(1 for _ in trained.encode_iterable(line for _ in range(n_lines)))
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert n_ids == n_lines * len(trained.encode(line))
+    assert peak < 1_000_000, f"peak {peak / 1e6:.1f} MB for a 4 MB stream"
+
+
+def test_save_and_load_round_trip(tmp_path, trained):
+    path = trained.save(tmp_path / "tok")
+    assert path.suffix == ".tiktoken"
+    loaded = data.Tokenizer.load(path)
+    assert loaded.vocab == trained.vocab and loaded.merges == trained.merges
+    assert loaded.special_tokens == trained.special_tokens
+    # the ranks file is tiktoken's own format
+    assert tiktoken.load.load_tiktoken_bpe(str(path)) == trained.ranks
+    assert data.get_tokenizer(str(path)).encode("hello" + EOT) == trained.encode("hello" + EOT)
+
+
+def test_three_tokenizers_share_one_interface(trained, gpt2_encoding):
+    text = "Hello, wörld!\n"
+    for tok in (trained, data.CharTokenizer(), gpt2_encoding):
+        ids = tok.encode_ordinary(text)
+        assert tok.decode(ids) == text
+        assert 0 <= tok.eot_token < tok.n_vocab
+        assert max(ids) < tok.n_vocab
+    char = data.get_tokenizer("char")
+    assert char.encode("a" + EOT) == [97, 256] and char.decode([104, 105, 256]) == "hi" + EOT
+
+
+def test_unknown_tokenizer_says_what_is_allowed():
+    with pytest.raises(ValueError, match="use 'gpt2', 'char', or the path"):
+        data.get_tokenizer("sentencepiece")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources, shards and prepare
+# ---------------------------------------------------------------------------------------------
+def test_stdlib_corpus_is_found_in_a_deterministic_order():
+    files = data.stdlib_files()
+    assert len(files) > 100 and files == sorted(files)
+    assert not any("site-packages" in f.parts for f in files)
+
+
+def test_shakespeare_offline_gives_a_clear_error(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("Name or service not known")
+
+    monkeypatch.setattr(data.urllib.request, "urlopen", offline)
+    with pytest.raises(RuntimeError, match="could not download tiny-shakespeare.*--source"):
+        data.download_shakespeare(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
+def test_shards_round_trip(tmp_path, dtype):
+    tokens = np.arange(0, 70_000, 7, dtype=np.int64) % np.iinfo(dtype).max
+    data.write_shard(tmp_path / "s.bin", tokens.astype(dtype))
+    back = data.read_shard(tmp_path / "s.bin")
+    assert back.dtype == dtype and np.array_equal(back, tokens)
+    assert (tmp_path / "s.bin").stat().st_size == 32 + tokens.size * np.dtype(dtype).itemsize
+
+
+def test_a_file_that_is_not_a_shard_is_rejected(tmp_path):
+    (tmp_path / "x.bin").write_bytes(b"\0" * 64)
+    with pytest.raises(AssertionError, match="not a token shard"):
+        data.read_shard(tmp_path / "x.bin")
+
+
+def write_corpus(folder, n_docs=6, words=400):
+    folder.mkdir(parents=True, exist_ok=True)
+    for d in range(n_docs):
+        (folder / f"doc{d}.txt").write_text(" ".join(f"w{d}_{i % 50}" for i in range(words)))
+    return folder
+
+
+def test_prepare_writes_shards_that_decode_back_to_the_corpus(tmp_path):
+    """With the char tokenizer the tokens are the bytes, so train + val decode to the documents
+    joined by <|endoftext|>: nothing lost at the split, one EOT between documents."""
+    corpus = write_corpus(tmp_path / "corpus")
+    meta = data.prepare(str(corpus), "char", tmp_path / "out", val_fraction=0.2, block_size=64)
+    train = data.read_shard(tmp_path / "out" / "train.bin")
+    val = data.read_shard(tmp_path / "out" / "val.bin")
+    char = data.CharTokenizer()
+    docs = [p.read_text() for p in sorted(corpus.iterdir())]
+    assert char.decode(train.tolist()) + char.decode(val.tolist()) == EOT.join(docs)
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == 257
+    assert 0.15 < len(val) / (len(train) + len(val)) < 0.25
+    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == meta
+
+
+def test_prepare_is_idempotent(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus")
+    data.prepare(str(corpus), "char", tmp_path / "out", block_size=64)
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
+    data.prepare(str(corpus), "char", tmp_path / "out", block_size=64)
+    assert "nothing to do" in capsys.readouterr().out
+    assert before == {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
+
+
+class BigVocabChar(data.CharTokenizer):
+    """Bytes, but with the end-of-text id at 69,999: ids no longer fit in uint16."""
+
+    n_vocab, eot_token = 70_000, 69_999
+
+
+def test_prepare_uses_uint32_when_the_vocab_needs_it(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    meta = data.prepare(str(corpus), BigVocabChar(), tmp_path / "out", block_size=64)
+    train = data.read_shard(tmp_path / "out" / "train.bin")
+    assert meta["dtype"] == "uint32" and train.dtype == np.uint32
+    assert 69_999 in train  # the EOT between documents survived
+    assert data.shard_dtype(65_536) == np.uint16 and data.shard_dtype(65_537) == np.uint32
+
+
+@pytest.mark.parametrize(
+    "make_source, tokenizer, error, match",
+    [
+        (lambda p: str(write_corpus(p, n_docs=0)), "char", FileNotFoundError, "not a file"),
+        (
+            lambda p: (p / "e.txt").write_text("  \n") and str(p / "e.txt"),
+            "char",
+            ValueError,
+            "holds no text",
+        ),
+        (
+            lambda p: (p / "s.txt").write_text("too short") and str(p / "s.txt"),
+            "char",
+            ValueError,
+            "fewer than one block",
+        ),
+        (lambda p: str(p / "missing.txt"), "char", FileNotFoundError, "not a file"),
+        (lambda p: str(write_corpus(p)), "no-such-tokenizer", ValueError, "unknown tokenizer"),
+    ],
+    ids=["empty-dir", "empty-text", "shorter-than-a-block", "missing-file", "unknown-tokenizer"],
+)
+def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, make_source, tokenizer, error, match):
+    (tmp_path / "src").mkdir()
+    source = make_source(tmp_path / "src")
+    with pytest.raises(error, match=match):
+        data.prepare(source, tokenizer, tmp_path / "out", block_size=64)
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The loader
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shards")
+    data.write_shard(out / "train.bin", (np.arange(10_001) % 60_000).astype(np.uint16))
+    return out
+
+
+def test_batches_are_a_pure_function_of_seed_step_and_rank(shard_dir):
+    a = data.DataLoader(shard_dir, "train", 4, 16, seed=1, dp_rank=1, dp_size=2)
+    b = data.DataLoader(shard_dir, "train", 4, 16, seed=1, dp_rank=1, dp_size=2)
+    for step in [5, 0, 77, 5]:  # any order: no hidden iterator state
+        xa, ya = a.get_batch(step)
+        xb, yb = b.get_batch(step)
+        assert xa.equal(xb) and ya.equal(yb)
+        assert xa.shape == (4, 16) and xa.dtype == torch.int64
+        assert ya[:, :-1].equal(xa[:, 1:])  # y is x shifted by one token
+    c = data.DataLoader(shard_dir, "train", 4, 16, seed=2, dp_rank=1, dp_size=2)
+    assert not c.get_batch(5)[0].equal(a.get_batch(5)[0])
+
+
+@pytest.mark.parametrize("dp_size", [2, 4])
+def test_dp_ranks_get_disjoint_windows_and_an_epoch_repeats_none(shard_dir, dp_size):
+    loaders = [
+        data.DataLoader(shard_dir, "train", 3, 16, seed=0, dp_rank=r, dp_size=dp_size)
+        for r in range(dp_size)
+    ]
+    epoch = []
+    for step in range(loaders[0].steps_per_epoch):
+        ids = [set(ld.window_ids(step).tolist()) for ld in loaders]
+        assert sum(map(len, ids)) == len(set().union(*ids)) == 3 * dp_size  # disjoint
+        epoch.extend(set().union(*ids))
+    assert len(epoch) == len(set(epoch))  # no window twice in one epoch
+    assert loaders[0].position(loaders[0].steps_per_epoch + 2) == (1, 2)
+
+
+def test_loader_errors_are_clear(tmp_path, shard_dir):
+    with pytest.raises(FileNotFoundError, match="prepare the data first"):
+        data.DataLoader(tmp_path, "train", 4, 16)
+    with pytest.raises(ValueError, match="one step needs dp_size\\*batch_size"):
+        data.DataLoader(shard_dir, "train", 400, 16, dp_size=2)
