@@ -1,0 +1,583 @@
+"""02_model.py: the GPT. Token ids go in, next-token logits come out.
+
+The idea in one sentence: a GPT is a stack of identical blocks that each read a "residual
+stream" of one C-wide vector per token and add back two things computed from it, what attention
+gathered from earlier tokens and what an MLP made of that, after which one linear layer reads the
+stream as scores (logits) over the vocabulary.
+
+The shape legend, used in every file of this course:
+    B   batch: sequences per (micro)batch      T   time: sequence length, T <= block_size
+    C   n_embd: width of the residual stream   nh  n_head: attention heads
+    hs  head size = C / nh                     V   vocabulary (V_padded: rounded up, see config)
+    L   n_layer: blocks
+Later files add the split to the shape: (B, T, C/tp) is a tensor-parallel rank's slice.
+
+The math (GPT-2: Radford et al. 2019, "Language Models are Unsupervised Multitask Learners"):
+    x = wte[idx] + wpe[0..T-1]                        (B, T, C)  token + learned position
+    for each of the L blocks (pre-LayerNorm: normalise the branch input, never the stream):
+        x = x + Attn(LN_1(x))                         (B, T, C)
+        x = x + MLP(LN_2(x))                          (B, T, C)
+    logits = LN_f(x) @ wte^T                          (B, T, V)  output matrix tied to wte
+    Attn:  [q | k | v] = LN(x) W_attn, each (B, T, C), split into nh heads of hs
+           y_h = softmax(q_h k_h^T / sqrt(hs) + M) v_h, with M[i, j] = -inf where j > i (causal)
+           Attn(x) = concat_h(y_h) W_o
+    MLP:   MLP(x) = GELU(x W_fc + b_fc) W_proj + b_proj, hidden width 4C, tanh-GELU as GPT-2
+    Loss:  mean over positions of -log softmax(logits)[next token]; ln(V) for a uniform guess.
+
+One Block (attention through F.scaled_dot_product_attention: a flash-attention kernel on GPU):
+
+    x (B, T, C)   the residual stream
+    │
+    ├──▶ ln_1 ──▶ c_attn ──▶ [q|k|v] (B, T, 3C) ──▶ split heads: 3 x (B, nh, T, hs)
+    │                                                   │
+    │                                                   ▼ causal attention
+    │                                                   │
+    │    (B, T, C) ◀── c_proj ◀── merge heads ◀── (B, nh, T, hs)
+    │        │
+    (+)◀─────┘
+    │
+    ├──▶ ln_2 ──▶ c_fc (B, T, 4C) ──▶ GELU ──▶ c_proj (B, T, C)
+    │                                              │
+    (+)◀───────────────────────────────────────────┘
+    │
+    x (B, T, C)   on to the next block; after the last one: ln_f, lm_head -> (B, T, V)
+
+Counting: a token costs 6N + 12·L·nh·hs·T FLOPs in a training step (PaLM, Chowdhery et al. 2022,
+arXiv 2204.02311, Appendix B); model FLOPs utilisation (MFU) is the achieved share of the GPU's
+peak. Both are below, with a table of peak FLOP/s per GPU.
+
+Run it:  python 02_model.py        (about 10 s on a laptop CPU; --help for flags)
+It prints the presets' sizes and FLOPs, overfits a tiny model on one batch, and samples from it.
+
+What changed from 01_data.py: 01 turned text into token ids and (x, y) batches; here ids become
+logits and a loss. This file imports nothing from 01: its demo uses raw bytes as tokens (V = 256).
+The names match nanoGPT and Hugging Face (transformer.h.0.attn.c_attn, ...), so GPT-2's published
+weights load exactly (from_hf_state_dict).
+
+Left out on purpose: every kind of parallelism (data 03, tensor 04, pipeline 05; the model is
+written so those files can cut it: embed / blocks / head, and attention that reads its head count
+from the tensor), mixed precision and loss scaling (06), the optimizer, schedule and checkpoints
+(train.py), torch.compile (train.py --compile), and a KV cache (generate() recomputes the prefix).
+"""
+
+import argparse
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest context T; GPT-2 learned 1024 positions
+    vocab_size: int = 50257  # GPT-2's BPE: 256 bytes + 50,000 merges + <|endoftext|>
+    n_layer: int = 12  # GPT-2 small (124M); bigger sizes are presets below
+    n_head: int = 12  # hs = 768 / 12 = 64, the head size of every GPT-2
+    n_embd: int = 768
+    dropout: float = 0.0  # GPT-2 used 0.1; pretraining on plenty of data does not need it
+    bias: bool = True  # GPT-2 has biases in Linear and LayerNorm (needed to load its weights)
+    tie_embeddings: bool = True  # lm_head shares wte (Press & Wolf 2017): V*C fewer parameters
+    pad_vocab_multiple: int = 1  # 1 keeps HF's exact shapes; 64 (50257 -> 50304) is faster on GPU
+
+    def __post_init__(self):
+        sizes = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple")
+        for name in sizes:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}: "
+                f"each head gets hs = n_embd / n_head channels"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """vocab_size rounded up to a multiple of pad_vocab_multiple (the rows wte really has)."""
+        m = self.pad_vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "GPTConfig":
+        """GPTConfig.from_preset("small", vocab_size=tok.n_vocab): a named size, then overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+_GPT2 = dict(block_size=1024, vocab_size=50257)
+PRESETS = {
+    # for tests: a few thousand parameters, runs in milliseconds; V = 256 fits raw bytes
+    "tiny": dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=256),
+    # the CPU main job; vocab_size comes from the tokenizer through an override
+    "small": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
+    # the four published GPT-2 sizes (124M, 350M, 774M, 1558M parameters)
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, **_GPT2),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, **_GPT2),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, **_GPT2),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, **_GPT2),
+}
+
+# --------------------------------------------------------------------------- the model
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        C = config.n_embd
+        self.c_attn = nn.Linear(C, 3 * C, bias=config.bias)  # fused q, k, v: one matmul
+        self.c_proj = nn.Linear(C, C, bias=config.bias)  # W_o; a residual projection
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.head_dim = config.head_dim  # hs
+        self.dropout = config.dropout  # attention-probability dropout, training only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        qkv = self.c_attn(x)  # (B, T, 3C): [q | k | v], heads contiguous inside each
+        # subtle: the head count comes from the tensor, never from config.n_head, so this same
+        # code runs on a tensor-parallel rank that holds nh/tp heads (04_tensor_parallel.py).
+        q, k, v = qkv.split(qkv.size(-1) // 3, dim=-1)  # 3 x (B, T, C)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        # softmax(q k^T / sqrt(hs), causal mask) v; a fused flash-attention kernel on GPU, which
+        # never materialises the (B, nh, T, T) score matrix.
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C): heads side by side again
+        return self.resid_dropout(self.c_proj(y))  # (B, T, C)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        C = config.n_embd
+        self.c_fc = nn.Linear(C, 4 * C, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(4 * C, C, bias=config.bias)  # a residual projection
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.gelu(self.c_fc(x))  # (B, T, 4C)
+        return self.dropout(self.c_proj(h))  # (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C): tokens talk to earlier tokens
+        x = x + self.mlp(self.ln_2(x))  # (B, T, C): each token thinks on its own
+        return x
+
+
+def cross_entropy_loss(logits, targets, reduction="mean"):
+    """Next-token cross-entropy in float32 over all B*T positions; targets == -1 are ignored.
+
+    (B, T, V) logits and (B, T) targets. reduction="sum" lets a caller divide by its own token
+    count (gradient accumulation, 06). 04_tensor_parallel.py swaps in a vocab-parallel version.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    flat = logits.float().reshape(-1, logits.size(-1))  # (B*T, V); fp32 softmax, even under bf16
+    return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1, reduction=reduction)
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        C, V = config.n_embd, config.padded_vocab_size
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(V, C),  # rows >= vocab_size are padding: never an input
+                wpe=nn.Embedding(config.block_size, C),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(C, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(C, V, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight  # one (V, C) tensor, two uses
+        self.loss_fn = cross_entropy_loss  # an attribute, so a later file can replace it
+        self._init_weights()
+
+    @torch.no_grad()
+    def _init_weights(self):
+        """GPT-2's init: N(0, 0.02) weights, zero biases, and the two residual projections of
+        each block at 0.02/sqrt(2L), so the stream's variance stays O(1) however deep (2 adds
+        per block). The same seed gives the same model on every rank: sharding comes later."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.transformer.h:
+            nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
+
+    # forward in three pieces, so 04/05 can shard or cut the model without rewriting it
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, C): token embedding + position embedding, then dropout."""
+        B, T = idx.shape
+        assert T <= self.config.block_size, (
+            f"sequence length T={T} exceeds block_size={self.config.block_size}: "
+            f"crop the input or use a larger block_size"
+        )
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C) + (T, C)
+        return self.transformer.drop(x)  # (B, T, C)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) -> (B, T, V_padded) logits: final LayerNorm, then lm_head."""
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T, C) @ (C, V) -> (B, T, V)
+
+    def forward(self, idx, targets=None, reduction="mean"):
+        """(B, T) ids [, (B, T) next-token targets] -> ((B, T, V_padded) logits, loss or None)."""
+        x = self.embed(idx)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)  # (B, T, C)
+        logits = self.head(x)  # (B, T, V_padded)
+        loss = None if targets is None else self.loss_fn(logits, targets, reduction)
+        return logits, loss
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters, a tied wte/lm_head counted once. non_embedding=True drops the lookup
+        tables (wpe, and wte when untied) but keeps the output head: GPT-2's convention, and
+        the N of the FLOP count (only weights that multiply a token cost FLOPs)."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared one once
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+            if self.lm_head.weight is not self.transformer.wte.weight:
+                n -= self.transformer.wte.weight.numel()
+        return n
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Append max_new_tokens sampled ids to idx (B, T0) -> (B, T0 + max_new_tokens).
+
+        temperature=0 is greedy (argmax). The context is cropped to the last block_size ids.
+        Padded vocabulary ids (>= vocab_size) are never sampled: they are not tokens.
+        Runs in eval mode (no dropout) and restores the previous mode afterwards."""
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        was_training, V = self.training, self.config.vocab_size
+        self.eval()
+        try:
+            for _ in range(max_new_tokens):
+                logits, _ = self(idx[:, -self.config.block_size :])  # (B, T, V_padded)
+                logits = logits[:, -1, :V].float()  # (B, V): last position, real tokens only
+                idx = torch.cat((idx, self._pick(logits, temperature, top_k, generator)), dim=1)
+        finally:
+            self.train(was_training)
+        return idx
+
+    @staticmethod
+    def _pick(logits, temperature, top_k, generator):
+        """(B, V) logits -> (B, 1) next ids."""
+        if temperature == 0:
+            return logits.argmax(dim=-1, keepdim=True)
+        logits = logits / temperature
+        if top_k is not None:
+            kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = F.softmax(logits, dim=-1)  # (B, V)
+        return torch.multinomial(probs, num_samples=1, generator=generator)
+
+    # ----------------------------------------------------------------------- Hugging Face GPT-2
+    # subtle: HF's GPT-2 uses Conv1D, not nn.Linear. Conv1D computes x @ W + b with W stored as
+    # (in, out); nn.Linear computes x @ W^T + b with W stored as (out, in). Same numbers,
+    # transposed, so these four weights are transposed on the way in and out.
+    _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+    @classmethod
+    def from_hf_state_dict(cls, state_dict, n_head: int | None = None) -> "GPT":
+        """A GPT from a Hugging Face GPT-2 state dict (GPT2Model or GPT2LMHeadModel keys).
+
+        The config is read off the shapes: V and C from wte, block_size from wpe, L by counting
+        blocks, bias from whether biases exist. The head count is not in any shape: pass n_head,
+        or get GPT-2's convention hs = 64, i.e. n_head = C // 64."""
+        sd = {}
+        for key, value in state_dict.items():
+            key = key.removeprefix("transformer.")
+            if key.endswith((".attn.bias", ".attn.masked_bias")):
+                continue  # HF's causal-mask buffers, not weights
+            sd[key] = value.t() if key.endswith(cls._CONV1D) else value
+        V, C = sd["wte.weight"].shape
+        n_layer = len({int(m.group(1)) for k in sd if (m := re.match(r"h\.(\d+)\.", k))})
+        head = sd.pop("lm_head.weight", None)
+        config = GPTConfig(
+            block_size=sd["wpe.weight"].shape[0],
+            vocab_size=V,
+            n_layer=n_layer,
+            n_head=n_head or C // 64,
+            n_embd=C,
+            bias="h.0.attn.c_attn.bias" in sd,
+            tie_embeddings=head is None or torch.equal(head, sd["wte.weight"]),
+        )
+        ours = {f"transformer.{k}": v for k, v in sd.items()}
+        ours["lm_head.weight"] = sd["wte.weight"] if config.tie_embeddings else head
+        model = cls(config)
+        model.load_state_dict(ours, strict=True)  # copies; errors name any missing or odd key
+        return model
+
+    def to_hf_state_dict(self) -> dict:
+        """The inverse: GPT2LMHeadModel keys, Conv1D weights as (in, out), padding rows dropped.
+        No attn.bias mask buffers (transformers versions that still save them: strict=False)."""
+        V, sd = self.config.vocab_size, {}
+        for key, value in self.state_dict().items():
+            value = value.detach()
+            if key.endswith(self._CONV1D):
+                value = value.t()
+            if key in ("transformer.wte.weight", "lm_head.weight"):
+                value = value[:V]
+            sd[key] = value.contiguous().clone()
+        return sd
+
+    @classmethod
+    def load_pretrained(cls, path, n_head: int | None = None) -> "GPT":
+        """GPT-2 weights from a .bin/.pt/.pth or .safetensors file, or a HF snapshot folder
+        (which also holds config.json, with n_head)."""
+        path = Path(path)
+        if path.is_dir():
+            config_file = path / "config.json"
+            if n_head is None and config_file.exists():
+                n_head = json.loads(config_file.read_text()).get("n_head")
+            names = ("model.safetensors", "pytorch_model.bin")
+            files = [path / n for n in names if (path / n).exists()]
+            if not files:
+                raise FileNotFoundError(f"no {' or '.join(names)} in {path}")
+            path = files[0]
+        if path.suffix == ".safetensors":
+            try:
+                from safetensors.torch import load_file
+            except ImportError as e:
+                raise ImportError(
+                    f"{path} is a .safetensors file and the 'safetensors' package is not "
+                    f"installed: pip install safetensors, or use a .bin checkpoint"
+                ) from e
+            state_dict = load_file(str(path))
+        elif path.suffix in (".bin", ".pt", ".pth"):
+            state_dict = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            raise ValueError(f"unknown checkpoint format {path.suffix!r}: use .bin or .safetensors")
+        return cls.from_hf_state_dict(state_dict, n_head=n_head)
+
+
+# --------------------------------------------------------------------------- counting
+
+
+def count_params(config: GPTConfig, non_embedding: bool = False) -> int:
+    """GPT's parameter count from the config alone, by the same rule as GPT.num_params.
+
+    Per block: two LayerNorms, c_attn C x 3C, attn c_proj C x C, c_fc C x 4C, mlp c_proj 4C x C,
+    = 12 C^2 (+ 13 C with biases). Plus wte V_padded x C, wpe block_size x C, ln_f, and an
+    untied lm_head. GPT-2 small: 12 (12·768² + 13·768) + 50257·768 + 1024·768 + 2·768 = 124,439,808.
+    """
+    C, b = config.n_embd, int(config.bias)
+    layernorm = C + b * C
+    block = 2 * layernorm + (12 * C * C) + b * (3 * C + C + 4 * C + C)
+    wte, wpe = config.padded_vocab_size * C, config.block_size * C
+    lm_head = 0 if config.tie_embeddings else wte
+    n = wte + wpe + config.n_layer * block + layernorm + lm_head
+    if non_embedding:
+        n -= wpe + (0 if config.tie_embeddings else wte)
+    return n
+
+
+def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
+    """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, Appendix B).
+
+    6N: each weight does one multiply-add (2 FLOPs) per token in the forward matmuls and twice
+        that in the backward (gradients for the input and for the weight): 2N + 4N.
+    12·L·H·Q·T: attention's own matmuls, which have no weights: q k^T and (scores) v are each
+        2·T·Q FLOPs per head per token forward, so 4·L·H·Q·T forward, x3 with the backward.
+    N here is GPT.num_params(non_embedding=True): every weight that multiplies a token, the
+    (tied) output head included, and not wpe, which is a lookup. That is nanoGPT's choice (its
+    get_num_params() drops wpe only); PaLM's N likewise counts the weights in matmuls.
+    T is the full sequence, as PaLM counts it, though causal masking needs only about half of
+    the attention work. L layers, H heads, Q = hs head size.
+    """
+    T = seq_len or config.block_size
+    N = count_params(config, non_embedding=True)
+    return 6 * N + 12 * config.n_layer * config.n_head * config.head_dim * T
+
+
+# Dense peak FLOP/s per GPU (tensor cores; without the 2:4 structured-sparsity doubling that
+# datasheets print next to them). Key = a piece of torch.cuda.get_device_name(), e.g.
+# "NVIDIA H100 80GB HBM3". fp16/bf16 are with fp32 accumulation, what PyTorch uses. Sources:
+# NVIDIA datasheets (V100, A100, H100, H200, L4, T4) and architecture whitepapers (GA102 appendix
+# A for the RTX 3090, Ada's for the RTX 4090). subtle: NVIDIA publishes no A10G (AWS G5) datasheet;
+# its entry is the commonly quoted 70/35 TFLOP/s, which public bf16 matmul measurements (~69)
+# support; it is not the A10's 125. Treat it as the least certain row.
+PEAK_FLOPS = {
+    "V100-SXM2": {"fp16": 125e12, "fp32": 15.7e12},  # Volta: no bf16, no tf32
+    "V100-PCIE": {"fp16": 112e12, "fp32": 14e12},
+    "T4": {"fp16": 65e12, "fp32": 8.1e12},  # Turing: no bf16, no tf32
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},  # 40 and 80 GB
+    "A10G": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 35e12},
+    "RTX 3090": {"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
+    "RTX 4090": {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12},
+    "H100": {"bf16": 989.5e12, "fp16": 989.5e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM
+    "H100 PCIe": {"bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378e12, "fp32": 51e12},
+    "H200": {"bf16": 989.5e12, "fp16": 989.5e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM
+}
+# Words that mark a different card with different peaks ("H100 NVL", "RTX 3090 Ti", "RTX 4090 D",
+# a laptop part): a name with one of these only matches a key that names it too.
+_VARIANT_WORDS = {"nvl", "ti", "super", "d", "laptop", "mobile", "max"}
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s of one `device_name` GPU in `dtype` ("bf16", "fp16", "tf32", "fp32"),
+    or None when the card or dtype is not in PEAK_FLOPS: an unknown peak is never guessed."""
+    name_words = set(re.findall(r"[a-z0-9]+", device_name.lower()))
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # most specific first: "H100 PCIe"
+        whole_word = rf"(?<![a-z0-9]){re.escape(key.lower())}(?![a-z0-9])"  # "L4" is not "L40S"
+        if not re.search(whole_word, device_name.lower()):
+            continue
+        key_words = set(re.findall(r"[a-z0-9]+", key.lower()))
+        if (name_words - key_words) & _VARIANT_WORDS:
+            return None
+        return PEAK_FLOPS[key].get(dtype)
+    return None
+
+
+def mfu(tokens_per_s, flops_per_token, n_devices, peak_flops_per_device) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices together.
+
+    tokens_per_s is the global throughput (all devices). None when the peak is unknown."""
+    if peak_flops_per_device is None:
+        return None
+    return tokens_per_s * flops_per_token / (n_devices * peak_flops_per_device)
+
+
+# --------------------------------------------------------------------------- the demo
+
+DEMO_TEXT = (
+    "A GPT is a stack of blocks. Each block lets every token look back at the tokens before it, "
+    "then think on its own, and adds both results to the residual stream. "
+)
+
+
+def _si(n: float) -> str:
+    """1234567 -> '1.23 M'."""
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def print_presets():
+    """Sizes of the presets, counted on the real module (built on the meta device: no memory)
+    and checked against the formula, with their training FLOPs per token."""
+    print(f"{'preset':<12} {'L':>3} {'nh':>3} {'C':>5} {'T':>5} {'V':>6} {'params':>15} "
+          f"{'non-embedding':>15} {'FLOPs/token':>12} {'attention':>9}")  # fmt: skip
+    for name in PRESETS:
+        config = GPTConfig.from_preset(name)
+        with torch.device("meta"):
+            model = GPT(config)
+        n, n_ne = model.num_params(), model.num_params(non_embedding=True)
+        assert (n, n_ne) == (count_params(config), count_params(config, non_embedding=True))
+        f = flops_per_token(config)
+        attention = 12 * config.n_layer * config.n_embd * config.block_size / f
+        print(
+            f"{name:<12} {config.n_layer:>3} {config.n_head:>3} {config.n_embd:>5} "
+            f"{config.block_size:>5} {config.vocab_size:>6} {n:>15,} {n_ne:>15,} "
+            f"{_si(f):>12} {attention:>9.1%}"
+        )
+    print("FLOPs/token = 6N + 12·L·nh·hs·T (PaLM App. B); N = non-embedding params; T = block_size")
+    print("attention = the 12·L·nh·hs·T share. 'small' is shown with GPT-2's vocabulary.\n")
+
+
+def demo_batch(config: GPTConfig, batch_size: int, device):
+    """One fixed batch of bytes of DEMO_TEXT: rows are windows of T+1 bytes, y is x shifted by 1."""
+    data = torch.tensor(list(DEMO_TEXT.encode()), dtype=torch.long)
+    T = config.block_size
+    starts = torch.arange(batch_size) * ((len(data) - T - 1) // max(batch_size - 1, 1))
+    rows = torch.stack([data[s : s + T + 1] for s in starts.tolist()])  # (B, T+1)
+    return rows[:, :-1].to(device), rows[:, 1:].to(device)  # (B, T), (B, T)
+
+
+def overfit_demo(model: GPT, x, y, steps: int, lr: float):
+    """Train on one batch only: the loss must fall from ln(V) toward 0 (memorisation)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    _, loss = model(x, y)
+    V = model.config.padded_vocab_size
+    print(f"overfitting one batch {tuple(x.shape)} of bytes, {model.num_params():,} parameters")
+    print(f"step    0  loss {loss.item():.4f}   (ln V = ln {V} = {math.log(V):.4f}: uniform guess)")
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        _, loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % max(steps // 10, 1) == 0 or step == steps:
+            print(f"step {step:4d}  loss {loss.item():.4f}")
+    dt = time.perf_counter() - t0
+    tokens_per_s = steps * x.numel() / dt
+    f = flops_per_token(model.config, x.size(1))
+    print(f"{tokens_per_s:,.0f} tokens/s x {f:,} FLOPs/token = {_si(tokens_per_s * f)}FLOP/s. "
+          f"MFU divides that by the device's peak,")  # fmt: skip
+    print("peak_flops(torch.cuda.get_device_name(), 'bf16') on a GPU; a CPU has no entry.\n")
+
+
+def sample_demo(model: GPT, x, seed: int):
+    """Decode from the first 8 bytes of the batch's first row: a model that memorised the batch
+    recites the rest of the row greedily (temperature 0), and nearly so when sampling."""
+    prompt, T = x[:1, :8], x.size(1)
+    for temperature in (0.0, 1.0):
+        g = torch.Generator(device=x.device).manual_seed(seed)
+        out = model.generate(prompt, T - 8, temperature=temperature, top_k=50, generator=g)
+        text = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+        recites = torch.equal(out, x[:1])
+        print(f"generate(temperature={temperature}): {text!r}  recites the row: {recites}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=150, help="AdamW steps on the one batch")
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
+    parser.add_argument("--batch-size", type=int, default=4, help="rows in the fixed batch")
+    parser.add_argument("--preset", default="tiny", choices=("tiny", "small"), help="model size")
+    parser.add_argument("--seed", type=int, default=1337)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--device", default=device, help="cpu or cuda (default: %(default)s)")
+    args = parser.parse_args()
+
+    print_presets()
+    torch.manual_seed(args.seed)
+    config = GPTConfig.from_preset(args.preset, vocab_size=256)  # tokens are bytes here
+    model = GPT(config).to(args.device)
+    x, y = demo_batch(config, args.batch_size, args.device)
+    overfit_demo(model, x, y, args.steps, args.lr)
+    sample_demo(model, x, args.seed)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""bench/bench_model.py: our GPT's training step against a plain reference GPT-2 of the same shape.
+
+The reference is the textbook GPT-2 (minGPT style): the same modules and parameters, but attention
+written out as softmax(q k^T / sqrt(hs) + causal mask) @ v, which builds the (B, nh, T, T) score
+matrix, where 02_model.py calls F.scaled_dot_product_attention(is_causal=True). Attention is the
+only difference, so the ratio measures it. Before timing, the reference gets our weights and
+must produce our logits: the two compute the same function.
+
+One training step = forward, backward, AdamW step, on a fixed batch. The two models alternate
+step by step, so drift in the machine's speed hits both alike; the median step time is reported.
+Design target (DESIGN.md section 8): ours at least as fast per step as the reference on CPU.
+
+Run:  python bench/bench_model.py            (--help for flags; about a minute on 2 CPU cores)
+"""
+
+import argparse
+import importlib
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
+model_lib = importlib.import_module("02_model")
+GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
+
+
+class PlainAttention(nn.Module):
+    """Causal self-attention the straightforward way: explicit scores, mask, softmax."""
+
+    def __init__(self, config):
+        super().__init__()
+        C, T = config.n_embd, config.block_size
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(C, 3 * C, bias=config.bias)
+        self.c_proj = nn.Linear(C, C, bias=config.bias)
+        causal = torch.tril(torch.ones(T, T, dtype=torch.bool))  # (T, T): True = may attend
+        self.register_buffer("mask", causal, persistent=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(k.size(-1))  # (B, nh, T, T)
+        scores = scores.masked_fill(~self.mask[:T, :T], float("-inf"))
+        y = F.softmax(scores, dim=-1) @ v  # (B, nh, T, hs)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))  # (B, T, C)
+
+
+class PlainBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        C = config.n_embd
+        self.ln_1, self.ln_2 = nn.LayerNorm(C, bias=config.bias), nn.LayerNorm(C, bias=config.bias)
+        self.attn = PlainAttention(config)
+        self.mlp = nn.ModuleDict(
+            dict(
+                c_fc=nn.Linear(C, 4 * C, bias=config.bias),
+                gelu=nn.GELU(approximate="tanh"),
+                c_proj=nn.Linear(4 * C, C, bias=config.bias),
+            )
+        )
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        m = self.mlp
+        return x + m.c_proj(m.gelu(m.c_fc(self.ln_2(x))))
+
+
+class PlainGPT(nn.Module):
+    """GPT-2 with the same parameter names as 02_model.GPT, so it can load our state dict."""
+
+    def __init__(self, config):
+        super().__init__()
+        C, V = config.n_embd, config.padded_vocab_size
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(V, C),
+                wpe=nn.Embedding(config.block_size, C),
+                h=nn.ModuleList([PlainBlock(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(C, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(C, V, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def make_pair(config, seed):
+    torch.manual_seed(seed)
+    ours = GPT(config)
+    reference = PlainGPT(config)
+    reference.load_state_dict(ours.state_dict())
+    return ours, reference
+
+
+def check_same_function(ours, reference, x, y):
+    """Same weights in, same logits and loss out (fp32; only the order of sums differs)."""
+    with torch.no_grad():
+        logits, loss = ours(x, y)
+        ref_logits, ref_loss = reference(x, y)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+
+
+def make_step(model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(x, y):
+        _, loss = model(x, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def time_steps(steps, x, y, n_steps, n_warmup):
+    """steps: {name: step function}. Warm up, then alternate; seconds per step, per name."""
+    for _ in range(n_warmup):
+        for step in steps.values():
+            step(x, y)
+    times = {name: [] for name in steps}
+    for _ in range(n_steps):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step(x, y)
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_preset(name, vocab_size, batch_size, args):
+    config = GPTConfig.from_preset(name, vocab_size=vocab_size)
+    ours, reference = make_pair(config, args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    data = torch.randint(0, vocab_size, (batch_size, config.block_size + 1), generator=g)
+    x, y = data[:, :-1], data[:, 1:]
+    check_same_function(ours, reference, x, y)
+    dt = time_steps(
+        {"ours": make_step(ours), "reference": make_step(reference)}, x, y, args.steps, args.warmup
+    )
+    tokens = x.numel()
+    print(
+        f"{name:<6} B={batch_size:<3} T={config.block_size:<4} V={vocab_size:<5} "
+        f"params={ours.num_params():>10,}  "
+        f"ours {dt['ours'] * 1e3:8.2f} ms {tokens / dt['ours']:>9,.0f} tok/s   "
+        f"reference {dt['reference'] * 1e3:8.2f} ms {tokens / dt['reference']:>9,.0f} tok/s   "
+        f"speed-up {dt['reference'] / dt['ours']:.2f}x"
+    )
+
+
+def cpu_name():
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per model")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model first")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    parser.add_argument("--small-vocab", type=int, default=4096,
+                        help="vocab for 'small' (a 4,096-token BPE from 01_data.py)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    print(f"torch {torch.__version__}, {cpu_name()}, "
+          f"{torch.get_num_threads()} threads; median of {args.steps} training steps "
+          f"(forward + backward + AdamW), fp32, CPU")  # fmt: skip
+    bench_preset("tiny", 256, args.batch_size, args)
+    bench_preset("small", args.small_vocab, args.batch_size, args)
+    print("speed-up = reference step time / our step time (> 1: ours is faster)")
+
+
+if __name__ == "__main__":
+    main()
