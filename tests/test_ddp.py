@@ -1,0 +1,495 @@
+"""03_ddp.py: data parallelism proven equal to one process, and to PyTorch's own DDP.
+
+The worked example behind every equality test: N ranks each take ROWS different sequences per
+step. Their mean losses L_r average to the loss L of one process on all N·ROWS sequences, and
+∇L = 1/N Σ_r ∇L_r, so after identical optimizer steps every replica must hold exactly the
+parameters of a single process trained on the concatenated batch, up to fp32 rounding (the
+sums run in a different order). The single process runs right here, in the test; the ranks run
+in spawned gloo worlds, one world per world size, with every case inside it (DESIGN §6).
+"""
+
+import contextlib
+import functools
+import importlib
+import io
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.distributed import RankError, run_ranks
+
+ddp = importlib.import_module("03_ddp")
+model_lib = importlib.import_module("02_model")
+
+SEED, STEPS, ROWS, MICRO = 1234, 3, 2, 3  # MICRO: accumulation steps in the no_sync() cases
+WORLD_SIZES = [2, 4]
+OPTIMIZERS = {
+    # SGD for the equality-with-one-process tests: its update is linear in the gradient, so the
+    # gradients' rounding differences stay rounding differences. (Adam divides by sqrt(v): where
+    # a gradient is ~0, rounding noise becomes a sizable step; ZeRO+AdamW is compared exactly.)
+    "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+}
+# fp32 parameters after 3 SGD steps whose gradients differ only in summation order (one big
+# batch here, per-rank sums then a ring all-reduce there). Measured: at most 1.2e-7 on the toy
+# (4 ranks; values O(1)) and 7.5e-9 on the tiny GPT, a few ulps. 1e-6 absolute + 1e-5 relative
+# leaves about 10x margin, while a real bug (a missing / N, a rank's gradient dropped, a stale
+# bucket) moves parameters by lr·|grad| ~ 1e-2: test_the_comparison_can_fail checks that a run
+# without one rank's data is far outside this tolerance (measured 1.4e-2 .. 3.5e-2).
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+class Toy(nn.Module):
+    """Every awkward case in a few hundred parameters: tied weights (out.weight is emb.weight),
+    a frozen bias (hidden.bias), a frozen layer (frozen), a buffer (shift) and 4 trainable
+    tensors (emb.weight, hidden.weight, norm.weight, norm.bias)."""
+
+    V, C, T = 16, 8, 8
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(self.V, self.C)
+        self.hidden = nn.Linear(self.C, self.C)
+        self.hidden.bias.requires_grad_(False)
+        self.norm = nn.LayerNorm(self.C)
+        self.frozen = nn.Linear(self.C, self.C).requires_grad_(False)
+        self.out = nn.Linear(self.C, self.V, bias=False)
+        self.out.weight = self.emb.weight  # tied: one tensor, two uses, reduced once
+        self.register_buffer("shift", torch.randn(self.C))
+
+    def forward(self, idx, targets):
+        x = self.emb(idx) + self.shift  # (B, T, C)
+        x = self.frozen(torch.tanh(self.norm(self.hidden(x))))  # (B, T, C)
+        logits = self.out(x)  # (B, T, V)
+        return logits, F.cross_entropy(logits.view(-1, self.V), targets.reshape(-1))
+
+
+class WithUnused(nn.Module):
+    """A Toy plus a layer that forward never uses (registered first: its bucket is the last)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = nn.Linear(4, 4)
+        self.toy = Toy()
+
+    def forward(self, idx, targets, use_unused=False):
+        logits, loss = self.toy(idx, targets)
+        if use_unused:
+            loss = loss + 0.0 * sum(p.sum() for p in self.unused.parameters())
+        return logits, loss
+
+
+def build(kind: str, seed: int = SEED) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "toy":
+        return Toy()
+    return model_lib.GPT(model_lib.GPTConfig.from_preset("tiny"))  # 2 layers, C=32, V=256
+
+
+def batch(kind: str, step: int, dp_rank: int, micro: int = 0, salt: int = 0):
+    """ROWS sequences of random tokens, a pure function of (salt, step, dp_rank, micro)."""
+    V, T = (Toy.V, Toy.T) if kind == "toy" else (256, 16)
+    g = torch.Generator().manual_seed(((salt * 100 + step) * 100 + dp_rank) * 100 + micro)
+    rows = torch.randint(0, V, (ROWS, T + 1), generator=g)  # (ROWS, T+1)
+    return rows[:, :-1], rows[:, 1:]  # (ROWS, T) each
+
+
+def make_optimizer(name, params, zero=False, group=None):
+    cls, kwargs = OPTIMIZERS[name]
+    return ddp.ZeroOptimizer(params, cls, group=group, **kwargs) if zero else cls(params, **kwargs)
+
+
+def train(model, opt, micro_batches, steps, start=0, schedule=True, set_to_none=True):
+    """micro_batches(step) -> [(x, y), ...]: all but the last backward run under no_sync().
+    The LR schedule is there to prove ZeroOptimizer's param_groups reach the real update."""
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)) if schedule else None
+    for step in range(start, start + steps):
+        opt.zero_grad(set_to_none=set_to_none)
+        pieces = micro_batches(step)
+        for i, (x, y) in enumerate(pieces):
+            last = i == len(pieces) - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                _, loss = model(x, y)
+                (loss / len(pieces)).backward()  # mean over micro-batches, as one big batch
+        opt.step()
+        if sched:
+            sched.step()
+
+
+def snapshot(module: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def trainable(module: nn.Module) -> list:
+    return [p for p in module.parameters() if p.requires_grad]  # a tied tensor counted once
+
+
+@functools.cache
+def reference(kind, opt_name, world, micro=1, salt=0, seed=SEED, ranks=None) -> dict:
+    """One process, one model, the concatenated batch of every rank (and micro-batch)."""
+    model = build(kind, seed)
+    opt = make_optimizer(opt_name, model.parameters())
+    ranks = range(world) if ranks is None else ranks
+
+    def whole_batch(step):
+        pieces = [batch(kind, step, r, m, salt) for r in ranks for m in range(micro)]
+        return [(torch.cat([x for x, _ in pieces]), torch.cat([y for _, y in pieces]))]
+
+    train(model, opt, whole_batch, STEPS)
+    return snapshot(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# What every rank runs: one spawned world per world size, every case inside it
+# ---------------------------------------------------------------------------------------------
+def variants(kind: str) -> dict:
+    """name -> (wrapper, bucket_mb). Bucket sizes: below every parameter (one bucket each),
+    about half the model (a few buckets), above the whole model (one bucket)."""
+    half_mb = sum(ddp.nbytes(p) for p in trainable(build(kind))) / 2 / 2**20
+    return {
+        "naive": (ddp.NaiveDataParallel, None),
+        "bucket-min": (ddp.DataParallel, 1e-7),
+        "bucket-half": (ddp.DataParallel, half_mb),
+        "bucket-max": (ddp.DataParallel, 1e3),
+        "zero": (ddp.DataParallel, 25.0),
+    }
+
+
+def wrap(wrapper, module, bucket_mb, group=None):
+    if bucket_mb is None:
+        return wrapper(module, group=group)
+    return wrapper(module, bucket_mb=bucket_mb, group=group)
+
+
+def summary(model) -> dict:
+    return {
+        "state": snapshot(model.module),
+        "stats": dict(model.stats),
+        "n_buckets": len(getattr(model, "buckets", [])),
+    }
+
+
+def case_variants(rank, world, kind):
+    out = {}
+    for name, (wrapper, bucket_mb) in variants(kind).items():
+        model = wrap(wrapper, build(kind), bucket_mb)
+        opt = make_optimizer("sgd", model.parameters(), zero=name == "zero")
+        train(model, opt, lambda s: [batch(kind, s, rank)], STEPS)
+        out[name] = summary(model)
+    return out
+
+
+def case_torch_ddp(rank, world, kind):
+    model = nn.parallel.DistributedDataParallel(build(kind), bucket_cap_mb=0.01)
+    opt = make_optimizer("sgd", model.parameters())
+    train(model, opt, lambda s: [batch(kind, s, rank)], STEPS)
+    return snapshot(model.module)
+
+
+def case_no_sync(rank, world):
+    out = {}
+    for name, wrapper, bucket_mb in [
+        ("naive", ddp.NaiveDataParallel, None),
+        ("bucketed", ddp.DataParallel, 0.02),
+        ("bucketed, grads kept", ddp.DataParallel, 0.02),  # p.grad stays the bucket's view
+    ]:
+        model = wrap(wrapper, build("gpt"), bucket_mb)
+        opt = make_optimizer("sgd", model.parameters())
+        micro_batches = lambda s: [batch("gpt", s, rank, m) for m in range(MICRO)]  # noqa: E731
+        train(model, opt, micro_batches, STEPS, set_to_none="kept" not in name)
+        out[name] = summary(model)
+    return out
+
+
+def case_broadcast(rank, world):
+    """Ranks initialise with different seeds; wrapping must copy the group's first rank's."""
+    out = {}
+    for name, wrapper in [("naive", ddp.NaiveDataParallel), ("bucketed", ddp.DataParallel)]:
+        toy = build("toy", seed=100 + rank)
+        before = snapshot(toy)
+        wrapper(toy)
+        out[name] = {"before": before, "after": snapshot(toy)}
+    if world == 4:  # a subgroup whose first rank is 1, not 0: src is a global rank
+        group = dist.new_group([1, 2, 3])  # every rank must call new_group, members or not
+        toy = build("toy", seed=100 + rank)
+        before = snapshot(toy)
+        if rank in (1, 2, 3):
+            ddp.DataParallel(toy, group=group)
+        out["subgroup"] = {"before": before, "after": snapshot(toy)}
+    return out
+
+
+def case_dp_subgroups(rank, world):
+    """A 2 (dp) x 2 (tp) grid: DP groups {0, 2} and {1, 3} train independently, on their own
+    data, from their own first rank's initialisation (rank 0 and rank 1)."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # same order on every rank
+    g, dp_rank = rank % 2, rank // 2
+    model = ddp.DataParallel(build("gpt", seed=SEED + rank), bucket_mb=0.01, group=groups[g])
+    opt = make_optimizer("sgd", model.parameters(), zero=True, group=groups[g])
+    train(model, opt, lambda s: [batch("gpt", s, dp_rank, salt=1 + g)], STEPS)
+    return {"group": g, "state": snapshot(model.module)}
+
+
+def case_missing_grad(rank, world):
+    """Every rank leaves `unused` out of the loss: every rank must raise, naming it."""
+    out = {}
+    for name, wrapper, bucket_mb in [
+        ("naive", ddp.NaiveDataParallel, None),
+        ("bucketed", ddp.DataParallel, 1e-7),  # the other buckets are launched first
+    ]:
+        model = wrap(wrapper, WithUnused(), bucket_mb)
+        _, loss = model(*batch("toy", 0, rank))
+        try:
+            loss.backward()
+            out[name] = None
+        except RuntimeError as e:
+            out[name] = str(e)
+        model.module.zero_grad(set_to_none=True)
+        _, loss = model(*batch("toy", 1, rank), use_unused=True)
+        loss.backward()  # the wrapper recovers: a complete backward synchronises again
+        out[name + "-after"] = model.stats["syncs"]
+    return out
+
+
+def case_zero(rank, world):
+    out = {}
+    for name in ("plain", "zero"):
+        model = ddp.DataParallel(build("gpt"), bucket_mb=0.02)
+        opt = make_optimizer("adamw", model.parameters(), zero=name == "zero")
+        train(model, opt, lambda s: [batch("gpt", s, rank)], STEPS)
+        out[name] = {"state": snapshot(model.module), "state_bytes": ddp.optimizer_state_bytes(opt)}
+        if name == "zero":
+            out[name]["shard_numels"] = opt.shard_numels()
+            out[name]["n_params"] = len(opt.shards[opt.rank])
+    return out
+
+
+def case_zero_round_trip(rank, world):
+    """Train 2 steps, checkpoint, train 2 more; a fresh model and optimizer loaded from the
+    checkpoint must reach bit for bit the same parameters."""
+    batches = lambda s: [batch("gpt", s, rank)]  # noqa: E731
+    model = ddp.DataParallel(build("gpt"))
+    opt = make_optimizer("adamw", model.parameters(), zero=True)
+    train(model, opt, batches, 2, schedule=False)
+    opt.param_groups[0]["lr"] = 3e-3  # a changed hyperparameter must come back too
+    buf = io.BytesIO()
+    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict()}, buf)
+    train(model, opt, batches, 2, start=2, schedule=False)
+
+    fresh = ddp.DataParallel(build("gpt", seed=SEED + 1))
+    fresh_opt = make_optimizer("adamw", fresh.parameters(), zero=True)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    fresh.module.load_state_dict(ckpt["model"])
+    fresh_opt.load_state_dict(ckpt["opt"])
+    lr = fresh_opt.param_groups[0]["lr"]
+    train(fresh, fresh_opt, batches, 2, start=2, schedule=False)
+    try:
+        fresh_opt.load_state_dict({**ckpt["opt"], "dp_rank": (rank + 1) % world})
+        wrong_rank = None
+    except AssertionError as e:
+        wrong_rank = str(e)
+    return {"a": snapshot(model.module), "b": snapshot(fresh.module), "lr": lr, "wrong": wrong_rank}
+
+
+CASES = {
+    "toy": functools.partial(case_variants, kind="toy"),
+    "gpt": functools.partial(case_variants, kind="gpt"),
+    "ddp-toy": functools.partial(case_torch_ddp, kind="toy"),
+    "ddp-gpt": functools.partial(case_torch_ddp, kind="gpt"),
+    "no_sync": case_no_sync,
+    "broadcast": case_broadcast,
+    "missing": case_missing_grad,  # before others: they prove the world is still in step
+    "zero": case_zero,
+    "zero_round_trip": case_zero_round_trip,
+    "subgroups": case_dp_subgroups,
+}
+
+
+def _world(rank, world):
+    """Run every case; a failing case records its traceback instead of ending the world."""
+    results = {}
+    for name, case in CASES.items():
+        if name == "subgroups" and world != 4:
+            continue
+        try:
+            results[name] = case(rank, world)
+        except Exception:  # noqa: BLE001 - reported by the test that reads this case
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+@functools.cache
+def world_results(world: int) -> list[dict]:
+    return run_ranks(_world, world, timeout=150)
+
+
+def results(world: int, case: str) -> list:
+    """Each rank's result for one case; a case that raised on any rank fails the test."""
+    per_rank = [r[case] for r in world_results(world)]
+    for r, res in enumerate(per_rank):
+        if isinstance(res, dict) and "error" in res:
+            pytest.fail(f"case {case!r} raised on rank {r}:\n{res['error']}")
+    return per_rank
+
+
+def _named(key, message):
+    return f"{key}: {message}"
+
+
+def assert_states_close(actual: dict, expected: dict, **tol):
+    assert actual.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(
+            actual[k], expected[k], **(tol or TOL), msg=functools.partial(_named, k)
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("kind", ["toy", "gpt"])
+@pytest.mark.parametrize("variant", ["naive", "bucket-min", "bucket-half", "bucket-max", "zero"])
+def test_every_variant_equals_one_process(world, kind, variant):
+    expected = reference(kind, "sgd", world)
+    for rank_result in results(world, kind):
+        res = rank_result[variant]
+        assert_states_close(res["state"], expected)  # every parameter, frozen ones, buffers
+        # one round of all-reduces per step, each trainable gradient once (the tied one once)
+        model = build(kind)
+        n_params, n_bytes = len(trainable(model)), sum(ddp.nbytes(p) for p in trainable(model))
+        n_calls = {"naive": n_params, "bucket-min": n_params, "bucket-max": 1}.get(variant)
+        assert res["stats"]["syncs"] == STEPS
+        assert res["stats"]["allreduce_bytes"] == STEPS * n_bytes
+        if n_calls is not None:
+            assert res["stats"]["allreduce_calls"] == STEPS * n_calls, res["stats"]
+        if variant == "bucket-half":
+            assert 1 < res["n_buckets"] < n_params, res["n_buckets"]
+            assert res["stats"]["allreduce_calls"] == STEPS * res["n_buckets"]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_the_comparison_can_fail(world):
+    """The same training without rank 1's data is far outside the tolerance: the equality
+    tests above really see every rank's contribution."""
+    ours = results(world, "gpt")[0]["bucket-half"]["state"]
+    without_rank1 = reference("gpt", "sgd", world, ranks=(0,) + tuple(range(2, world)))
+    with pytest.raises(AssertionError):
+        assert_states_close(ours, without_rank1)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("kind", ["toy", "gpt"])
+def test_bucketed_equals_torch_ddp(world, kind):
+    for ddp_state, ours in zip(results(world, f"ddp-{kind}"), results(world, kind)):
+        assert_states_close(ours["bucket-half"]["state"], ddp_state)
+        assert_states_close(ours["bucket-max"]["state"], ddp_state)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("variant", ["naive", "bucketed", "bucketed, grads kept"])
+def test_no_sync_accumulation_is_one_big_batch_with_one_allreduce_round(world, variant):
+    """MICRO backward passes per step, all but the last under no_sync(): the calls counted are
+    exactly one round per optimizer step, and the result is the MICRO·N·ROWS-row batch's."""
+    expected = reference("gpt", "sgd", world, micro=MICRO)
+    n_params = len(trainable(build("gpt")))
+    for res in results(world, "no_sync"):
+        res = res[variant]
+        assert_states_close(res["state"], expected)
+        per_round = n_params if variant == "naive" else res["n_buckets"]
+        assert res["stats"]["syncs"] == STEPS
+        assert res["stats"]["allreduce_calls"] == STEPS * per_round, res["stats"]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_parameters_start_identical_despite_different_seeds(world):
+    per_rank = results(world, "broadcast")
+    for variant in ("naive", "bucketed"):
+        first = per_rank[0][variant]["before"]
+        assert any(not torch.equal(first[k], per_rank[1][variant]["before"][k]) for k in first)
+        for res in per_rank:
+            for k in first:  # parameters, frozen ones included, and buffers
+                assert torch.equal(res[variant]["after"][k], first[k]), (variant, k)
+    if world == 4:  # group {1, 2, 3}: everyone copies rank 1; rank 0 is left alone
+        sub = [res["subgroup"] for res in per_rank]
+        for r in (1, 2, 3):
+            assert all(
+                torch.equal(sub[r]["after"][k], sub[1]["before"][k]) for k in sub[1]["before"]
+            )
+        assert all(torch.equal(sub[0]["after"][k], sub[0]["before"][k]) for k in sub[0]["before"])
+
+
+def test_dp_subgroups_train_independently():
+    """Two DP groups in a 4-rank world, each equal to its own single-process run."""
+    for rank, res in enumerate(results(4, "subgroups")):
+        g = res["group"]
+        assert g == rank % 2
+        expected = reference("gpt", "sgd", 2, salt=1 + g, seed=SEED + g)
+        assert_states_close(res["state"], expected)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_a_parameter_without_gradient_raises_a_clear_error(world):
+    for res in results(world, "missing"):
+        for variant in ("naive", "bucketed"):
+            msg = res[variant]
+            assert msg is not None, f"{variant}: backward with an unused parameter did not raise"
+            assert "unused.weight" in msg and "unused.bias" in msg and "no gradient" in msg
+            assert res[variant + "-after"] == 1  # and the next complete backward synchronised
+
+
+def _one_rank_skips(rank, world):
+    model = ddp.DataParallel(WithUnused(), bucket_mb=1e-7)
+    _, loss = model(*batch("toy", 0, rank), use_unused=rank == 0)
+    loss.backward()  # rank 1 raises; rank 0 waits on an all-reduce that rank 1 never starts
+
+
+def test_a_parameter_missing_on_one_rank_fails_fast_instead_of_hanging():
+    """Rank 1 skips `unused` (data-dependent control flow): it raises the clear error at once,
+    and the harness stops rank 0, blocked in the all-reduce, a few seconds later."""
+    start = time.monotonic()
+    with pytest.raises(RankError) as err:
+        run_ranks(_one_rank_skips, 2, timeout=40)
+    assert "rank 1 raised" in str(err.value) and "unused.weight" in str(err.value)
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_zero_equals_plain_adamw(world):
+    """Same gradients, same AdamW arithmetic per element, only on the owning rank: the
+    parameters must be bit for bit those of DataParallel + plain AdamW."""
+    for res in results(world, "zero"):
+        assert_states_close(res["zero"]["state"], res["plain"]["state"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_zero_shards_the_optimizer_state(world):
+    """Plain AdamW holds m and v (fp32) and a step counter for every parameter on every rank;
+    with ZeRO-1 rank r holds them only for its shard, and the shards add up to the whole."""
+    per_rank = results(world, "zero")
+    total = per_rank[0]["plain"]["state_bytes"]
+    numels = per_rank[0]["zero"]["shard_numels"]
+    gpt = build("gpt")
+    assert sum(numels) == sum(p.numel() for p in gpt.parameters())
+    largest = max(p.numel() for p in gpt.parameters())
+    assert max(numels) <= sum(numels) / world + largest  # greedy by size: about 1/N each
+    for r, res in enumerate(per_rank):
+        zero = res["zero"]
+        assert zero["shard_numels"] == numels  # every rank agrees on the split
+        assert zero["state_bytes"] == 8 * numels[r] + 4 * zero["n_params"]
+        assert res["plain"]["state_bytes"] == total
+    assert sum(res["zero"]["state_bytes"] for res in per_rank) == total
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_zero_state_dict_round_trips(world):
+    for res in results(world, "zero_round_trip"):
+        assert res["lr"] == 3e-3
+        assert_states_close(res["b"], res["a"], rtol=0, atol=0)  # same arithmetic: bit for bit
+        assert res["wrong"] is not None and "dp_rank" in res["wrong"]
