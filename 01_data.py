@@ -339,11 +339,8 @@ class Tokenizer:
             ids.extend(self._bpe(m.group().encode("utf-8")))
         return ids, buf[matches[-1].start() if matches else start :]
 
-    def decode_bytes(self, ids) -> bytes:
-        return b"".join(self.vocab[i] for i in ids)
-
     def decode(self, ids) -> str:
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
 
     def to_tiktoken(self, name: str = "bpe") -> tiktoken.Encoding:
         """The same ranks handed to tiktoken's Rust encoder (hundreds of times faster)."""
@@ -388,26 +385,23 @@ class Tokenizer:
         return cls(vocab, merges, list(meta["special_tokens"]))
 
 
-def _gpt2_byte_order() -> list[int]:
-    """GPT-2's ids 0..255: printable bytes in order, then the rest (its `bytes_to_unicode`)."""
-    order = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
-    return order + [b for b in range(256) if b not in order]
-
-
 def gpt2_tokenizer() -> Tokenizer:
     """GPT-2's own 50,000 merges, read from the vocab.bpe file tiktoken caches, as a Tokenizer.
 
-    vocab.bpe writes bytes as printable stand-in characters (byte b is chr(b) when printable,
-    else chr(256 + n)); we map them back. The ids come out equal to tiktoken's "gpt2".
+    vocab.bpe writes bytes as printable stand-ins: byte b is chr(b) when printable, else
+    chr(256 + n) for the n-th unprintable one. GPT-2's ids 0..255 follow the same order
+    (printable bytes first), so the ids come out equal to tiktoken's "gpt2".
     """
     text = tiktoken.load.read_file_cached(GPT2_VOCAB_BPE, GPT2_VOCAB_BPE_SHA256).decode("utf-8")
-    order = _gpt2_byte_order()
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
-    char_to_byte = {chr(b): b for b in printable}
-    char_to_byte.update({chr(256 + n): b for n, b in enumerate(order[len(printable) :])})
-    to_bytes = lambda s: bytes(char_to_byte[c] for c in s)  # noqa: E731
-    merges = [tuple(map(to_bytes, line.split())) for line in text.split("\n")[1:] if line]
-    vocab = {i: bytes([b]) for i, b in enumerate(order)}
+    others = [b for b in range(256) if b not in printable]
+    char_to_byte = {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+    merges = [
+        tuple(bytes(char_to_byte[c] for c in part) for part in line.split())
+        for line in text.split("\n")[1:]
+        if line
+    ]
+    vocab = {i: bytes([b]) for i, b in enumerate(printable + others)}
     vocab.update({256 + i: a + b for i, (a, b) in enumerate(merges)})
     return Tokenizer(vocab, merges, [EOT])
 
@@ -497,13 +491,12 @@ def source_files(source: str) -> list[Path]:
     if source == "shakespeare":
         return [download_shakespeare()]
     p = Path(source)
-    files = (
-        [p]
-        if p.is_file()
-        else sorted(f for f in p.rglob("*") if f.is_file())
-        if p.is_dir()
-        else sorted(Path(f) for f in glob.glob(source, recursive=True) if Path(f).is_file())
-    )
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file())
+    else:
+        files = sorted(Path(f) for f in glob.glob(source, recursive=True) if Path(f).is_file())
     if not files:
         raise FileNotFoundError(
             f"source {source!r} is not a file, a directory with files or a "
