@@ -1,0 +1,159 @@
+"""bench/bench_pipeline.py: the pipeline bubble as measured, next to (p-1)/(v·m+p-1).
+
+For each pipeline size p (default 4, then 2) one world of p gloo CPU ranks is spawned. In it,
+every schedule (gpipe, 1f1b, interleaved with v=2) runs at m = 4, 8, 16 microbatches: one warm-up
+step, then --steps timed ones. Each step's timeline is what 05_pipeline.pipeline_step recorded
+(real start and end of every forward and backward on every rank); its bubble is
+05's bubble_fraction: 1 - (mean busy time per rank) / (first start to last end). Anything that is
+not a forward or backward counts as bubble: waiting for a message, the message itself, Python
+between actions, and, when ranks outnumber free cores, time the OS gave to another rank.
+The median over the timed steps is printed with the formula and the ratio of the two.
+
+To see how far the machine is from "one core per stage", each rank's forward + backward of one
+microbatch is also timed alone (the others parked in a barrier). "slowdown" is the busy time per
+rank in the pipelined step over m times that: about 1 when ranks run truly in parallel, about
+p / cores when p ranks share fewer cores, which stretches every action and distorts the bubble.
+
+Design target (DESIGN.md section 8): within 10% of the formula for GPipe and 1F1B, and the
+interleaved bubble smaller by about v.
+
+Run:  python bench/bench_pipeline.py                 (about 8 minutes on 2 CPU cores)
+      python bench/bench_pipeline.py --figure docs/pipeline_p4_m8.png   (the README's figure)
+"""
+
+import argparse
+import importlib
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the numbered files, and tests/distributed.py's run_ranks
+pp = importlib.import_module("05_pipeline")
+model_lib = importlib.import_module("02_model")
+from tests.distributed import run_ranks  # noqa: E402
+
+
+def config(args):
+    # 8 blocks: two per stage at p=4, one per chunk when interleaved with v=2. C = 512 and
+    # b·T = 512 tokens make one block's forward about 0.1 s of matmuls on one core, so the fixed
+    # cost of each action (a 1 MB message over loopback, waking the rank, Python) is a few
+    # percent of it; at C = 256 the interleaved schedule's 2x more actions visibly eat its gain.
+    return model_lib.GPTConfig(n_layer=8, n_head=4, n_embd=args.n_embd, block_size=args.T,
+                               vocab_size=256)  # fmt: skip
+
+
+def isolated_cost(chunks, rank, p, args, reps=3):
+    """Seconds for one microbatch's forward + backward through this rank's chunks, measured with
+    the other ranks parked in a barrier (one rank at a time): the cost with a core to itself."""
+    C, best = chunks[0].config.n_embd, float("inf")
+    ids = torch.randint(0, 256, (args.b, args.T))
+    for turn in range(p):
+        torch.distributed.barrier()
+        for _ in range(reps if turn == rank else 0):
+            t = time.perf_counter()
+            for c in chunks:
+                out = c(ids if c.is_first else torch.randn(args.b, args.T, C, requires_grad=True))
+                out.float().pow(2).mean().backward()
+            best = min(best, time.perf_counter() - t)
+    torch.distributed.barrier()
+    return best
+
+
+def rank_main(rank, p, args):
+    """Every (schedule, m) on this world: {(schedule, m): [events of each timed step]}, and
+    {schedule: isolated forward + backward seconds of one microbatch on this rank}."""
+    torch.manual_seed(0)
+    model = model_lib.GPT(config(args))
+    embed_group, out = pp.embedding_group([list(range(p))]), {}
+    for schedule in pp.SCHEDULES:
+        v = 2 if schedule == "interleaved" else 1
+        chunks = pp.split_model(model, rank, p, v)
+        out[schedule] = isolated_cost(chunks, rank, p, args)
+        for m in args.m:
+            g = torch.Generator().manual_seed(m)
+            rows = torch.randint(0, 256, (args.b * m, args.T + 1), generator=g)
+            batch = rows[:, :-1], rows[:, 1:]
+            steps = []
+            for _ in range(args.steps + 1):  # the first is a warm-up
+                model.zero_grad(set_to_none=True)
+                res = pp.pipeline_step(chunks, batch, m, schedule, embed_group=embed_group)
+                steps.append(res.events)
+            out[(schedule, m)] = steps[1:]
+    return out
+
+
+def measure(p, args):
+    load0 = os.getloadavg()[0]
+    t = time.perf_counter()
+    per_rank = run_ranks(rank_main, p, args, timeout=1800)
+    wall, load1 = time.perf_counter() - t, os.getloadavg()[0]
+    rows, timelines = [], {}
+    for schedule in pp.SCHEDULES:
+        v = 2 if schedule == "interleaved" else 1
+        alone = statistics.mean(r[schedule] for r in per_rank)  # F+B of one microbatch, per rank
+        for m in args.m:
+            steps = [[r[(schedule, m)][i] for r in per_rank] for i in range(args.steps)]
+            bubbles = [pp.bubble_fraction(tl) for tl in steps]
+            i = bubbles.index(statistics.median_low(bubbles))  # the median step, shown as is
+            tl = steps[i]
+            span = max(e.end for ev in tl for e in ev) - min(e.start for ev in tl for e in ev)
+            busy = sum(e.end - e.start for ev in tl for e in ev) / p  # per rank
+            ideal = m * alone / (1 - pp.bubble_formula(p, m, v))  # a core per rank, free messages
+            timelines[(schedule, m)] = (tl, bubbles[i])
+            rows.append((schedule, v, m, span, ideal, busy / (m * alone), bubbles[i]))
+    return rows, timelines, (load0, load1, wall)
+
+
+def report(p, rows, load):
+    print(f"\np = {p} ranks (load average {load[0]:.1f} before, {load[1]:.1f} after; "
+          f"{load[2]:.0f} s)")  # fmt: skip
+    print(f"{'schedule':<12}{'v':>2}{'m':>4}{'step ms':>9}{'ideal ms':>9}{'slowdown':>9}"
+          f"{'bubble':>8}{'formula':>9}{'ratio':>7}")  # fmt: skip
+    for schedule, v, m, span, ideal, slow, bubble in rows:
+        f = pp.bubble_formula(p, m, v)
+        print(f"{schedule:<12}{v:>2}{m:>4}{span * 1e3:>9.0f}{ideal * 1e3:>9.0f}{slow:>9.2f}"
+              f"{bubble:>8.1%}{f:>9.1%}{bubble / f:>7.2f}")  # fmt: skip
+    print("formula: (p-1)/(v·m+p-1). ideal: the step with a core per rank, from the isolated F+B")
+    print("cost and the formula. slowdown: busy time per rank / (m x its isolated F+B); 1 = none.")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--p", type=int, nargs="+", default=[4, 2], help="pipeline sizes")
+    parser.add_argument("--m", type=int, nargs="+", default=[4, 8, 16], help="microbatch counts")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up)")
+    parser.add_argument("--b", type=int, default=8, help="sequences per microbatch")
+    parser.add_argument("--T", type=int, default=64, help="sequence length")
+    parser.add_argument("--n-embd", type=int, default=512, help="model width C")
+    parser.add_argument("--figure", default="", help="also write the p=4, m=8 Gantt PNG here")
+    parser.add_argument("--out-dir", default="out/bench_pipeline")
+    args = parser.parse_args()
+    cores = os.cpu_count()
+    print(f"{platform.machine()} {platform.processor() or ''} {cores} logical cores, "
+          f"torch {torch.__version__}, gloo over loopback, 1 thread per rank")  # fmt: skip
+    for p in args.p:
+        rows, timelines, load = measure(p, args)
+        report(p, rows, load)
+        if p > cores:
+            print(f"note: {p} ranks on {cores} cores: ranks time-share the CPU")
+        for m in args.m:
+            named = {f"{s}: measured bubble {timelines[(s, m)][1]:.1%}, formula "
+                     f"{pp.bubble_formula(p, m, 2 if s == 'interleaved' else 1):.1%}":
+                     timelines[(s, m)][0] for s in pp.SCHEDULES}  # fmt: skip
+            path = Path(args.out_dir) / f"pipeline_p{p}_m{m}"
+            pp.plot_timelines(named, path.with_suffix(".png"))
+            pp.write_chrome_trace(named, path.with_suffix(".json"))
+            if args.figure and (p, m) == (4, 8):
+                pp.plot_timelines(named, args.figure)
+                print(f"wrote {args.figure}")
+    print(f"\nGantt charts and Chrome traces in {args.out_dir}/")
+
+
+if __name__ == "__main__":
+    main()

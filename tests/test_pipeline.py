@@ -1,0 +1,550 @@
+"""05_pipeline.py: schedules against hand-worked timelines; every schedule, p and m against one
+process (loss and every gradient); DP x PP composition; torch.distributed.pipelining; bad configs.
+
+Starting a rank costs 1-2 s, so each world size is spawned ONCE (`_world`) and runs every case;
+the tests below only read its results. Models are tiny: 8 blocks (so p·v = 4·2 works), C = 16."""
+
+import functools
+import importlib
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
+
+pp = importlib.import_module("05_pipeline")
+model_lib = importlib.import_module("02_model")
+
+CFG = dict(n_layer=8, n_head=2, n_embd=16, block_size=8, vocab_size=64)
+MICRO = 2  # sequences per microbatch
+# fp32 throughout. The pipeline computes each microbatch exactly as one process would; only the
+# summation order differs (m per-microbatch grads of loss/m added up in .grad, against one batched
+# matmul that reduces over all B*T rows at once). That moves results by a few float32 ulps of the
+# summed terms: measured at most 3e-8 absolute (6e-7 of the tensor's largest entry) here.
+# atol 1e-6 / rtol 1e-5 keep a 30x margin and still fail on any real bug: a missing 1/m, a
+# dropped or repeated microbatch, or an un-summed tied embedding move gradients by 10% or more.
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def make_model(**overrides):
+    torch.manual_seed(0)  # the same initial model in every process
+    return model_lib.GPT(model_lib.GPTConfig(**{**CFG, **overrides}))
+
+
+def make_batch(rows: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, CFG["vocab_size"], (rows, CFG["block_size"] + 1), generator=g)
+    return data[:, :-1], data[:, 1:]  # (B, T) inputs and next-token targets
+
+
+def reference(m: int, seed: int = 0, **overrides):
+    """One process, one batch of MICRO*m rows: (loss, {name: grad})."""
+    model = make_model(**overrides)
+    _, loss = model(*make_batch(MICRO * m, seed))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def cases(p: int):
+    """Every (schedule, m, v) the issue asks for at this p: m = 1..8; interleaved v=2, m % p == 0."""
+    for schedule in pp.SCHEDULES:
+        v = 2 if schedule == "interleaved" else 1
+        for m in range(1, 9):
+            if schedule != "interleaved" or m % p == 0:
+                yield schedule, m, v
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside the spawned ranks
+# ---------------------------------------------------------------------------------------------
+def _grads(chunks):
+    return {
+        n: q.grad.clone() for c in chunks for n, q in getattr(c, "module", c).named_parameters()
+    }
+
+
+def _step(model, rank, p, schedule, m, v, group, embed_group, batch, wrap=None):
+    chunks = pp.split_model(model, rank, p, v)
+    if wrap is not None:
+        chunks = [wrap(c) for c in chunks]
+    model.zero_grad(set_to_none=True)
+    res = pp.pipeline_step(chunks, batch, m, schedule, group, embed_group=embed_group)
+    return chunks, res
+
+
+def _all_schedules(rank, p):
+    """Every case on the whole world as one pipeline."""
+    embed_group, out = pp.embedding_group([list(range(p))]), {}
+    for schedule, m, v in cases(p):
+        model = make_model()
+        chunks, res = _step(
+            model, rank, p, schedule, m, v, None, embed_group, make_batch(MICRO * m)
+        )
+        out[(schedule, m)] = dict(
+            loss=res.loss, grads=_grads(chunks), peak=res.peak_in_flight, events=res.events
+        )
+    return out
+
+
+def _optimizer_curve(rank, p, steps=4):
+    """AdamW on the pipeline (1f1b, m=4), on one batch: the loss of each step."""
+    model, embed_group, losses = make_model(), pp.embedding_group([list(range(p))]), []
+    chunks = pp.split_model(model, rank, p)
+    params = list({id(q): q for c in chunks for q in c.parameters()}.values())
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        res = pp.pipeline_step(chunks, make_batch(MICRO * 4), 4, "1f1b", None,
+                               embed_group=embed_group)  # fmt: skip
+        loss = res.loss.clone()
+        dist.all_reduce(loss)  # SUM: the last stage's loss, 0 elsewhere
+        losses.append(loss.item())
+        opt.step()
+    tied = pp.tied_parameter(chunks[0])
+    return losses, None if tied is None else tied.detach().clone()
+
+
+def _torch_pipelining(rank, p, m=4):
+    """PyTorch's own schedules on the same stages (our PipelineChunk modules) and batch."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    embed_group, out = pp.embedding_group([list(range(p))]), {}
+    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+        model = make_model()
+        (chunk,) = pp.split_model(model, rank, p)
+        stage = PipelineStage(chunk, rank, p, torch.device("cpu"))
+        # scale_grads=True (default) divides grads by m: the mean over microbatches, like ours
+        schedule = cls(stage, n_microbatches=m, loss_fn=model_lib.cross_entropy_loss)
+        x, y = make_batch(MICRO * m)
+        losses = []
+        if rank == 0:
+            schedule.step(x)
+        elif rank == p - 1:
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        pp.allreduce_tied_grads([chunk], embed_group)  # torch's stages know nothing of tying
+        loss = torch.stack(losses).mean().detach() if losses else None
+        out[name] = dict(loss=loss, grads=_grads([chunk]))
+    return out
+
+
+def _bad_configs(rank, p):
+    """Each bad call must raise before anything is sent; then a good step must still be exact
+    (a stray message would be received by it and corrupt its activations)."""
+    model, embed_group, errors = make_model(), pp.embedding_group([list(range(p))]), {}
+    chunks = pp.split_model(model, rank, p)
+    bad = {
+        "batch": lambda: pp.pipeline_step(chunks, make_batch(5), 2, "1f1b", None, embed_group=embed_group),
+        "interleaved_m": lambda: pp.pipeline_step(
+            pp.split_model(model, rank, p, 2), make_batch(6), 3, "interleaved", None,
+            embed_group=embed_group),
+        "virtual_1f1b": lambda: pp.pipeline_step(
+            pp.split_model(model, rank, p, 2), make_batch(4), 2, "1f1b", None, embed_group=embed_group),
+        "no_embed_group": lambda: pp.pipeline_step(chunks, make_batch(4), 2, "1f1b", None),
+        "wrong_rank": lambda: pp.pipeline_step(
+            pp.split_model(model, (rank + 1) % p, p), make_batch(4), 2, "1f1b", None,
+            embed_group=embed_group),
+    }  # fmt: skip
+    for name, call in bad.items():
+        try:
+            call()
+            errors[name] = None
+        except (ValueError, AssertionError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    _, res = _step(model, rank, p, "1f1b", 4, 1, None, embed_group, make_batch(MICRO * 4))
+    return errors, dict(loss=res.loss, grads=_grads(pp.split_model(model, rank, p)))
+
+
+def _dp_times_pp(rank, world):
+    """pp=2 x dp=2 on 4 ranks, grid arange(4).view(pp, dp): PP groups {0,2} {1,3}, DP groups
+    {0,1} {2,3}. Each DP replica runs its own pipeline on its half of the batch, every chunk
+    wrapped in 03's bucketed DataParallel (tiny buckets, so there are several per chunk)."""
+    ddp_lib, dp = importlib.import_module("03_ddp"), 2
+    pp_rank, dp_rank = rank // dp, rank % dp
+    pp_ranks, dp_ranks = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
+    pp_groups = [dist.new_group(r) for r in pp_ranks]  # every rank creates every group, in order
+    dp_groups = [dist.new_group(r) for r in dp_ranks]
+    embed_group = pp.embedding_group(pp_ranks)
+    out = {}
+    for schedule in pp.SCHEDULES:
+        m, v = 2, 2 if schedule == "interleaved" else 1
+        x, y = make_batch(MICRO * m * dp)
+        half = slice(dp_rank * MICRO * m, (dp_rank + 1) * MICRO * m)
+        chunks, res = _step(make_model(), pp_rank, 2, schedule, m, v, pp_groups[dp_rank],
+                            embed_group, (x[half], y[half]),
+                            wrap=lambda c: ddp_lib.DataParallel(c, 1e-3, dp_groups[pp_rank]))  # fmt: skip
+        loss = res.loss.clone()
+        dist.all_reduce(loss, group=dp_groups[pp_rank])  # SUM over replicas, then the mean
+        syncs = [c.stats["syncs"] for c in chunks]  # gradient all-reduce rounds, per chunk
+        out[schedule] = dict(loss=loss / dp, grads=_grads(chunks), syncs=syncs)
+    return out
+
+
+def _tp_times_pp(rank, world):
+    """tp=2 x pp=2 on 4 ranks, grid arange(4).view(pp, tp): TP groups {0,1} {2,3}, PP groups
+    {0,2} {1,3}. 04 shards the model in place first; split_model then cuts the sharded model.
+    With sequence parallelism the activation between stages is (b, T/tp, C)."""
+    try:
+        tp_lib = importlib.import_module("04_tensor_parallel")
+    except ImportError as e:
+        return f"04_tensor_parallel cannot be imported: {e}"
+    tp, pp_rank = 2, rank // 2
+    tp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
+    pp_ranks = [[0, 2], [1, 3]]
+    pp_groups = [dist.new_group(r) for r in pp_ranks]
+    embed_group, out = pp.embedding_group(pp_ranks), {}
+    for sp in (False, True):
+        for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+            model = tp_lib.apply_tensor_parallel(make_model(), tp_groups[pp_rank], sp)
+            T, C = CFG["block_size"], CFG["n_embd"]
+            chunks = pp.split_model(model, pp_rank, 2, v)
+            res = pp.pipeline_step(chunks, make_batch(MICRO * 2), 2, schedule, pp_groups[rank % tp],
+                                   act_shape=(MICRO, T // tp if sp else T, C), embed_group=embed_group)  # fmt: skip
+            out[(sp, schedule)] = dict(loss=res.loss, grads=_grads(chunks))
+    return out
+
+
+def _rank_main(rank, world):
+    torch.manual_seed(0)
+    results = dict(all=_all_schedules(rank, world), torch=_torch_pipelining(rank, world))
+    if world == 2:
+        results["curve"] = _optimizer_curve(rank, world)
+        results["untied"] = _untied(rank, world)
+        results["bad"] = _bad_configs(rank, world)
+        results["scaled"] = _scaled_and_forward_only(rank, world)
+    else:
+        results["dp_pp"] = _dp_times_pp(rank, world)
+        results["tp_pp"] = _tp_times_pp(rank, world)
+    return results
+
+
+def _untied(rank, p):
+    model = make_model(tie_embeddings=False)
+    chunks, res = _step(model, rank, p, "1f1b", 4, 1, None, None, make_batch(MICRO * 4))
+    return dict(loss=res.loss, grads=_grads(chunks))
+
+
+def _scaled_and_forward_only(rank, p):
+    """train.py's two extra uses: fp16 loss scaling (backward from S·loss) and evaluation."""
+    embed_group, batch = pp.embedding_group([list(range(p))]), make_batch(MICRO * 4)
+    model = make_model()
+    chunks = pp.split_model(model, rank, p)
+    res = pp.pipeline_step(chunks, batch, 4, "1f1b", embed_group=embed_group, loss_scale=1024.0)
+    scaled = dict(loss=res.loss, grads={n: g / 1024 for n, g in _grads(chunks).items()})
+    model.zero_grad(set_to_none=True)
+    evaluated = pp.pipeline_step(chunks, batch, 4, "1f1b", forward_only=True)
+    no_grads = all(q.grad is None for c in chunks for q in c.parameters())
+    return dict(scaled=scaled, eval_loss=evaluated.loss, no_grads=no_grads)
+
+
+@functools.cache
+def _world(p: int):
+    return run_ranks(_rank_main, p, timeout=240)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks (parent process)
+# ---------------------------------------------------------------------------------------------
+def assert_matches_reference(per_rank, ref_loss, ref_grads, what):
+    """Sum of the stages' losses == the one-process loss; every parameter of the one-process model
+    appears on some rank with the same gradient (lm_head.weight is the tied wte's copy)."""
+    loss = sum(r["loss"] for r in per_rank if r["loss"] is not None)
+    torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda s: f"{what} loss: {s}")
+    seen = set()
+    for r in per_rank:
+        for name, grad in r["grads"].items():
+            key = name if name in ref_grads else "transformer.wte.weight"
+            torch.testing.assert_close(grad, ref_grads[key], **TOL,
+                                       msg=lambda s, n=name: f"{what} grad {n}: {s}")  # fmt: skip
+            seen.add(key)
+    assert seen == set(ref_grads), f"{what}: no rank holds {sorted(set(ref_grads) - seen)}"
+
+
+def test_loss_scale_and_forward_only():
+    """loss_scale=S: gradients are S times the true ones (a power of two: exact), the reported
+    loss is unscaled. forward_only: the same loss, and no gradient anywhere."""
+    results = _world(2)
+    ref_loss, ref_grads = reference(4)
+    assert_matches_reference([r["scaled"]["scaled"] for r in results], ref_loss, ref_grads,
+                             "loss_scale=1024")  # fmt: skip
+    torch.testing.assert_close(sum(r["scaled"]["eval_loss"] for r in results), ref_loss, **TOL)
+    assert all(r["scaled"]["no_grads"] for r in results)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_every_schedule_equals_one_process(p):
+    """Loss and every gradient (tied embeddings included) for all schedules, m = 1..8."""
+    results = _world(p)
+    for schedule, m, _ in cases(p):
+        ref_loss, ref_grads = reference(m)
+        per_rank = [r["all"][(schedule, m)] for r in results]
+        assert_matches_reference(per_rank, ref_loss, ref_grads, f"{schedule} p={p} m={m}")
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_executed_order_is_the_simulators(p):
+    for schedule, m, v in cases(p):
+        orders, _ = pp.simulate(schedule, p, m, v)
+        ran = [[pp.Action(*e[:3]) for e in r["all"][(schedule, m)]["events"]] for r in _world(p)]
+        assert ran == orders, f"{schedule} p={p} m={m}"
+        for r in _world(p):  # real, ordered, non-overlapping measured intervals
+            events = r["all"][(schedule, m)]["events"]
+            assert all(0 <= e.start <= e.end for e in events)
+            assert all(a.end <= b.start for a, b in zip(events, events[1:]))
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_peak_microbatches_in_flight(p):
+    """Counted from the real stash of live activations. GPipe: all m on every stage. 1F1B: stage
+    r runs p-r-1 warm-up forwards, then one more before its first backward: min(p-r, m) <= p."""
+    for m in range(1, 9):
+        peaks = {s: [r["all"][(s, m)]["peak"] for r in _world(p)] for s in ("gpipe", "1f1b")}
+        assert peaks["gpipe"] == [m] * p
+        assert peaks["1f1b"] == [min(p - r, m) for r in range(p)]
+        assert max(peaks["1f1b"]) <= p
+
+
+def test_optimizer_steps_follow_one_process():
+    """Four AdamW steps, p=2, 1F1B, on one batch: the same loss curve as one process, and the
+    two copies of the tied embedding (rank 0's wte, rank 1's lm_head) stay identical."""
+    (curve0, wte), (curve1, head) = _world(2)[0]["curve"], _world(2)[1]["curve"]
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected = []
+    for _ in range(4):
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(*make_batch(MICRO * 4))
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    assert curve0 == curve1  # every rank saw the same (all-reduced) loss
+    torch.testing.assert_close(torch.tensor(curve0), torch.tensor(expected), **TOL)
+    assert expected[-1] < expected[0]  # it learned something
+    assert torch.equal(wte, head)
+    torch.testing.assert_close(wte, model.transformer.wte.weight.detach(), **TOL)
+
+
+def test_untied_embeddings():
+    ref_loss, ref_grads = reference(4, tie_embeddings=False)
+    assert "lm_head.weight" in ref_grads
+    assert_matches_reference([r["untied"] for r in _world(2)], ref_loss, ref_grads, "untied")
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_same_as_torch_distributed_pipelining(p):
+    """ScheduleGPipe and Schedule1F1B from torch.distributed.pipelining (run for real on gloo),
+    on the same PipelineChunk stages and batch: the same loss and gradients as ours and as one
+    process."""
+    ref_loss, ref_grads = reference(4)
+    for name in ("gpipe", "1f1b"):
+        theirs = [r["torch"][name] for r in _world(p)]
+        assert_matches_reference(theirs, ref_loss, ref_grads, f"torch {name} p={p}")
+        for ours, t in zip((r["all"][(name, 4)] for r in _world(p)), theirs):
+            for n, g in t["grads"].items():
+                torch.testing.assert_close(ours["grads"][n], g, **TOL)
+
+
+def test_dp_times_pp_syncs_once_per_step():
+    """pp=2 x dp=2: subset PP groups (peers via get_global_rank), the embedding group built
+    collectively, and 03's DataParallel around each chunk: grads equal one process on the whole
+    batch, and DP synchronises once per step and chunk (no_sync() on every earlier backward)."""
+    results = _world(4)
+    ref_loss, ref_grads = reference(2 * 2)  # both replicas' halves together
+    for schedule in pp.SCHEDULES:
+        per_rank = [r["dp_pp"][schedule] for r in results]
+        for r in per_rank:  # one synchronised backward per chunk: no_sync() on all the others
+            assert r["syncs"] == [1] * (2 if schedule == "interleaved" else 1), (schedule, r)
+        for pipeline in ((0, 2), (1, 3)):  # each pipeline's stages hold the whole model
+            stages = [per_rank[i] for i in pipeline]
+            assert_matches_reference(stages, ref_loss, ref_grads, f"dp x pp {schedule} {pipeline}")
+
+
+def test_tp_times_pp():
+    """split_model on a model 04 already made tensor-parallel (with and without sequence
+    parallelism): the loss, and every rank's gradient shard equals the same slice of the
+    one-process gradient (04's tp_layout/shard_tensor say which slice)."""
+    results = _world(4)
+    if isinstance(results[0]["tp_pp"], str):
+        pytest.skip(results[0]["tp_pp"])
+    tp_lib = importlib.import_module("04_tensor_parallel")
+    ref_loss, ref_grads = reference(2)
+    for key in results[0]["tp_pp"]:
+        for rank, r in enumerate(results):
+            tp_rank, case = rank % 2, r["tp_pp"][key]
+            if rank >= 2:  # the last stage: the full loss on every TP rank
+                torch.testing.assert_close(case["loss"], ref_loss, **TOL)
+            for name, grad in case["grads"].items():
+                full = ref_grads[name if name in ref_grads else "transformer.wte.weight"]
+                layout = tp_lib.tp_layout(name)
+                want = tp_lib.shard_tensor(full, *layout, tp_rank, 2) if layout else full
+                torch.testing.assert_close(
+                    grad, want, **TOL, msg=lambda s, n=name, k=key: f"{k} {n}: {s}"
+                )
+        names = {n for r in results for n in r["tp_pp"][key]["grads"]}
+        assert names | {"transformer.wte.weight"} >= set(ref_grads), key
+
+
+def test_bad_configurations_fail_before_any_send():
+    results = _world(2)
+    expected = {
+        "batch": "does not split into 2 microbatches",
+        "interleaved_m": "divisible by pp_size",
+        "virtual_1f1b": "needs schedule='interleaved'",
+        "no_embed_group": "embed_group",
+        "wrong_rank": "not split for this rank",
+    }
+    for errors, _ in (r["bad"] for r in results):
+        for name, fragment in expected.items():
+            assert errors[name] is not None and fragment in errors[name], (name, errors[name])
+    ref_loss, ref_grads = reference(4)
+    assert_matches_reference([r["bad"][1] for r in results], ref_loss, ref_grads, "after errors")
+
+
+def test_bad_configurations_in_one_process():
+    with pytest.raises(ValueError, match="cannot fill pp_size"):
+        pp.split_model(make_model(), 0, 4, virtual_stages=3)  # 8 blocks < 12 stages
+    with pytest.raises(ValueError, match="unknown schedule"):
+        pp.check_config("zero-bubble", 2, 4)
+    with pytest.raises(ValueError, match="m=6, p=4"):
+        pp.check_config("interleaved", 4, 6, 2)
+    with pytest.raises(ValueError, match="does not split"):
+        pp.check_config("gpipe", 2, 3, batch_size=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model cut and the single-process pipeline
+# ---------------------------------------------------------------------------------------------
+def test_split_model_layout():
+    """8 blocks, p=2, v=2: stages s=0..3 of 2 blocks; stage s on rank s % 2 as chunk s // 2, so
+    rank 0 holds blocks 0-1 (+ embeddings) and 4-5, rank 1 holds 2-3 and 6-7 (+ ln_f, head).
+    Parameter names stay the full model's, and nothing is held twice except the tied matrix."""
+    model = make_model()
+    rank0, rank1 = pp.split_model(model, 0, 2, 2), pp.split_model(model, 1, 2, 2)
+    assert [list(c.layers) for c in rank0 + rank1] == [[0, 1], [4, 5], [2, 3], [6, 7]]
+    names = [{n for n, _ in c.named_parameters()} for c in rank0 + rank1]
+    assert "transformer.wte.weight" in names[0] and "transformer.wpe.weight" in names[0]
+    assert "lm_head.weight" in names[3] and "transformer.ln_f.weight" in names[3]
+    assert not any("wte" in n or "ln_f" in n or "lm_head" in n for n in names[1] | names[2])
+    full = dict(model.named_parameters())
+    for c in rank0 + rank1:
+        for n, q in c.named_parameters():
+            assert q is full.get(n, full["transformer.wte.weight"])
+    assert sum(len(n) for n in names) == len(full) + 1  # + lm_head.weight, the tied copy
+
+
+@pytest.mark.parametrize("schedule", pp.SCHEDULES)
+def test_one_process_pipeline_is_gradient_accumulation(schedule):
+    """p = 1 needs no process group: chunks hand over in-process, m microbatches accumulate."""
+    v = 2 if schedule == "interleaved" else 1
+    model = make_model()
+    chunks = pp.split_model(model, 0, 1, v)
+    res = pp.pipeline_step(chunks, make_batch(MICRO * 4), 4, schedule)
+    ref_loss, ref_grads = reference(4)
+    assert_matches_reference(
+        [dict(loss=res.loss, grads=_grads(chunks))], ref_loss, ref_grads, schedule
+    )
+    # GPipe holds all m = 4; 1F1B at p = 1 has no warm-up: one alive; interleaved warms up with
+    # (v-1)·p = 1 chunk-forward, so two (microbatch, chunk) activations are alive at most.
+    assert res.peak_in_flight == {"gpipe": 4, "1f1b": 1, "interleaved": 2}[schedule]
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulator against timelines worked out by hand
+# ---------------------------------------------------------------------------------------------
+def timeline(sim_rank):
+    return [(f"{e.op}{e.mb}" + "ab"[e.chunk] * (e.chunk > 0), e.start, e.end) for e in sim_rank]
+
+
+def test_1f1b_p2_m3_by_hand():
+    """t_f = 1, t_b = 2. Rank 0 warms up with p-0-1 = 1 forward, rank 1 with none:
+        rank 0 order: F0 F1 B0 F2 B1 B2        rank 1 order: F0 B0 F1 B1 F2 B2
+    r0 F0 [0,1]. r1 F0 needs it: [1,2]; r0 F1 [1,2]. r1 B0 (last stage: needs its own F0) [2,4].
+    r0 B0 needs r1's B0: [4,6]. r1 F1 needs r0's F1 (t=2) and itself free (t=4): [4,5]; B1 [5,7].
+    r0 F2 [6,7]; r0 B1 needs r1 B1 (7): [7,9]. r1 F2 needs r0 F2 (7): [7,8]; B2 [8,10].
+    r0 B2 [10,12]. Makespan 12, 9 busy per rank: bubble 3/12 = (p-1)/(m+p-1) = 1/4.
+        r0  F0 F1 .  .  B0 B0 F2 B1 B1 .  B2 B2
+        r1  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 .  ."""
+    _, sim = pp.simulate("1f1b", 2, 3, 1, t_f=1, t_b=2)
+    assert timeline(sim[0]) == [("F0", 0, 1), ("F1", 1, 2), ("B0", 4, 6), ("F2", 6, 7),
+                                ("B1", 7, 9), ("B2", 10, 12)]  # fmt: skip
+    assert timeline(sim[1]) == [("F0", 1, 2), ("B0", 2, 4), ("F1", 4, 5), ("B1", 5, 7),
+                                ("F2", 7, 8), ("B2", 8, 10)]  # fmt: skip
+    assert pp.bubble_fraction(sim) == pytest.approx(1 / 4)
+
+
+def test_gpipe_p2_m2_by_hand():
+    """t_f = 1, t_b = 2. All forwards, then all backwards, microbatch 0 first:
+        r0  F0 F1 .  .  .  .  B0 B0 B1 B1  -> r0 F0 [0,1] F1 [1,2], B0 after r1's B0 [5,7], B1 [7,9]
+        r1  .  F0 F1 B0 B0 B1 B1 .  .      -> r1 F0 [1,2] F1 [2,3] B0 [3,5] B1 [5,7]
+    Makespan 9, 6 busy per rank: bubble 3/9 = (p-1)/(m+p-1) = 1/3."""
+    _, sim = pp.simulate("gpipe", 2, 2, 1, t_f=1, t_b=2)
+    assert timeline(sim[0]) == [("F0", 0, 1), ("F1", 1, 2), ("B0", 5, 7), ("B1", 7, 9)]
+    assert timeline(sim[1]) == [("F0", 1, 2), ("F1", 2, 3), ("B0", 3, 5), ("B1", 5, 7)]
+    assert pp.bubble_fraction(sim) == pytest.approx(1 / 3)
+
+
+def test_interleaved_p2_m2_v2_by_hand():
+    """Megatron's interleaved 1F1B, p=2, v=2: stages 0,1,2,3 live on ranks 0,1,0,1 (chunks a,a,b,b).
+    Forward virtual microbatch k is (mb, chunk) = (k//4*2 + k%2, k%4//2): F0a F1a F0b F1b; the
+    backwards visit chunks in reverse: B0b B1b B0a B1a. Warm-up 2(p-r-1) + (v-1)p: rank 0: 4 (all),
+    rank 1: 2. So rank 0: F0a F1a F0b F1b B0b B1b B0a B1a, rank 1: F0a F1a F0b B0b F1b B1b B0a B1a.
+    With t_f = t_b = 2 per rank, a chunk's step takes 1:
+        r0  F0a F1a F0b F1b  .  B0b  .  B1b B0a B1a       busy 8 of 10
+        r1   .  F0a F1a F0b B0b F1b B1b B0a B1a  .
+    r0 F0b needs r1's F0a (ends 2) [2,3], F1b [3,4]; r1 F0b needs r0 F0b: [3,4], then B0b [4,5],
+    F1b [5,6], B1b [6,7]. r0 B0b needs r1 B0b: [5,6], B1b [7,8]; r1 B0a [7,8], B1a [8,9];
+    r0 B0a [8,9], B1a [9,10]. Bubble 2/10 = (p-1)/(v·m+p-1) = 1/5, where 1F1B needs 1/3."""
+    _, sim = pp.simulate("interleaved", 2, 2, 2, t_f=2, t_b=2)
+    assert timeline(sim[0]) == [("F0", 0, 1), ("F1", 1, 2), ("F0b", 2, 3), ("F1b", 3, 4),
+                                ("B0b", 5, 6), ("B1b", 7, 8), ("B0", 8, 9), ("B1", 9, 10)]  # fmt: skip
+    assert timeline(sim[1]) == [("F0", 1, 2), ("F1", 2, 3), ("F0b", 3, 4), ("B0b", 4, 5),
+                                ("F1b", 5, 6), ("B1b", 6, 7), ("B0", 7, 8), ("B1", 8, 9)]  # fmt: skip
+    assert pp.bubble_fraction(sim) == pytest.approx(1 / 5)
+
+
+def test_simulated_bubble_is_the_formula_and_nothing_deadlocks():
+    """Over many shapes and t_b/t_f ratios the ideal timeline's idle share is the closed form
+    (p-1)/(v·m+p-1) (Megatron-LM sec. 2.2), and every order passes the deadlock and
+    message-pairing checks inside simulate()."""
+    for schedule in pp.SCHEDULES:
+        for p in (1, 2, 3, 4, 8):
+            for m in range(1, 17):
+                for v in (1, 2, 3) if schedule == "interleaved" else (1,):
+                    if schedule == "interleaved" and m % p:
+                        continue
+                    for t_b in (1.0, 2.0):
+                        _, sim = pp.simulate(schedule, p, m, v, 1.0, t_b)
+                        expected = (p - 1) / (v * m + p - 1)
+                        assert pp.bubble_fraction(sim) == pytest.approx(expected), (
+                            schedule,
+                            p,
+                            m,
+                            v,
+                        )
+
+
+def test_simulator_catches_a_deadlock():
+    """A rank that wants microbatch 0's backward before its forward can never run."""
+    broken = lambda schedule, p, m, v, rank: [pp.Action("B", 0, 0), pp.Action("F", 0, 0)]  # noqa: E731
+    original, pp.schedule_order = pp.schedule_order, broken
+    try:
+        with pytest.raises(RuntimeError, match="deadlocks"):
+            pp.simulate("1f1b", 2, 1)
+    finally:
+        pp.schedule_order = original
+
+
+def test_figures_are_written(tmp_path):
+    """The Gantt PNG and the Chrome trace (one X slice per action, a thread per rank)."""
+    timelines = {s: pp.simulate(s, 2, 4, 2 if s == "interleaved" else 1, 0.01, 0.02)[1]
+                 for s in pp.SCHEDULES}  # fmt: skip
+    pp.plot_timelines(timelines, tmp_path / "gantt.png")
+    pp.write_chrome_trace(timelines, tmp_path / "trace.json")
+    assert (tmp_path / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    slices = [e for e in trace if e["ph"] == "X"]
+    assert len(slices) == sum(len(ev) for tl in timelines.values() for ev in tl)
+    assert {e["tid"] for e in slices} == {0, 1} and all(e["dur"] > 0 for e in slices)
