@@ -1,0 +1,578 @@
+"""04_tensor_parallel.py: each layer, and the whole GPT, sharded over tp = 2 and 4 gloo ranks, must
+compute what the unsharded layer or model computes: outputs, loss, and every gradient, each shard
+against the matching slice of the full gradient.
+
+Starting a rank costs a second or two, so one world per world size runs every case (`CASES`,
+in order) and the tests below read its per-case verdicts. Shapes are tiny: L=2, nh=4, C=32,
+T=16, vocab 100 padded to 128 (so padding rows exist and split evenly over 2 and 4 ranks).
+"""
+
+import copy
+import importlib
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tests.distributed import run_ranks
+
+tp_lib = importlib.import_module("04_tensor_parallel")
+model_lib = importlib.import_module("02_model")
+GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
+
+B, T = 2, 16
+WORLD_SIZES = [2, 4]
+
+
+def tiny(**overrides):
+    base = dict(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=100, pad_vocab_multiple=64)
+    return GPTConfig(**{**base, **overrides})
+
+
+def close(actual, expected, what):
+    """fp32, same math, different summation order: the sharded model adds per-rank partial sums
+    (then all-reduces them) where the full model adds in one kernel, so results differ by
+    rounding, ~1e-7 relative per addition and a few additions deep (observed: <= ~1e-6 of the
+    tensor's scale). atol is 1e-5 of the tensor's largest entry and rtol 1e-4: well above that
+    rounding, and far below any real bug (a wrong slice, a missing or doubled reduction), which
+    is an error of the order of the values themselves."""
+    scale = expected.detach().abs().max().item()
+    torch.testing.assert_close(
+        actual, expected, rtol=1e-4, atol=1e-5 * max(scale, 1e-12), msg=lambda m: f"{what}: {m}"
+    )
+
+
+SHARDED = ("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight",
+           "wte.weight", "lm_head.weight")  # fmt: skip
+
+
+def shard_of(name, full, rank, tp):
+    """The slice of a full tensor that `rank` should hold, written out here independently of
+    04's own table: [q|k|v] rows cut per part (whole heads), output features and vocabulary rows
+    cut by rows, row-parallel weights cut by input columns, everything else replicated."""
+    if name.endswith(("c_attn.weight", "c_attn.bias")):
+        return torch.cat([part.chunk(tp, 0)[rank] for part in full.chunk(3, 0)])
+    if name.endswith(("wte.weight", "lm_head.weight", "c_fc.weight", "c_fc.bias")):
+        return full.chunk(tp, 0)[rank]
+    if name.endswith("c_proj.weight"):
+        return full.chunk(tp, 1)[rank]
+    return full
+
+
+def compare_grads(full_model, tp_model, rank, tp, what):
+    """Every parameter's gradient: the shard against the matching slice of the full gradient."""
+    full = dict(full_model.named_parameters())
+    names = [name for name, _ in tp_model.named_parameters()]
+    assert sorted(names) == sorted(full), f"{what}: parameter names changed"
+    for name, p in tp_model.named_parameters():
+        assert p.grad is not None, f"{what}: {name} got no gradient"
+        close(p.grad, shard_of(name, full[name].grad, rank, tp), f"{what}: grad of {name}")
+
+
+def batch(seed, vocab=100, t=T):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (B, t), generator=gen)
+    targets = torch.randint(0, vocab, (B, t), generator=gen)
+    targets[0, :3] = -1  # ignored positions take no part in the loss
+    return idx, targets
+
+
+def gpt_pair(group, sp, tied=True, dropout=0.0, seed=0):
+    """The same GPT twice: whole, and sharded by apply_tensor_parallel (built identically first)."""
+    torch.manual_seed(seed)
+    full = GPT(tiny(tie_embeddings=tied, dropout=dropout))
+    return full, tp_lib.apply_tensor_parallel(copy.deepcopy(full), group, sequence_parallel=sp)
+
+
+def seq(t, rank, tp, sp):
+    """With sequence parallelism a rank holds tokens [rank T/tp, (rank+1) T/tp) of dim 1."""
+    return t.chunk(tp, 1)[rank] if sp else t
+
+
+def gather(t, group):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------
+# the cases, run inside each world
+# ---------------------------------------------------------------------------------------------
+def case_column_linear(rank, tp, group):
+    """Y_i = X A_i: the rank's output columns, and f's all-reduce makes dX the full dX."""
+    for sp in (False, True):
+        torch.manual_seed(1)
+        full = nn.Linear(8, 4 * tp)
+        x = torch.randn(B, 2 * tp, 8, requires_grad=True)
+        upstream = torch.randn(B, 2 * tp, 4 * tp)  # a fixed dL/dY: L = sum(Y * upstream)
+        (full(x) * upstream).sum().backward()
+        col = tp_lib.ColumnParallelLinear(full, group, sequence_parallel=sp)
+        x_local = seq(x.detach(), rank, tp, sp).clone().requires_grad_()
+        y = col(x_local)  # (B, T, out/tp)
+        close(y, full(x).detach().chunk(tp, -1)[rank], f"column sp={sp}: output")
+        (y * upstream.chunk(tp, -1)[rank]).sum().backward()
+        close(x_local.grad, seq(x.grad, rank, tp, sp), f"column sp={sp}: input grad")
+        close(col.weight.grad, full.weight.grad.chunk(tp, 0)[rank], f"column sp={sp}: dW")
+        close(col.bias.grad, full.bias.grad.chunk(tp, 0)[rank], f"column sp={sp}: db")
+        col.gather_output = True
+        close(col(x_local), full(x).detach(), f"column sp={sp}: gathered output")
+
+
+def case_row_linear(rank, tp, group):
+    """Z = sum_i Y_i B_i: g sums the partial products; the bias is added once."""
+    for sp in (False, True):
+        torch.manual_seed(2)
+        full = nn.Linear(4 * tp, 8)
+        x = torch.randn(B, 2 * tp, 4 * tp, requires_grad=True)
+        upstream = torch.randn(B, 2 * tp, 8)
+        (full(x) * upstream).sum().backward()
+        row = tp_lib.RowParallelLinear(full, group, sequence_parallel=sp)
+        x_in = x.detach().clone().requires_grad_()
+        z = row(tp_lib.split_last(x_in, group))  # split's backward all-gathers dX
+        close(z, seq(full(x).detach(), rank, tp, sp), f"row sp={sp}: output")
+        (z * seq(upstream, rank, tp, sp)).sum().backward()
+        close(x_in.grad, x.grad, f"row sp={sp}: input grad")
+        close(row.weight.grad, full.weight.grad.chunk(tp, 1)[rank], f"row sp={sp}: dW")
+        close(row.bias.grad, full.bias.grad, f"row sp={sp}: db (replicated)")
+
+
+def case_vocab_embedding(rank, tp, group):
+    """Each rank looks up the ids it owns; the sum over ranks is the full lookup."""
+    for sp in (False, True):
+        torch.manual_seed(3)
+        full = nn.Embedding(8 * tp, 6)
+        idx = torch.randint(0, 8 * tp, (B, 2 * tp))  # ids from every rank's range
+        upstream = torch.randn(B, 2 * tp, 6)
+        (full(idx) * upstream).sum().backward()
+        emb = tp_lib.VocabParallelEmbedding(full, group, sequence_parallel=sp)
+        out = emb(idx)
+        close(out, seq(full(idx).detach(), rank, tp, sp), f"embedding sp={sp}: output")
+        (out * seq(upstream, rank, tp, sp)).sum().backward()
+        close(emb.weight.grad, full.weight.grad.chunk(tp, 0)[rank], f"embedding sp={sp}: dW")
+
+
+def case_cross_entropy(rank, tp, group):
+    """Three all-reduces give F.cross_entropy's loss and gradient, from vocabulary shards, also
+    with a logit of 200 (exp overflows fp32 without the max) and ignored targets."""
+    torch.manual_seed(4)
+    V = 16 * tp
+    logits = torch.randn(B, T, V) * 3
+    logits[1, 2, 5] = 200.0
+    targets = torch.randint(0, V, (B, T))
+    targets[0, :4] = -1
+    for reduction in ("mean", "sum"):
+        full = logits.clone().requires_grad_()
+        flat, flat_targets = full.view(-1, V), targets.view(-1)
+        expected = F.cross_entropy(flat, flat_targets, ignore_index=-1, reduction=reduction)
+        expected.backward()
+        local = logits.chunk(tp, -1)[rank].clone().requires_grad_()
+        loss = tp_lib.vocab_parallel_cross_entropy(local, targets, reduction, group=group)
+        close(loss, expected.detach(), f"cross-entropy {reduction}: loss")
+        loss.backward()
+        close(local.grad, full.grad.chunk(tp, -1)[rank], f"cross-entropy {reduction}: grad")
+
+
+def case_attention(rank, tp, group):
+    """Whole heads per rank: column-parallel [q|k|v], row-parallel c_proj."""
+    for sp in (False, True):
+        torch.manual_seed(5)
+        full = model_lib.CausalSelfAttention(tiny())
+        x = torch.randn(B, T, 32, requires_grad=True)
+        upstream = torch.randn(B, T, 32)
+        (full(x) * upstream).sum().backward()
+        rng = tp_lib.RNGStateTracker("cpu")
+        rng.add(tp_lib.TP_RNG, 100 + rank)
+        attn = tp_lib.ParallelSelfAttention(full, group, sp, rng)
+        x_local = seq(x.detach(), rank, tp, sp).clone().requires_grad_()
+        y = attn(x_local)
+        close(y, seq(full(x).detach(), rank, tp, sp), f"attention sp={sp}: output")
+        (y * seq(upstream, rank, tp, sp)).sum().backward()
+        close(x_local.grad, seq(x.grad, rank, tp, sp), f"attention sp={sp}: input grad")
+        compare_grads(full, attn, rank, tp, f"attention sp={sp}")
+
+
+def _check_gpt(rank, tp, group, sp, tied, seed=0):
+    full, tpm = gpt_pair(group, sp, tied, seed=seed)
+    idx, targets = batch(seed)
+    logits_full, loss_full = full(idx, targets)
+    loss_full.backward()
+    logits, loss = tpm(idx, targets)
+    loss.backward()
+    what = f"GPT tp={tp} sp={sp} tied={tied}"
+    assert logits.shape == (B, T, 128 // tp), f"{what}: logits are this rank's vocab shard"
+    close(tp_lib.gather_logits(logits, group), logits_full.detach(), f"{what}: logits")
+    close(loss, loss_full.detach(), f"{what}: loss")
+    compare_grads(full, tpm, rank, tp, what)
+    return full, tpm, idx, targets, loss
+
+
+def case_gpt(rank, tp, group):
+    """The whole GPT, with and without SP, tied and untied; the pieces a pipeline stage calls
+    (embed, blocks, head, loss_fn) pass (B, T/tp, C) with SP; export rebuilds the full weights."""
+    shards = None
+    for sp in (False, True):
+        for tied in (True, False):
+            full, tpm, idx, targets, loss = _check_gpt(rank, tp, group, sp, tied)
+            x = tpm.embed(idx)
+            for block in tpm.transformer.h:
+                assert x.shape == (B, T // tp if sp else T, 32), f"sp={sp}: stage shape {x.shape}"
+                x = block(x)
+            again = tpm.loss_fn(tpm.head(x), targets, "mean")
+            torch.testing.assert_close(again, loss, rtol=0, atol=0)  # the same ops, in order
+            if sp == tied:  # two of the four variants suffice for the all-gather export
+                continue
+            sd = tp_lib.consolidate_state_dict(tpm, group)
+            rebuilt = GPT(tiny(tie_embeddings=tied))
+            rebuilt.load_state_dict(sd, strict=True)
+            for k, v in full.state_dict().items():  # slicing and concatenation: exact
+                torch.testing.assert_close(rebuilt.state_dict()[k], v, rtol=0, atol=0)
+            if sp and not tied:
+                shards = {k: v.clone() for k, v in tpm.state_dict().items()}
+    return shards  # the parent merges them offline, as train.py --export does
+
+
+def case_gpt_in_subgroups(rank, world, group):
+    """TP inside a bigger world: two TP groups of world/2 ranks side by side (as under DP),
+    each with its own batch. Anything using the world's rank or size instead of the group's
+    would slice or reduce wrongly here."""
+    half = world // 2
+    groups = [dist.new_group(list(range(s, s + half))) for s in (0, half)]  # every rank calls both
+    sub = groups[rank // half]
+    for sp in (False, True):
+        _check_gpt(rank % half, half, sub, sp, tied=True, seed=10 + rank // half)
+
+
+def case_training(rank, tp, group):
+    """Four AdamW steps: the sharded run's loss curve and final weights equal one process's."""
+    for sp in (False, True):
+        full, tpm = gpt_pair(group, sp)
+        curves = []
+        for model in (full, tpm):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            losses = []
+            for step in range(4):
+                _, loss = model(*batch(100 + step))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            curves.append(torch.stack(losses))
+        close(curves[1], curves[0], f"training sp={sp}: loss curve")
+        trained = tp_lib.consolidate_state_dict(tpm, group)
+        for k, v in full.state_dict().items():
+            got = trained[k]
+            if k.endswith("c_attn.bias"):  # q and v thirds only: the key bias, see below
+                got, v = torch.cat([got[:32], got[64:]]), torch.cat([v[:32], v[64:]])
+            # AdamW moves a weight by ~lr = 1e-2 per step whatever its gradient's size (m/sqrt(v)
+            # is scale-free), so rounding in a near-zero gradient can become ~1e-4 of a step
+            # (observed: 4.5e-6 after 4 steps). atol 4e-5 = 1e-3 of lr per step: ~10x that, and
+            # 250x below one step's move, which any wrong gradient would show. The key bias is
+            # left out: its true gradient is exactly 0 (q.b_k is the same for every key and
+            # softmax ignores constants), so both runs only see rounding noise there, and Adam
+            # turns noise into lr-sized steps.
+            msg = f"training sp={sp}: {k} after 4 steps"
+            torch.testing.assert_close(got, v, rtol=0, atol=4e-5, msg=msg)
+
+
+def case_replicated_grads_identical(rank, tp, group):
+    """Replicated parameters (LayerNorms, wpe, row biases) end backward with the same gradient,
+    bit for bit, on every TP rank, also with SP (each rank saw only its tokens, so only the
+    reduction by f makes them equal) and with dropout. Exactly the sharded ones are flagged."""
+    for sp in (False, True):
+        _, tpm = gpt_pair(group, sp, dropout=0.1)
+        torch.manual_seed(7)
+        tpm.train()
+        _, loss = tpm(*batch(1))
+        loss.backward()
+        for name, p in tpm.named_parameters():
+            flagged = getattr(p, "tensor_parallel", False)
+            assert flagged == name.endswith(SHARDED), f"{name}: tensor_parallel={flagged}"
+            if not flagged:
+                grads = gather(p.grad, group)
+                assert all(torch.equal(grads[0], gr) for gr in grads), f"sp={sp}: {name} differs"
+
+
+def case_dropout(rank, tp, group):
+    """With dropout on, replicated activations (embedding output, every block's residual stream)
+    are identical across TP ranks; the per-rank stream for sharded regions differs by rank."""
+    _, tpm = gpt_pair(group, sp=False, dropout=0.1)
+    seen = []
+    for module in [tpm.transformer.drop, *tpm.transformer.h]:
+        module.register_forward_hook(lambda mod, inp, out: seen.append(out.detach()))
+    torch.manual_seed(8)  # the default stream, the same on every rank
+    idx, _ = batch(2)
+    tpm.train()
+    tpm(idx)
+    train_out = seen[-1]
+    for i, act in enumerate(seen):
+        parts = gather(act, group)
+        assert all(torch.equal(parts[0], a) for a in parts), f"activation {i} differs across ranks"
+    tpm.eval()
+    tpm(idx)
+    assert not torch.allclose(seen[-1], train_out), "dropout did nothing in train mode"
+    with tpm.tp_rng.fork():
+        mine = torch.rand(16)
+    default = torch.rand(16)
+    mine_all, default_all = gather(mine, group), gather(default, group)
+    assert all(torch.equal(default_all[0], d) for d in default_all), "default stream differs"
+    assert len({tuple(m.tolist()) for m in mine_all}) == tp, "TP streams must differ by rank"
+    draws, sdpa = [], F.scaled_dot_product_attention  # attention dropout: inside fork()?
+    F.scaled_dot_product_attention = lambda *a, **k: (draws.append(torch.rand(8)), sdpa(*a, **k))[1]
+    try:
+        tpm.train()
+        tpm(idx)
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    heads_draws = gather(torch.stack(draws), group)  # what SDPA's dropout would draw
+    assert len({tuple(d.flatten().tolist()) for d in heads_draws}) == tp, "heads need own masks"
+    _, tpm_sp = gpt_pair(group, sp=True, dropout=0.5)  # token shards: masks differ by rank
+    tpm_sp.train()
+    masks = gather(tpm_sp.transformer.drop(torch.ones(64)), group)
+    assert len({tuple(m.tolist()) for m in masks}) == tp, "SP dropout masks must differ by rank"
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
+               "all_gather_into_tensor", "reduce_scatter_tensor", "send", "recv")  # fmt: skip
+
+
+def case_bad_config(rank, tp, group):
+    """Bad configurations fail with a clear message on every rank before any collective runs."""
+    _, sp_model = gpt_pair(group, sp=True)  # built before the trap: apply runs a checksum
+    ran, saved = [], {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def trap(name):
+        def collective(*args, **kwargs):
+            ran.append(name)
+            raise AssertionError(f"{name} ran before validation")
+
+        return collective
+
+    bad = [
+        (dict(n_head=3, n_embd=24), f"n_head=3 is not divisible by tp={tp}"),
+        (dict(vocab_size=101, pad_vocab_multiple=1), "pad_vocab_multiple=64"),
+    ]
+    try:
+        for name in COLLECTIVES:
+            setattr(dist, name, trap(name))
+        for overrides, message in bad:
+            with pytest.raises(ValueError, match=message):
+                tp_lib.apply_tensor_parallel(GPT(tiny(**overrides)), group)
+        with pytest.raises(ValueError, match="explicitly"):
+            tp_lib.apply_tensor_parallel(GPT(tiny()), None)
+        with pytest.raises(ValueError, match="T must be a multiple of tp"):
+            sp_model(torch.zeros(B, tp + 1, dtype=torch.long))
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    assert ran == [], f"collectives ran before the error: {ran}"
+    torch.manual_seed(rank)  # a different model on every rank: caught by the checksum
+    with pytest.raises(ValueError, match="differ across TP ranks"):
+        tp_lib.apply_tensor_parallel(GPT(tiny()), group)
+
+
+def case_comm_volume(rank, tp, group):
+    """The collectives of one training step, counted, against the lesson's formula, derived here:
+    E = B*T*C fp32 elements. Without SP: the embedding's g, per layer 2 g (forward) + 2 f
+    (backward), the head's f = 4L+2 all-reduces of E, plus the loss's 3 of B*T. With SP each of
+    those becomes an all-gather and a reduce-scatter of E, and f sums the replicated gradients:
+    wpe (T*C), per layer 2 LayerNorms x (weight, bias) + 2 row biases (6C), ln_f (2C)."""
+    L, C, E = 2, 32, B * T * 32 * 4
+    expected = {
+        False: {"all_reduce": (4 * L + 2 + 3, (4 * L + 2) * E + 3 * B * T * 4)},
+        True: {
+            "all_gather": (4 * L + 2, (4 * L + 2) * E),
+            "reduce_scatter": (4 * L + 2, (4 * L + 2) * E),
+            "all_reduce": (3 + 1 + 6 * L + 2, 4 * (3 * B * T + T * C + 6 * L * C + 2 * C)),
+        },
+    }
+    for sp in (False, True):
+        _, tpm = gpt_pair(group, sp)
+        with tp_lib.count_comm() as log:
+            _, loss = tpm(*batch(3))
+            loss.backward()
+        counted = {op: (sum(1 for o, _ in log if o == op), sum(n for o, n in log if o == op))
+                   for op in {o for o, _ in log}}  # fmt: skip
+        assert counted == expected[sp], f"sp={sp}: counted {counted}, expected {expected[sp]}"
+        formula = tp_lib.comm_formula(tpm.config, B, T, sp)
+        assert formula == {op: n for op, (_, n) in expected[sp].items()}, "the demo's formula"
+
+
+def case_grad_norm(rank, tp, group):
+    """grad_norm_squared (train.py's clipping): shards summed over the group, replicated
+    parameters counted once, equals the whole model's squared gradient norm."""
+    for sp in (False, True):
+        full, tpm = gpt_pair(group, sp)
+        for model in (full, tpm):
+            _, loss = model(*batch(4))
+            loss.backward()
+        expected = sum(p.grad.pow(2).sum() for p in full.parameters())
+        got = tp_lib.grad_norm_squared(tpm.parameters(), group, "cpu")
+        close(got, expected, f"sp={sp}: squared grad norm")
+
+
+CASES = [
+    case_column_linear,
+    case_row_linear,
+    case_vocab_embedding,
+    case_cross_entropy,
+    case_attention,
+    case_gpt,
+    case_gpt_in_subgroups,
+    case_training,
+    case_replicated_grads_identical,
+    case_dropout,
+    case_bad_config,
+    case_comm_volume,
+    case_grad_norm,
+]
+
+
+def run_cases(rank, world_size):
+    """Every case on this rank, in order; stops at the first failure (the other ranks then fail
+    on a collective that never completes, and report it)."""
+    group = dist.new_group(list(range(world_size)))
+    results = {}
+    for case in CASES:
+        try:
+            results[case.__name__] = ("ok", case(rank, world_size, group))
+        except (Exception, pytest.fail.Exception):  # reported per case, with the traceback
+            results[case.__name__] = ("failed", traceback.format_exc())
+            break
+    return results
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"tp{n}")
+def world(request):
+    return request.param, run_ranks(run_cases, request.param, timeout=120)
+
+
+def verdict(world, case):
+    tp, per_rank = world
+    for rank, results in enumerate(per_rank):
+        status, detail = results.get(case.__name__, ("not run", "an earlier case failed"))
+        assert status == "ok", f"tp={tp} rank {rank}: {case.__name__} {status}:\n{detail}"
+    return [results[case.__name__][1] for results in per_rank]
+
+
+def test_column_parallel_linear(world):
+    verdict(world, case_column_linear)
+
+
+def test_row_parallel_linear(world):
+    verdict(world, case_row_linear)
+
+
+def test_vocab_parallel_embedding(world):
+    verdict(world, case_vocab_embedding)
+
+
+def test_vocab_parallel_cross_entropy(world):
+    verdict(world, case_cross_entropy)
+
+
+def test_attention_whole_heads(world):
+    verdict(world, case_attention)
+
+
+def test_gpt_equals_unsharded_with_and_without_sp(world):
+    verdict(world, case_gpt)
+
+
+def test_gpt_in_tp_subgroups_of_a_bigger_world(world):
+    verdict(world, case_gpt_in_subgroups)
+
+
+def test_training_steps_match_one_process(world):
+    verdict(world, case_training)
+
+
+def test_replicated_grads_identical_across_ranks(world):
+    verdict(world, case_replicated_grads_identical)
+
+
+def test_dropout_masks_replicated_vs_sharded(world):
+    verdict(world, case_dropout)
+
+
+def test_bad_config_fails_before_any_collective(world):
+    verdict(world, case_bad_config)
+
+
+def test_communication_volume_matches_formula(world):
+    verdict(world, case_comm_volume)
+
+
+def test_grad_norm_counts_replicated_params_once(world):
+    verdict(world, case_grad_norm)
+
+
+def test_offline_merge_of_rank_state_dicts(world):
+    """train.py --export: the ranks' saved state dicts, merged in one process, are the model."""
+    shards = verdict(world, case_gpt)
+    torch.manual_seed(0)
+    full = GPT(tiny(tie_embeddings=False))
+    merged = tp_lib.merge_shards(shards)
+    assert merged.keys() == full.state_dict().keys()
+    for k, v in full.state_dict().items():
+        torch.testing.assert_close(merged[k], v, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# single process
+# ---------------------------------------------------------------------------------------------
+def test_qkv_is_sliced_by_whole_heads():
+    """C=4, nh=2 (hs=2), tp=2. c_attn's 12 output rows are [q0 q0 q1 q1 | k0 k0 k1 k1 | v0 ...]
+    (q_h = head h's rows of q). Rank 0 must hold head 0 of q, k and v: rows 0,1 | 4,5 | 8,9;
+    rank 1 rows 2,3 | 6,7 | 10,11. A plain 2-way row split would give rank 0 all of q and half
+    of k instead."""
+    w = torch.arange(12.0).unsqueeze(1)  # row i holds the number i
+    shards = [tp_lib.shard_tensor(w, 0, 3, r, 2) for r in (0, 1)]
+    assert shards[0].squeeze(1).tolist() == [0, 1, 4, 5, 8, 9]
+    assert shards[1].squeeze(1).tolist() == [2, 3, 6, 7, 10, 11]
+    torch.testing.assert_close(tp_lib.merge_tensors(shards, 0, 3), w, rtol=0, atol=0)
+
+
+def test_layout_table_names_the_gpt_shards():
+    assert tp_lib.tp_layout("transformer.h.0.attn.c_attn.weight") == (0, 3)
+    assert tp_lib.tp_layout("transformer.h.3.mlp.c_fc.bias") == (0, 1)
+    assert tp_lib.tp_layout("transformer.h.0.attn.c_proj.weight") == (1, 1)
+    assert tp_lib.tp_layout("transformer.h.0.mlp.c_proj.bias") is None  # row bias: replicated
+    assert tp_lib.tp_layout("transformer.wte.weight") == (0, 1)
+    assert tp_lib.tp_layout("lm_head.weight") == (0, 1)
+    for replicated in ("transformer.wpe.weight", "transformer.ln_f.bias", "h.1.ln_2.weight"):
+        assert tp_lib.tp_layout(replicated) is None
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="n_head=4 is not divisible by tp=3"):
+        tp_lib.check_tp_config(tiny(), 3)
+    with pytest.raises(
+        ValueError, match=r"100 rows .*GPTConfig\(pad_vocab_multiple=64\) -> 128 rows"
+    ):
+        tp_lib.check_tp_config(tiny(pad_vocab_multiple=1), 8)
+    tp_lib.check_tp_config(tiny(), 4)  # 4 heads, 128 rows, 32 and 128 wide: fine
+
+
+def test_rng_tracker_forks_without_touching_the_default_stream():
+    """Inside fork() dropout draws from the tracker's own stream, which continues across forks;
+    outside, the default stream is exactly where it would have been without the fork."""
+    tracker = tp_lib.RNGStateTracker("cpu")
+    tracker.add("tp", 7)
+    torch.manual_seed(0)
+    with tracker.fork("tp"):
+        a = torch.rand(3)
+    outside = torch.rand(3)
+    with tracker.fork("tp"):
+        b = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(outside, torch.rand(3))
+    assert torch.equal(torch.cat([a, b]), torch.rand(6, generator=torch.Generator().manual_seed(7)))
+    saved = tracker.state_dict()  # a checkpoint: the stream resumes where it was saved
+    with tracker.fork("tp"):
+        c = torch.rand(3)
+    tracker.load_state_dict(saved)
+    with tracker.fork("tp"):
+        assert torch.equal(torch.rand(3), c)
