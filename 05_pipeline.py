@@ -132,6 +132,7 @@ class PipelineChunk(nn.Module):
         self.stage, self.n_stages, self.layers = stage, n_stages, layers
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         self.config, self.loss_fn = model.config, model.loss_fn  # TP may have swapped loss_fn
+        self.tp_rng = getattr(model, "tp_rng", None)  # 04's dropout stream, for checkpoints
         drop = (set() if self.is_first else {"wte", "wpe"}) | (set() if self.is_last else {"ln_f"})
         kept = {name: module for name, module in model.transformer.items() if name not in drop}
         # subtle: a ModuleDict keyed by the global layer index keeps the full model's names
