@@ -1,0 +1,75 @@
+"""Benchmark train.py: tokens/s of each parallel layout at 8 ranks on this machine.
+
+    python bench/bench_train.py                 # 8 ranks, the CPU main job's model (small)
+    python bench/bench_train.py --ranks 4 --steps 10
+
+Each layout trains the same model on the same global batch with torchrun; tokens/s is the median
+over the logged steps after the first (which includes warm-up). Every layout also reports its
+loss at the last step: they must agree (the tests prove it to 1e-4; here it is a sanity check).
+On a 2-core CPU, 8 ranks time-share the cores, so the numbers compare the layouts' overheads
+(communication, pipeline bubble), not a speed-up: that needs one GPU per rank.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = {  # name -> flags; dp x tp x pp = ranks
+    8: [("dp8", "--dp 8"), ("dp4 tp2", "--dp 4 --tp 2"), ("dp2 tp4", "--dp 2 --tp 4"),
+        ("dp4 pp2", "--dp 4 --pp 2"), ("dp2 pp4", "--dp 2 --pp 4"),
+        ("dp2 tp2 pp2", "--dp 2 --tp 2 --pp 2"), ("tp4 pp2", "--tp 4 --pp 2")],
+    4: [("dp4", "--dp 4"), ("dp2 tp2", "--dp 2 --tp 2"), ("tp4", "--tp 4"), ("pp4", "--pp 4"),
+        ("dp2 pp2", "--dp 2 --pp 2"), ("tp2 pp2", "--tp 2 --pp 2")],
+}  # fmt: skip
+
+
+def run(flags: str, ranks: int, steps: int, data_dir: str) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={ranks}", "train.py", *flags.split(), "--data-dir", data_dir,
+               "--out-dir", out, "--max-steps", str(steps), "--log-interval", "1",
+               "--eval-interval", "0", "--eval-steps", "1", "--sample-tokens", "0",
+               "--micro-batch-size", "4", "--batch-size", "32"]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        if done.returncode:
+            return {"error": done.stderr.strip().splitlines()[-1]}
+        rows = [json.loads(r) for r in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in rows if r["kind"] == "train"]
+        return {
+            "tok_s": statistics.median(r["tokens_per_s"] for r in train[1:]),
+            "loss": train[-1]["loss"],
+        }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=8, choices=sorted(LAYOUTS))
+    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per layout")
+    ap.add_argument("--data-dir", default="data/stdlib-bpe4096", help="prepared by 01_data.py")
+    args = ap.parse_args()
+    print(
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; {args.ranks} "
+        f"ranks; small GPT, global batch 32 x 128 tokens, micro-batch 4, fp32"
+    )
+    print(f"{'layout':14s} {'tokens/s':>9s} {'per rank':>9s} {'last loss':>10s}")
+    for name, flags in LAYOUTS[args.ranks]:
+        r = run(flags, args.ranks, args.steps, args.data_dir)
+        if "error" in r:
+            print(f"{name:14s} failed: {r['error']}")
+        else:
+            print(
+                f"{name:14s} {r['tok_s']:9,.0f} {r['tok_s'] / args.ranks:9,.0f} {r['loss']:10.4f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""train.py: every parallel layout trains like one process; checkpoints resume bit for bit,
+survive SIGTERM and crashes; export gives one model; bad flags fail fast."""
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
+
+train = importlib.import_module("train")
+data = importlib.import_module("01_data")
+ROOT = Path(__file__).resolve().parents[1]
+
+# A 4-layer tiny GPT (pp=2 x v=2 needs 4 blocks), 8 sequences of 32 per step, fp32.
+BASE = ["--model", "tiny", "--n-layer", "4", "--batch-size", "8", "--max-steps", "4",
+        "--warmup-steps", "2", "--log-interval", "1", "--eval-interval", "0", "--eval-steps", "1",
+        "--ckpt-interval", "0", "--sample-tokens", "0", "--dtype", "fp32"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A small char-level corpus: 30 documents of pseudo-code, ~150 KB."""
+    root = tmp_path_factory.mktemp("train-data")
+    src = root / "src"
+    src.mkdir()
+    for d in range(30):
+        lines = [f"def f{d}_{i}(x):\n    return x * {i} + {d}\n" for i in range(120)]
+        (src / f"doc{d}.py").write_text("".join(lines))
+    data.prepare(str(src), "char", root / "data", block_size=32)
+    return str(root / "data")
+
+
+def metrics(out_dir, kind="train") -> list[dict]:
+    rows = [json.loads(r) for r in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def run_main(argv):
+    """train.main in this process (a world of one)."""
+    train.main(argv)
+
+
+def _train_configs(rank, world, data_dir, tmp, configs):
+    """Run train.main once per config inside one spawned world; rank 0 returns the metrics."""
+    out = []
+    for name, extra in configs:
+        out_dir = f"{tmp}/{name}"
+        train.main(BASE + ["--data-dir", data_dir, "--out-dir", out_dir] + extra)
+        dist.barrier()
+        out.append(metrics(out_dir) if rank == 0 else None)
+    return out
+
+
+def assert_same_curve(got, ref, what):
+    """fp32 with a different reduction order (TP splits matmuls, DP and accumulation sum in
+    other orders) differs from one process by rounding, ~1e-6 relative per op; four AdamW
+    steps keep that far below 1e-4 on a loss of ~5 and a grad norm of ~2. A real bug (a missed
+    all-reduce, a wrong 1/m) is off by > 1e-2."""
+    assert [r["step"] for r in got] == [r["step"] for r in ref], what
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(
+            torch.tensor([r[key] for r in got]), torch.tensor([r[key] for r in ref]),
+            rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{what}, {key}: {m}")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    """One process, the whole batch of 8 as one microbatch."""
+    out = tmp_path_factory.mktemp("ref")
+    run_main(BASE + ["--data-dir", data_dir, "--out-dir", str(out), "--micro-batch-size", "8"])
+    return metrics(out)
+
+
+def test_accumulation_x4_equals_one_batch(data_dir, tmp_path, reference):
+    run_main(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--micro-batch-size", "2"])
+    assert_same_curve(metrics(tmp_path), reference, "1 process, 4 microbatches of 2")
+
+
+def test_two_rank_layouts_equal_one_process(data_dir, tmp_path, reference):
+    """dp=2 (+ZeRO-1), tp=2 (+sequence parallelism), pp=2 under every schedule: same curve."""
+    configs = [
+        ("dp2", ["--dp", "2", "--micro-batch-size", "2"]),
+        ("dp2-zero", ["--dp", "2", "--micro-batch-size", "2", "--zero"]),
+        ("tp2", ["--tp", "2", "--micro-batch-size", "4"]),
+        ("tp2-sp", ["--tp", "2", "--micro-batch-size", "4", "--sequence-parallel"]),
+        ("pp2-gpipe", ["--pp", "2", "--micro-batch-size", "2", "--schedule", "gpipe"]),
+        ("pp2-1f1b", ["--pp", "2", "--micro-batch-size", "2", "--schedule", "1f1b"]),
+        (
+            "pp2-interleaved",
+            [
+                "--pp",
+                "2",
+                "--micro-batch-size",
+                "2",
+                "--schedule",
+                "interleaved",
+                "--virtual-stages",
+                "2",
+            ],
+        ),  # fmt: skip
+        ("pp2-fp16", ["--pp", "2", "--micro-batch-size", "2", "--dtype", "fp16"]),
+    ]
+    results = run_ranks(_train_configs, 2, data_dir, str(tmp_path), configs, timeout=240)[0]
+    for (name, _), got in zip(configs, results):
+        if name.endswith("fp16"):  # the pipeline with loss scaling: 16-bit rounding, as above
+            torch.testing.assert_close(torch.tensor([r["loss"] for r in got]),
+                                       torch.tensor([r["loss"] for r in reference]), rtol=2e-3,
+                                       atol=0)  # fmt: skip
+        else:
+            assert_same_curve(got, reference, name)
+
+
+def test_3d_parallel_on_8_ranks_equals_one_process(data_dir, tmp_path, reference):
+    configs = [("dp2-tp2-pp2", ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batch-size", "2"])]
+    results = run_ranks(_train_configs, 8, data_dir, str(tmp_path), configs, timeout=300)[0]
+    assert_same_curve(results[0], reference, "dp2 x tp2 x pp2")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16_bit_training_follows_fp32_and_only_fp16_uses_a_scaler(data_dir, tmp_path, reference,
+                                                                   dtype):  # fmt: skip
+    """Autocast keeps weights, the loss and its softmax in fp32 and rounds matmul inputs to 16
+    bits (relative error 2^-8 for bf16, 2^-11 for fp16); over 4 steps the loss moves by ~1e-5
+    relative here, so rtol 2e-3 leaves room and still catches a missing 1/m or a skipped step."""
+    run_main(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--micro-batch-size",
+                     "4", "--dtype", dtype])  # fmt: skip
+    got = metrics(tmp_path)
+    torch.testing.assert_close(
+        torch.tensor([r["loss"] for r in got]),
+        torch.tensor([r["loss"] for r in reference]),
+        rtol=2e-3,
+        atol=0,
+    )
+    shard = torch.load(train.complete_checkpoints(tmp_path)[0] / train.shard_name(0),
+                       weights_only=True)  # fmt: skip
+    if dtype == "fp16":
+        assert shard["scaler"]["scale"] == 2.0**16  # no overflow in 4 steps: never backed off
+    else:
+        assert shard["scaler"] == {}  # bf16 has fp32's range: no scaler at all
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact resume
+# ---------------------------------------------------------------------------------------------
+def _straight_and_resumed(rank, world, data_dir, tmp, extra):
+    """6 steps straight; then 3 steps, stop, --resume, 3 more. Rank 0 returns both curves."""
+    common = BASE + ["--data-dir", data_dir, "--max-steps", "6"] + extra
+    train.main(common + ["--out-dir", f"{tmp}/straight"])
+    train.main(common + ["--out-dir", f"{tmp}/split", "--steps-this-run", "3"])
+    train.main(common + ["--out-dir", f"{tmp}/split", "--resume"])
+    if dist.is_initialized():
+        dist.barrier()
+    if rank == 0:
+        return metrics(f"{tmp}/straight"), metrics(f"{tmp}/split")
+    return None
+
+
+@pytest.mark.parametrize(
+    "world, extra",
+    [(1, ["--micro-batch-size", "4", "--dropout", "0.1"]),
+     (4, ["--dp", "2", "--tp", "2", "--micro-batch-size", "2", "--dropout", "0.1"])],
+    ids=["1-rank", "dp2-tp2"],
+)  # fmt: skip
+def test_resume_is_bit_identical(data_dir, tmp_path, world, extra):
+    """Dropout on, so the RNG states must be restored too. Losses are compared with ==."""
+    if world == 1:
+        straight, split = _straight_and_resumed(0, 1, data_dir, str(tmp_path), extra)
+    else:
+        straight, split = run_ranks(_straight_and_resumed, world, data_dir, str(tmp_path), extra,
+                                    timeout=240)[0]  # fmt: skip
+    assert [r["step"] for r in split] == list(range(6))
+    assert [r["loss"] for r in split] == [r["loss"] for r in straight]
+    assert [r["grad_norm"] for r in split] == [r["grad_norm"] for r in straight]
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption, crashes, corruption
+# ---------------------------------------------------------------------------------------------
+def launch(argv, **kwargs):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None)
+    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kwargs)  # fmt: skip
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
+    args = ["train.py", *BASE, "--data-dir", data_dir, "--out-dir", str(tmp_path),
+            "--max-steps", "400"]  # fmt: skip
+    proc = launch(args)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "metrics.jsonl").is_file() or len(metrics(tmp_path)) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output
+    assert "preemption signal: saving at step" in output
+    ckpts = train.complete_checkpoints(tmp_path)
+    assert len(ckpts) == 1
+    saved = json.loads((ckpts[0] / "meta.json").read_text())["step"]
+    assert saved < 399, "SIGTERM should stop the run early"
+
+    done = subprocess.run([sys.executable, *args, "--resume", "--max-steps", str(saved + 3)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"resumed from {ckpts[0]} (step {saved})" in done.stdout
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(saved + 3))
+
+
+CRASH_IN_SECOND_SAVE = """
+import os, sys, torch
+sys.argv = ["train.py"] + sys.argv[1:]
+calls, real_save = [0], torch.save
+def dying_save(obj, f, *a, **k):
+    calls[0] += 1
+    if calls[0] == 2:  # the second checkpoint: write half a file, then die like a kill -9
+        real_save(obj, f, *a, **k)
+        with open(f, "r+b") as fh:
+            fh.truncate(os.path.getsize(f) // 2)
+        os._exit(9)
+    return real_save(obj, f, *a, **k)
+torch.save = dying_save
+import train
+train.main()
+"""
+
+
+def test_a_crash_during_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_path):
+    args = [*BASE, "--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "8",
+            "--ckpt-interval", "3"]  # fmt: skip
+    crashed = subprocess.run([sys.executable, "-c", CRASH_IN_SECOND_SAVE, *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert crashed.returncode == 9, crashed.stdout + crashed.stderr
+    assert [d.name for d in train.complete_checkpoints(tmp_path)] == ["step_0000002"]
+    assert (tmp_path / "checkpoints" / "step_0000005.partial").is_dir()  # the half-written one
+    resumed = subprocess.run([sys.executable, "train.py", *args, "--resume"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "(step 2)" in resumed.stdout
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(8))
+
+
+def test_a_corrupt_checkpoint_is_named_and_the_previous_one_used(data_dir, tmp_path, capsys):
+    args = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--ckpt-interval", "2"]
+    run_main(args)  # checkpoints at steps 1 and 3
+    newest = train.complete_checkpoints(tmp_path)[0] / train.shard_name(0)
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated
+    run_main(args + ["--resume", "--max-steps", "5"])
+    out = capsys.readouterr().out
+    assert f"checkpoint shard {newest} is unreadable" in out
+    assert "(step 1)" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: one model from a tp=2 x pp=2 checkpoint
+# ---------------------------------------------------------------------------------------------
+def _sharded_logits(rank, world, data_dir, tmp):
+    """Train 2 steps at tp=2 x pp=2, then run the sharded model forward on a fixed batch: stage
+    0 sends its activation to stage 1, which gathers its vocab-parallel logits over TP."""
+    argv = BASE + ["--data-dir", data_dir, "--out-dir", tmp, "--tp", "2", "--pp", "2",
+                   "--micro-batch-size", "4", "--max-steps", "2"]  # fmt: skip
+    train.main(argv)
+    cfg, _ = train.parse_args(argv)
+    gcfg = train.validate(cfg, world)
+    run = train.build_run(cfg, gcfg, train.build_grid(cfg, rank, world), torch.device("cpu"))
+    train.load_checkpoint(run)
+    x = torch.arange(2 * 32).view(2, 32) % 200  # (B, T) ids
+    chunk, grid = run.modules()[0], run.grid
+    with torch.no_grad():
+        if grid.pp_is_first:
+            dist.send(chunk(x), dist.get_global_rank(grid.pp_group, 1), group=grid.pp_group)
+            return None
+        h = torch.empty(2, 32, gcfg.n_embd)
+        dist.recv(h, dist.get_global_rank(grid.pp_group, 0), group=grid.pp_group)
+        return train.tp_lib.gather_logits(chunk(h), grid.tp_group), x
+
+
+def test_export_of_tp2_pp2_gives_one_model_with_the_same_logits(data_dir, tmp_path):
+    results = run_ranks(_sharded_logits, 4, data_dir, str(tmp_path), timeout=240)
+    sharded, x = results[2]  # global rank 2: pp stage 1, tp rank 0
+    model, blob = train.load_exported(tmp_path / "model.pt")
+    assert blob["step"] == 1
+    logits, _ = model(x)
+    # same weights, different reduction order (TP's row-parallel all-reduce): fp32 rounding
+    torch.testing.assert_close(logits, sharded, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad configurations and the main job
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, world, message",
+    [
+        (["--dp", "2"], 1, "world_size=1 but --dp 2 x --tp 1 x --pp 1 = 2"),
+        (["--tp", "3", "--dp", "1"], 3, "--tp 3 does not divide n_head=2"),
+        (["--pp", "8"], 8, "n_layer=4 is fewer than --pp 8 x --virtual-stages 1 = 8"),
+        (["--micro-batch-size", "3"], 1, "--batch-size 8 is not divisible into microbatches"),
+        (["--block-size", "64"], 1, "--block-size 64 exceeds the context of --model tiny (32"),
+        (["--data-dir", "/no/such/dir"], 1, "run `python 01_data.py --out /no/such/dir`"),
+    ],
+    ids=["world-size", "n_head", "n_layer", "microbatches", "block-size", "data-dir"],
+)
+def test_bad_configurations_fail_fast_with_one_line(data_dir, argv, world, message):
+    cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir] + argv)
+    with pytest.raises(train.ConfigError) as err:
+        train.validate(cfg, world)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_resume_with_another_layout_is_refused(data_dir, tmp_path):
+    run_main(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "1"])
+    cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path),
+                                      "--resume", "--tp", "2"])  # fmt: skip
+    with pytest.raises(train.ConfigError, match="written with --tp 1, this run has --tp 2"):
+        train.validate(cfg, 2)
+
+
+def test_a_bad_flag_exits_at_once_with_its_message(data_dir):
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "train.py", "--dp", "2", "--data-dir", data_dir],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith("train.py: error: world_size=1")
+    assert time.monotonic() - start < 30
+
+
+def test_the_main_job_runs_end_to_end(data_dir, tmp_path):
+    """`python train.py` on a tiny setting: it logs, evaluates, checkpoints, exports, plots and
+    samples, and the validation loss falls."""
+    args = ["train.py", "--model", "tiny", "--data-dir", data_dir, "--out-dir", str(tmp_path),
+            "--max-steps", "40", "--batch-size", "16", "--micro-batch-size", "16",
+            "--eval-interval", "15", "--eval-steps", "2",
+            "--sample-tokens", "30"]  # fmt: skip
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    val = [r["val_loss"] for r in metrics(tmp_path, "val")]
+    assert len(val) == 4 and val[-1] < val[0] - 0.3, val  # steps 0, 15, 30 and the end
+    for row in metrics(tmp_path):
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= row.keys()
+    assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "model.pt").is_file()
+    assert "--- sample (30 tokens) ---" in out.stdout
+    sampled = subprocess.run([sys.executable, "train.py", "--sample", str(tmp_path / "model.pt"),
+                              "--sample-tokens", "10"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert sampled.returncode == 0 and sampled.stdout.startswith("def "), sampled.stderr
