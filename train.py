@@ -261,6 +261,12 @@ def validate(cfg: TrainConfig, world_size: int):
         raise ConfigError(str(e)) from None
     if cfg.resume:
         check_resume_layout(cfg)
+    elif ckpts := complete_checkpoints(cfg.out_dir):  # never mix two runs in one folder
+        raise ConfigError(
+            f"--out-dir {cfg.out_dir} already holds checkpoints (newest: "
+            f"{ckpts[0].name}): pass --resume to continue that run, or use "
+            "another --out-dir"
+        )
     return gcfg
 
 

@@ -316,12 +316,15 @@ def test_bad_configurations_fail_fast_with_one_line(data_dir, argv, world, messa
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_resume_with_another_layout_is_refused(data_dir, tmp_path):
+def test_resume_with_another_layout_or_a_fresh_run_over_old_ones_is_refused(data_dir, tmp_path):
     run_main(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "1"])
     cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path),
                                       "--resume", "--tp", "2"])  # fmt: skip
     with pytest.raises(train.ConfigError, match="written with --tp 1, this run has --tp 2"):
         train.validate(cfg, 2)
+    fresh, _ = train.parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path)])
+    with pytest.raises(train.ConfigError, match="already holds checkpoints .* pass --resume"):
+        train.validate(fresh, 1)  # a second run without --resume would mix two runs' files
 
 
 def test_a_bad_flag_exits_at_once_with_its_message(data_dir):
