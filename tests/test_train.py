@@ -269,7 +269,7 @@ def _sharded_logits(rank, world, data_dir, tmp):
     argv = BASE + ["--data-dir", data_dir, "--out-dir", tmp, "--tp", "2", "--pp", "2",
                    "--micro-batch-size", "4", "--max-steps", "2"]  # fmt: skip
     train.main(argv)
-    cfg, _ = train.parse_args(argv)
+    cfg, _ = train.parse_args(argv + ["--resume"])  # rebuild it, from its checkpoint
     gcfg = train.validate(cfg, world)
     run = train.build_run(cfg, gcfg, train.build_grid(cfg, rank, world), torch.device("cpu"))
     train.load_checkpoint(run)
