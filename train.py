@@ -208,6 +208,11 @@ def validate(cfg: TrainConfig, world_size: int):
             f"world_size={world_size} but --dp {cfg.dp} x --tp {cfg.tp} x "
             f"--pp {cfg.pp} = {n}: launch {n} processes or change the sizes"
         )
+    for flag in ("batch_size", "micro_batch_size", "log_interval", "keep_checkpoints"):
+        if getattr(cfg, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
+    if cfg.block_size < 0:
+        raise ConfigError("--block-size must be >= 0 (0 = the model's context length)")
     if cfg.dtype not in ("auto", *DTYPES):
         raise ConfigError(f"--dtype {cfg.dtype}: use auto, fp32, bf16 or fp16")
     if cfg.model not in model_lib.PRESETS:
@@ -569,8 +574,8 @@ def check_resume_layout(cfg: TrainConfig) -> None:
     if not ckpts:
         return  # nothing to resume: start fresh (said at startup)
     meta = json.loads((ckpts[0] / "meta.json").read_text())
-    for k in ("tp", "pp") + (("dp",) if cfg.zero else ()):
-        if meta[k] != getattr(cfg, k):
+    for k in ("dp", "tp", "pp", "virtual_stages", "zero"):  # shards are found by global rank
+        if meta["config"][k] != getattr(cfg, k):
             raise ConfigError(
                 f"--resume: {ckpts[0]} was written with --{k} {meta[k]}, this run "
                 f"has --{k} {getattr(cfg, k)}; the shards only fit the same layout"
