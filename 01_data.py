@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import codecs
 import glob
 import hashlib
 import heapq
@@ -484,8 +485,20 @@ def download_shakespeare(cache_dir="data/downloads") -> Path:
     return path
 
 
+def is_binary(raw: bytes) -> bool:
+    """Binary = a NUL byte, or bytes that are not UTF-8, in the first 8 KB (git sniffs 8,000):
+    text has no NUL and our BPE reads UTF-8, while a PNG opens with 0x89 (no UTF-8 lead byte),
+    an ELF header holds NULs and random bytes are not UTF-8. Only the head is judged, so a stray
+    bad byte deep in a text file becomes U+FFFD instead of losing the file."""
+    try:  # subtle: the 8 KB cut can split a character; unless the file ends there, wait for it
+        codecs.getincrementaldecoder("utf-8")().decode(raw[:8192], final=len(raw) <= 8192)
+    except UnicodeDecodeError:
+        return True
+    return b"\0" in raw[:8192]
+
+
 def source_files(source: str) -> list[Path]:
-    """Resolve --source to a sorted list of text files, or fail with a message that says how."""
+    """Resolve --source to a sorted list of files, or fail with a message that says how."""
     if source == "stdlib":
         return stdlib_files()
     if source == "shakespeare":
@@ -505,13 +518,23 @@ def source_files(source: str) -> list[Path]:
     return files
 
 
-def read_documents(files) -> list[str]:
-    """Each file is one document (binary files, with NUL bytes, are skipped)."""
-    docs = []
+def read_documents(files, source=None) -> list[str]:
+    """Each file is one document; binary files (see `is_binary`) are skipped and counted. With
+    `source` named, a corpus left with no text (a binary or empty file named alone, a folder of
+    binaries) is a one-line ValueError."""
+    docs, n_binary = [], 0
     for f in files:
-        raw = f.read_bytes()
-        if b"\0" not in raw[:8192]:
+        raw = Path(f).read_bytes()
+        if is_binary(raw):
+            n_binary += 1
+        else:
             docs.append(raw.decode("utf-8", errors="replace"))
+    if source is not None and not any(d.strip() for d in docs):
+        why = f"{n_binary} of {len(files)} files binary (NUL or not UTF-8)"
+        why = why if n_binary else "empty or whitespace only"
+        raise ValueError(f"source {source!r} holds no text: {why}; nothing to tokenize")
+    if source is not None and n_binary:
+        print(f"source {source!r}: skipped {n_binary} of {len(files)} files as binary")
     return docs
 
 
@@ -556,7 +579,8 @@ def _split_val(docs: list[str], val_fraction: float) -> tuple[list[str], list[st
     cut, seen = int(total * (1 - val_fraction)), 0
     for i, d in enumerate(docs):
         if seen + len(d) > cut:
-            at = d.find("\n", cut - seen)
+            # subtle: not at the final newline, which leaves val empty for a one-line file
+            at = d.find("\n", cut - seen, len(d) - 1)
             at = cut - seen if at < 0 else at + 1
             return docs[:i] + [d[:at]], [d[at:]] + docs[i + 1 :]
         seen += len(d)
@@ -589,13 +613,16 @@ def prepare(
     val_fraction=0.05,
     block_size=1024,
     tokenizer_name=None,
+    before_write=None,
 ) -> dict:
     """Encode `source` with `tokenizer` into OUT/train.bin, OUT/val.bin and OUT/meta.json.
 
     Idempotent: when meta.json already describes the same inputs, nothing is done. Atomic: the
     shards are renamed into place only when whole, and meta.json (the "done" marker) comes last.
-    Raises with a clear message, writing nothing, on an empty or too-short corpus.
+    Bad input (missing, empty, binary, too short) raises ValueError or FileNotFoundError with a
+    one-line message before anything is written; `before_write()` runs once every check passed.
     """
+    before_write = before_write or (lambda: None)
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     name = tokenizer_name or (tokenizer if isinstance(tokenizer, str) else type(tok).__name__)
     files = source_files(source)
@@ -613,10 +640,9 @@ def prepare(
             (out / s).is_file() for s in meta["files"]
         ):
             print(f"{out}: already prepared from the same inputs, nothing to do")
+            before_write()  # the inputs passed before; e.g. a tokenizer deleted by hand comes back
             return meta
-    docs = read_documents(files)
-    if not any(d.strip() for d in docs):
-        raise ValueError(f"source {source!r} holds no text: nothing to tokenize")
+    docs = read_documents(files, source)
     enc, dtype = fast_encoder(tok), shard_dtype(tok.n_vocab)
     train_docs, val_docs = _split_val(docs, val_fraction)
     splits = {
@@ -629,6 +655,7 @@ def prepare(
                 f"the {split} split has {len(ids)} tokens, fewer than one block of "
                 f"{block_size}+1: use a bigger corpus or a smaller --block-size"
             )
+    before_write()  # every check passed: the first write (main saves its new tokenizer here)
     for split, ids in splits.items():
         write_shard(out / f"{split}.bin", ids.astype(dtype))
     meta = {
@@ -716,19 +743,20 @@ class DataLoader:
 # ---------------------------------------------------------------------------------------------
 # The demo
 # ---------------------------------------------------------------------------------------------
-def train_or_load_bpe(text: str, vocab_size: int, path: Path) -> Tokenizer:
-    """Training is deterministic, so a tokenizer saved from the same text and size is reused."""
+def train_or_load_bpe(text: str, vocab_size: int, path: Path):
+    """Training is deterministic, so a tokenizer saved from the same text and size is reused.
+    Returns (tokenizer, save): a new tokenizer is not on disk yet, `save()` writes it (None when
+    reused), so that `prepare` can write it only once the corpus passed every check."""
     digest = hashlib.sha256(f"{vocab_size}:{text}".encode()).hexdigest()
     json_path = path.with_suffix(".json")
     if json_path.is_file() and json.loads(json_path.read_text()).get("trained_on") == digest:
         print(f"reusing {path}: trained on this same text at vocab {vocab_size}")
-        return Tokenizer.load(path)
+        return Tokenizer.load(path), None
     print(f"training a {vocab_size}-token byte-level BPE (incremental pair counts):")
     start = time.perf_counter()
     tok = train_bpe(text, vocab_size, verbose=True)
-    tok.save(path, trained_on=digest)
-    print(f"  trained in {time.perf_counter() - start:.1f}s; saved to {path}")
-    return tok
+    print(f"  trained in {time.perf_counter() - start:.1f}s (saved with the shards to {path})")
+    return tok, lambda: tok.save(path, trained_on=digest)
 
 
 def _bytes_per_token(enc, text: str) -> float:
@@ -766,16 +794,28 @@ def main(argv=None) -> None:
     ap.add_argument("--val-fraction", type=float, default=0.05, help="tail of the text for val")
     ap.add_argument("--out", default=None, help="output folder (default data/SOURCE-TOKENIZER)")
     args = ap.parse_args(argv)
+    small_vocab = args.tokenizer == "bpe" and args.vocab_size < 257  # 256 bytes + <|endoftext|>
+    if small_vocab or args.block_size < 1 or not 0 < args.val_fraction < 1:
+        ap.error("need --vocab-size >= 257 for bpe, --block-size >= 1 and 0 < --val-fraction < 1")
+    try:
+        _prepare_and_show(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input: one line, no traceback
+        raise SystemExit(f"01_data.py: error: {' '.join(str(e).splitlines())}") from None
+
+
+def _prepare_and_show(args) -> None:
+    """Check the corpus, train (or load) a tokenizer, show what it does, write the shards.
+    Nothing reaches --out before `prepare` has checked everything (see its `before_write`)."""
     label = Path(args.source).stem if args.source not in ("stdlib", "shakespeare") else args.source
     tok_label = f"bpe{args.vocab_size}" if args.tokenizer == "bpe" else Path(args.tokenizer).stem
     out = Path(args.out or f"data/{label}-{tok_label}")
 
-    docs = read_documents(source_files(args.source))
+    docs = read_documents(source_files(args.source), args.source)  # bad input fails here, first
     text = EOT.join(docs)
     print(f"source {args.source!r}: {len(docs)} documents, {len(text.encode()) / 1e6:.1f} MB")
+    tok_name, save_tok = str(out / "tokenizer.tiktoken"), None
     if args.tokenizer == "bpe":
-        tok = train_or_load_bpe(text, args.vocab_size, out / "tokenizer.tiktoken")
-        tok_name = str(out / "tokenizer.tiktoken")
+        tok, save_tok = train_or_load_bpe(text, args.vocab_size, Path(tok_name))
     else:
         tok, tok_name = get_tokenizer(args.tokenizer), args.tokenizer
     _show_split(tok, "def hello_world(self):\n    return 'Hello, world!'")
@@ -792,7 +832,7 @@ def main(argv=None) -> None:
             f"  {name:16s} {_bytes_per_token(enc, sample):5.2f} bytes/token  "
             f"(vocab {enc.n_vocab:,})"
         )
-    meta = prepare(args.source, tok, out, args.val_fraction, args.block_size, tok_name)
+    meta = prepare(args.source, tok, out, args.val_fraction, args.block_size, tok_name, save_tok)
     for split in ("train", "val"):
         f = out / f"{split}.bin"
         print(

@@ -3,8 +3,13 @@
 import importlib
 import json
 import random
+import re
+import subprocess
+import sys
 import tracemalloc
 import urllib.error
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -306,6 +311,119 @@ def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, make_source, token
     assert not (tmp_path / "out").exists()
 
 
+PNG = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + bytes(range(256)) * 4  # an image: 0x89 is no UTF-8
+ELF = b"\x7fELF\x02\x01\x01" + bytes(9) + bytes(range(1, 256)) * 4  # an executable: NULs
+NOT_UTF8 = bytes(random.Random(0).randrange(1, 256) for _ in range(4096))  # random, but no NUL
+
+
+def test_binary_means_a_nul_or_not_utf8_in_the_first_8kb():
+    """The old rule (a NUL only) took random bytes for text; a strict decode of the head would
+    reject good text whose 8 KB cut splits a character, or accept a Latin-1 byte at the end."""
+    assert not data.is_binary("héllo wörld 中文 😀\n".encode())
+    # "a" + 2-byte "é"s: the 8,192-byte cut falls inside an "é". A plain decode of the head
+    # would call this text binary; the incremental decoder waits for the missing byte.
+    assert not data.is_binary(("a" + "é" * 5000).encode())
+    assert data.is_binary(b"caf\xe9")  # Latin-1: not UTF-8 (at the end of a file, no byte follows)
+    assert data.is_binary(PNG) and data.is_binary(ELF) and data.is_binary(NOT_UTF8)
+    assert not data.is_binary(b"a" * 8192 + b"\0")  # only the head is judged
+
+
+BAD_SOURCES = {  # case: (files to write, the --source to name, what the one-line error says)
+    "empty-file": ({"e.txt": b""}, "e.txt", "holds no text: empty or whitespace"),
+    "png-file": ({"x.png": PNG}, "x.png", "holds no text: 1 of 1 files binary"),
+    "random-bytes": ({"r.bin": NOT_UTF8}, "r.bin", "holds no text: 1 of 1 files binary"),
+    "missing-path": ({}, "nope.txt", "is not a file, a directory with files"),
+    "empty-folder": ({"d": None}, "d", "is not a file, a directory with files"),
+    "no-text-files": ({"d/ls": ELF, "d/x.png": PNG, "d/b.txt": b"\n"}, "d", "2 of 3 files binary"),
+    "too-short": ({"s.txt": b"too short"}, "s.txt", "fewer than one block of 64+1"),
+}
+
+
+def write_source(root, case) -> str:
+    files, source, _ = BAD_SOURCES[case]
+    for name, raw in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        if raw is None:
+            (root / name).mkdir()
+        else:
+            (root / name).write_bytes(raw)
+    return str(root / source)
+
+
+@pytest.mark.parametrize("case", BAD_SOURCES)
+def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path, case):
+    """prepare() raises ValueError/FileNotFoundError, main() turns it into one line
+    `01_data.py: error: ...` (SystemExit, no traceback), and --out is never created. The trap is
+    --tokenizer bpe: it used to save the trained tokenizer into --out before prepare refused the
+    corpus (too short), and it used to train on empty text (binary or empty source)."""
+    source, match, out = write_source(tmp_path, case), BAD_SOURCES[case][2], tmp_path / "out"
+    with pytest.raises((ValueError, FileNotFoundError), match=re.escape(match)):
+        data.prepare(source, "char", out, block_size=64)
+    assert not out.exists()
+    args = ["--source", source, "--out", str(out), "--vocab-size", "300", "--block-size", "64"]
+    with pytest.raises(SystemExit) as e:
+        data.main([*args, "--tokenizer", "bpe"])
+    msg = str(e.value.code)
+    assert msg.startswith("01_data.py: error: ") and "\n" not in msg and match in msg, msg
+    assert not out.exists(), f"{case}: wrote {sorted(p.name for p in out.iterdir())}"
+
+
+def test_cli_refuses_impossible_flags_before_reading_the_source(tmp_path, capsys):
+    """A BPE vocabulary without room for the 256 bytes and <|endoftext|> used to end in an
+    AssertionError traceback from train_bpe; the source named here is missing on purpose, so a
+    flag that slipped through would fail on the source instead (exit status 1, not 2)."""
+    for flags in (["--vocab-size", "100"], ["--block-size", "0"], ["--val-fraction", "1"]):
+        with pytest.raises(SystemExit) as e:
+            data.main([*flags, "--source", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+        assert e.value.code == 2 and "need --vocab-size >= 257" in capsys.readouterr().err, flags
+
+
+def test_cli_error_through_a_real_process_has_no_traceback(tmp_path):
+    """What a user sees: exit status 1 and one line on stderr, not a Python traceback."""
+    source, out = write_source(tmp_path, "png-file"), tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, "01_data.py", "--source", source, "--out", str(out)],
+        cwd=Path(data.__file__).parent, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines() == [f"01_data.py: error: source {source!r} holds no "
+                                               "text: 1 of 1 files binary (NUL or not UTF-8); "
+                                               "nothing to tokenize"]  # fmt: skip
+    assert not out.exists()
+
+
+def test_cli_skips_binaries_in_a_folder_and_saves_the_tokenizer_with_the_shards(tmp_path, capsys):
+    """A folder of text with a binary in it: the binary is skipped and counted, the shards decode
+    back to the text files alone, and the BPE tokenizer (saved only once the inputs passed) is
+    on disk, even after it was deleted by hand and the run repeated (prepare had nothing to do)."""
+    corpus = write_corpus(tmp_path / "corpus")
+    (corpus / "zz.png").write_bytes(PNG)
+    out = tmp_path / "out"
+    args = ["--source", str(corpus), "--out", str(out), "--vocab-size", "300", "--block-size", "64"]
+    data.main(args)
+    assert "skipped 1 of 7 files as binary" in capsys.readouterr().out
+    meta = json.loads((out / "meta.json").read_text())
+    tok = data.get_tokenizer(meta["tokenizer"])
+    assert meta["tokenizer"] == str(out / "tokenizer.tiktoken")
+    assert tok.n_vocab == meta["vocab_size"]
+    shards = [data.read_shard(out / f"{split}.bin").tolist() for split in ("train", "val")]
+    texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))]
+    assert tok.decode(shards[0]) + tok.decode(shards[1]) == EOT.join(texts)
+    for p in out.glob("tokenizer.*"):
+        p.unlink()
+    data.main(args)
+    assert "nothing to do" in capsys.readouterr().out
+    assert data.get_tokenizer(meta["tokenizer"]).merges == tok.merges
+
+
+def test_a_one_line_file_still_gets_a_validation_split(tmp_path):
+    """The val cut moves forward to the next newline. When that newline was the file's last
+    character, val was empty and prepare refused a perfectly good corpus."""
+    (tmp_path / "one.txt").write_text("word " * 400 + "\n")  # 2,001 characters
+    meta = data.prepare(str(tmp_path / "one.txt"), "char", tmp_path / "out", 0.1, block_size=64)
+    assert meta["val_tokens"] == 2001 - int(2001 * 0.9)  # cut mid-line at the 90% mark
+
+
 # ---------------------------------------------------------------------------------------------
 # The loader
 # ---------------------------------------------------------------------------------------------
@@ -342,6 +460,30 @@ def test_dp_ranks_get_disjoint_windows_and_an_epoch_repeats_none(shard_dir, dp_s
         epoch.extend(set().union(*ids))
     assert len(epoch) == len(set(epoch))  # no window twice in one epoch
     assert loaders[0].position(loaders[0].steps_per_epoch + 2) == (1, 2)
+
+
+def test_every_epoch_reads_every_window_once_in_a_new_order(tmp_path):
+    """Epoch e shuffles with the seed (seed, e). Seeding by `seed` alone, or keeping epoch 0's
+    cached permutation, replays one order every epoch: as sets the epochs below would still be
+    equal, but as sequences they would no longer differ. Token t sits at position t, so a row's
+    window is x[0] // T, read from the batches themselves. 12 windows of T=8, B=2: an epoch is 6
+    steps at dp=1 and 3 at dp=2 (the ranks together read the epoch)."""
+    T, n_windows = 8, 12
+    data.write_shard(tmp_path / "train.bin", np.arange(n_windows * T + 1, dtype=np.uint16))
+    for dp in (1, 2):
+        loaders = [data.DataLoader(tmp_path, "train", 2, T, 5, r, dp) for r in range(dp)]
+        spe = loaders[0].steps_per_epoch
+        assert spe * dp * 2 == n_windows, "no window left over: each epoch is all of them"
+
+        def epoch(e, loaders=loaders, spe=spe) -> list[int]:
+            steps = range(e * spe, (e + 1) * spe)
+            return [w for s in steps for ld in loaders for w in (ld.get_batch(s)[0][:, 0] // T)]
+
+        orders = [[int(w) for w in epoch(e)] for e in (0, 1, 2)]
+        for e, order in enumerate(orders):  # no window twice in an epoch, so none in a batch
+            assert sorted(order) == list(range(n_windows)), f"dp={dp} epoch {e}: {order}"
+        assert orders[0] != orders[1] != orders[2] != orders[0], f"dp={dp}: one order {orders}"
+        assert [int(w) for w in epoch(0)] == orders[0], "back to epoch 0: the same order again"
 
 
 def test_loader_errors_are_clear(tmp_path, shard_dir):
