@@ -25,6 +25,14 @@ Tied embeddings: stage 0 looks tokens up in wte, the last stage multiplies by wt
 copy, and every step the two copies' gradients are summed over an "embedding group" of those two
 ranks (Megatron), so both take the same optimizer step and stay one matrix.
 
+NCCL's rule. Sends and receives go in batch_isend_irecv groups, and on GPUs a send completes only
+once the peer has posted the matching receive, and a group only as a whole: if rank 0's group
+waits on a receive rank 1 posts in a later group, and rank 1's on one rank 0 posts later, both
+hang (gloo forgives it, so CPU tests alone cannot see it). So every rank steps on a shared clock:
+what one rank sends at step t, its neighbour receives in its own group of step t (`comm_plan`,
+Megatron's send_forward_recv_backward / send_backward_recv_forward pairing), and the simulator
+runs that plan under NCCL's rule (`nccl_timeline`), which is where the timelines below come from.
+
 Timelines below come from `simulate()` with t_f = t_b = 1 (a real backward costs ~2x); Fi/Bi is
 microbatch i, "." idle; for interleaved a/b name the chunk and one column is one chunk's step:
 
@@ -54,18 +62,21 @@ interleaved schedule and bubble analysis (Narayanan et al. 2021, arXiv 2104.0447
 
 What changed from 04: data parallelism (03) copied the model and tensor parallelism (04) split
 every matrix; here each rank holds whole layers, only some of them, and talks only to its two
-neighbours, which is why PP is the one to stretch across nodes. The schedules are data: a list of
-(F|B, microbatch, chunk) per rank, built by `schedule_order`, checked for deadlocks and message
-order by `simulate`, and executed as-is by `pipeline_step`.
+neighbours, which is why PP is the one to stretch across nodes. The schedules are data: steps of
+(F|B, microbatch, chunk) per rank (`schedule_steps`), placed on a shared clock with their p2p
+groups (`comm_plan`), run under NCCL's rule by the simulator and executed as-is by
+`pipeline_step`, whose loss is normalised by the step's token count exactly as 06's accumulation.
 
 Left out on purpose: zero-bubble schedules that split the backward into input and weight
 gradients (arXiv 2401.10241) and DualPipe; unbalanced stages (the first and last stage here also
 run the embedding and the head); deallocating sent outputs early (Megatron keeps only grad_fn);
-activation recomputation; overlapping the p2p with compute beyond posting receives early.
+activation recomputation; overlapping the p2p with compute (each step's group is waited before
+the next step, as Megatron does without overlap_p2p_comm).
 """
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -202,11 +213,16 @@ def allreduce_tied_grads(chunks, embed_group):
 # --------------------------------------------------------------------------- schedules as data
 
 
-def schedule_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[Action]:
-    """Rank's ordered actions. All three are: w warm-up forwards, then one forward and one
-    backward in turn, then the remaining backwards. GPipe: w = m. 1F1B: w = p-rank-1, so stage r
-    holds at most p-r microbatches. Interleaved (Megatron): forwards go round the ring in groups
-    of p microbatches per chunk, backwards through the chunks in reverse; w = 2(p-rank-1)+(v-1)p."""
+def schedule_steps(schedule: str, p: int, m: int, v: int, rank: int) -> list[tuple[Action, ...]]:
+    """Rank's actions, in steps: what it runs between two p2p exchanges. All three schedules are:
+    w warm-up forwards, then one forward and one backward in turn, then the remaining backwards.
+    GPipe: w = m. 1F1B: w = p-rank-1, so stage r holds at most p-r microbatches. Interleaved
+    (Megatron): forwards go round the ring in groups of p microbatches per chunk, backwards
+    through the chunks in reverse; w = 2(p-rank-1)+(v-1)p. GPipe and 1F1B exchange after every
+    action (Megatron's send_forward_recv_backward after a forward, send_backward_recv_forward
+    after a backward). Interleaved runs each steady-state forward and backward back to back and
+    exchanges once after both (send_forward_backward_recv_forward_backward): its longer warm-up
+    is what lets each backward's gradient arrive in the previous exchange."""
     check_config(schedule, p, m, v)
     if schedule == "interleaved":
         mb = lambda k: k // (p * v) * p + k % p  # noqa: E731 - virtual microbatch k -> microbatch
@@ -218,10 +234,15 @@ def schedule_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[Act
         fwd = [Action("F", i, 0) for i in range(m)]
         bwd = [Action("B", i, 0) for i in range(m)]
         warmup = m if schedule == "gpipe" else min(p - rank - 1, m)
-    order = fwd[:warmup]
-    for f, b in zip(fwd[warmup:], bwd):  # steady state: 1F1B
-        order += [f, b]
-    return order + bwd[len(fwd) - warmup :]  # cool-down
+    steps = [(f,) for f in fwd[:warmup]]
+    for f, b in zip(fwd[warmup:], bwd):  # steady state: one forward, one backward
+        steps += [(f, b)] if schedule == "interleaved" else [(f,), (b,)]
+    return steps + [(b,) for b in bwd[len(fwd) - warmup :]]  # cool-down
+
+
+def schedule_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[Action]:
+    """Rank's actions in the order it runs them (schedule_steps, flattened)."""
+    return [a for step in schedule_steps(schedule, p, m, v, rank) for a in step]
 
 
 def _message(a: Action, rank: int, p: int, v: int):
@@ -235,44 +256,138 @@ def _message(a: Action, rank: int, p: int, v: int):
     return recv, send
 
 
-def simulate(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0):
-    """-> (orders, timeline): each rank's actions, and the ideal Events when a microbatch's forward
-    and backward through one rank's layers take t_f and t_b (a chunk: t_f/v, t_b/v) and messages
-    are free. Raises if the orders would deadlock, or pair sends and receives wrongly."""
-    orders = [schedule_order(schedule, p, m, v, r) for r in range(p)]
-    sent, received = defaultdict(list), defaultdict(list)  # (src, dst) -> messages, in order
-    for r, order in enumerate(orders):
-        for a in order:
-            recv, send = _message(a, r, p, v)
-            if recv:
-                received[(recv[0], r)].append(recv[1])
-            if send:
-                sent[(r, send[0])].append(send[1])
-    # subtle: NCCL pairs the k-th send r->q with the k-th receive on q from r, whatever it is
-    assert sent == received, f"{schedule} p={p} m={m} v={v}: send/receive orders disagree"
-    done, clock, nxt = {}, [0.0] * p, [0] * p
-    timeline = [[] for _ in range(p)]
-    while any(nxt[r] < len(orders[r]) for r in range(p)):
-        progressed = False
+# --------------------------------------------------------------------------- NCCL's rule, planned
+# subtle: NCCL has no send buffer. A send completes only when the receiver has posted the
+# matching receive, and a batch_isend_irecv group completes only as a whole. Group "send my
+# last output, receive my next input" on each rank, the obvious executor, and interleaved p=2,
+# m=4, v=2 hangs on GPUs: rank 0's 6th group sends to rank 1's 7th, while rank 1's 6th waits on
+# a receive in rank 0's 7th. Gloo buffers sends, so that bug passes every CPU test.
+
+
+class Tick(NamedTuple):  # one rank's share of one step of a shared clock
+    actions: tuple  # the step it computes first: (), (F,), (B,) or (F, B)
+    sends: tuple  # ((peer, message), ...), then posted with the receives as ONE group
+    recvs: tuple  # message: (op, microbatch, stage) of the action that made the tensor
+
+
+def _needs(a: Action, s: int, S: int):
+    """The (op, microbatch, stage) whose output action a, at stage s of S, consumes."""
+    if a.op == "F":
+        return ("F", a.mb, s - 1) if s > 0 else None  # the previous stage's activation
+    return ("B", a.mb, s + 1) if s < S - 1 else ("F", a.mb, s)  # the next stage's gradient
+
+
+def comm_plan(steps, p: int, v: int) -> list[list[Tick]]:
+    """Each rank's steps on a shared clock, with the p2p group it posts after each tick.
+
+    Run the steps in lock-step: at tick t a rank runs its next step if the step's inputs were
+    made before t (or by the step itself: the last stage's backward needs its own forward).
+    Every message made at tick t belongs to super-step t: the sender's group t holds the send,
+    the receiver's group t the receive. So a rank's group t matches exactly its neighbours'
+    groups t, all ranks post groups in increasing t, and no wait can depend on a peer's later
+    group. The pairs of schedule_steps' docstring come out of this rule by themselves."""
+    S, nxt, made, t = p * v, [0] * p, {}, 0
+    plan = [[] for _ in range(p)]
+    while any(nxt[r] < len(steps[r]) for r in range(p)):
+        ran = {}
         for r in range(p):
-            while nxt[r] < len(orders[r]):
-                a = orders[r][nxt[r]]
-                s = a.chunk * p + r
-                if a.op == "F":  # needs the previous stage's forward of this microbatch
-                    dep = ("F", a.mb, s - 1) if s > 0 else None
-                else:  # needs the next stage's backward; the last stage its own forward
-                    dep = ("B", a.mb, s + 1) if s < p * v - 1 else ("F", a.mb, s)
-                if dep and dep not in done:
+            if nxt[r] < len(steps[r]):
+                step = steps[r][nxt[r]]
+                own = {(a.op, a.mb, a.chunk * p + r) for a in step}
+                deps = {_needs(a, a.chunk * p + r, S) for a in step} - own - {None}
+                if all(made.get(dep, t) < t for dep in deps):
+                    ran[r], nxt[r] = step, nxt[r] + 1
+        if not ran:
+            stuck = {r: steps[r][nxt[r]] for r in range(p) if nxt[r] < len(steps[r])}
+            raise RuntimeError(f"the steps deadlock at tick {t}; waiting: {stuck}")
+        sends, recvs = defaultdict(list), defaultdict(list)
+        for r, step in ran.items():
+            for a in step:
+                msg = (a.op, a.mb, a.chunk * p + r)
+                made[msg] = t
+                send = _message(a, r, p, v)[1]
+                if send and send[0] != r:  # p = 1: chunk k hands to chunk k+1 in-process
+                    sends[r].append((send[0], msg))
+                    recvs[send[0]].append((r, msg))
+        for r in range(p):
+            if r in ran or sends[r] or recvs[r]:
+                plan[r].append(Tick(ran.get(r, ()), tuple(sends[r]), tuple(recvs[r])))
+        t += 1
+    return plan
+
+
+def _pairs(plan) -> list[tuple]:
+    """((rank, tick index), (rank, tick index)) of each send and its receive: NCCL pairs the
+    k-th send r->q with the k-th receive on q from r, whatever they carry, so check that too."""
+    where, count = {}, defaultdict(int)
+    for r, ticks in enumerate(plan):
+        for i, tick in enumerate(ticks):
+            for side, ops in (("send", tick.sends), ("recv", tick.recvs)):
+                for peer, msg in ops:
+                    key = ((r, peer) if side == "send" else (peer, r), side)
+                    where[(*key, count[key])] = ((r, i), msg)
+                    count[key] += 1
+    pairs = []
+    for (pair, side, k), (group, msg) in where.items():
+        other = where.get((pair, "recv" if side == "send" else "send", k))
+        assert other is not None, f"rank {group[0]}'s {side} of {msg} ({pair}) has no partner"
+        assert other[1] == msg, f"{pair}: message {k} is {msg} on one side, {other[1]} on the other"
+        if side == "send":
+            pairs.append((group, other[0]))
+    return pairs
+
+
+def nccl_timeline(plan, v: int, t_f: float = 1.0, t_b: float = 2.0) -> list[list[Event]]:
+    """Execute a comm plan under NCCL's rule: the Events, or an error naming the groups that hang.
+
+    Each rank computes its tick's actions (a microbatch's forward and backward through one rank's
+    layers take t_f and t_b; a chunk's t_f/v and t_b/v; their inputs must be here already), then
+    launches the tick's group, if it has one, and blocks until the whole group completes. Inside
+    a launched group the operations progress independently; each completes when the rank holding
+    its partner has launched the partner's group (no send buffer; messages take no time)."""
+    p, pending = len(plan), set(_pairs(plan))
+    at, clock, launched_at = [0] * p, [0.0] * p, {}
+    have, timeline = [set() for _ in range(p)], [[] for _ in range(p)]
+    while True:
+        for r in range(p):  # each rank runs until it blocks on a group (or ends)
+            while at[r] < len(plan[r]):
+                tick = plan[r][at[r]]
+                if (r, at[r]) not in launched_at:
+                    for a in tick.actions:
+                        s, start = a.chunk * p + r, clock[r]
+                        need = _needs(a, s, p * v)
+                        assert need is None or need in have[r], f"rank {r} runs {a} before {need}"
+                        have[r].add((a.op, a.mb, s))
+                        clock[r] += (t_f if a.op == "F" else t_b) / v
+                        timeline[r].append(Event(*a, start, clock[r]))
+                    launched_at[(r, at[r])] = clock[r]
+                if tick.sends or tick.recvs:
                     break
-                start = max(clock[r], done.get(dep, 0.0))
-                clock[r] = start + (t_f if a.op == "F" else t_b) / v
-                done[(a.op, a.mb, s)] = clock[r]
-                timeline[r].append(Event(*a, start, clock[r]))
-                nxt[r], progressed = nxt[r] + 1, True
-        if not progressed:
-            stuck = {r: orders[r][nxt[r]] for r in range(p) if nxt[r] < len(orders[r])}
-            raise RuntimeError(f"{schedule} p={p} m={m} v={v} deadlocks; waiting: {stuck}")
-    return orders, timeline
+                at[r] += 1
+        launched = {(r, at[r]) for r in range(p) if at[r] < len(plan[r])}
+        if not launched:
+            return timeline
+        for pair in [pair for pair in pending if set(pair) <= launched]:  # both ends posted:
+            pending.discard(pair)  # the transfer happens when the later of the two launches
+            for r, _ in pair:
+                clock[r] = max(clock[r], *(launched_at[g] for g in pair))
+        done = launched - {g for pair in pending for g in pair}
+        if not done:
+            raise RuntimeError(f"deadlock under NCCL's rule: the groups (rank, index) "
+                               f"{sorted(launched)} each wait on a peer's later group")  # fmt: skip
+        for r, i in done:
+            have[r].update(msg for _, msg in plan[r][i].recvs)
+            at[r] += 1
+
+
+def simulate(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0):
+    """-> (orders, timeline): each rank's actions, and the Events when the executor's plan for
+    them (comm_plan) runs under NCCL's rule with forward and backward times t_f and t_b and free
+    messages. Raises if the steps deadlock, or if the plan's groups would pair sends and
+    receives wrongly or hang on NCCL."""
+    steps = [schedule_steps(schedule, p, m, v, r) for r in range(p)]
+    orders = [[a for step in rank_steps for a in step] for rank_steps in steps]
+    return orders, nccl_timeline(comm_plan(steps, p, v), v, t_f, t_b)
 
 
 def bubble_formula(p: int, m: int, v: int = 1) -> float:
@@ -307,13 +422,13 @@ def ascii_timeline(timeline, unit: float = 1.0, chunks: bool = False) -> str:
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # last stage: the mean over microbatches of each one's mean token loss
+    loss: torch.Tensor  # last stage: Σ token losses / the step's token count (0 elsewhere)
     events: list  # Events in the order they ran, start/end in seconds since the step began
     peak_in_flight: int  # most (microbatch, chunk) forwards alive at once, awaiting backward
 
 
 class _Run:
-    """One step on one rank: the stash of live activations, pending sends, the clock."""
+    """One step on one rank: received tensors, the stash of live activations, the clock."""
 
     def __init__(self, chunks, xs, ys, group, p, rank, shape, dtype):
         self.chunks, self.xs, self.ys, self.group, self.p = chunks, xs, ys, group, p
@@ -322,91 +437,97 @@ class _Run:
         # pp_prev_rank/pp_next_rank as global ranks: the PP group is a subset of the world
         neighbours = {(rank - 1) % p, (rank + 1) % p} if p > 1 else set()
         self.peer = {q: dist.get_global_rank(group or dist.group.WORLD, q) for q in neighbours}
-        self.stash, self.sends, self.mailbox, self.events = {}, [], {}, []
+        self.inbox, self.stash, self.events = {}, {}, []  # inbox: message -> tensor
         self.loss, self.peak = torch.zeros((), device=xs[0].device), 0
-        self.loss_scale = 1.0  # pipeline_step sets S for fp16
+        self.n_tokens, self.grad_scale = 1, 1.0  # pipeline_step sets them
 
-    def post(self, done, out, nxt):
-        """Batch the send of action `done`'s output with the receive of action `nxt`'s input
-        (Megatron's send_forward_recv_backward): both in one batch_isend_irecv, so NCCL can't
-        deadlock two neighbours that each send first. Returns what to wait on for `nxt`."""
-        ops, sends, buf = [], 0, None
-        if done is not None and (send := _message(done, self.rank, self.p, self.v)[1]):
-            if self.p == 1:  # p = 1: chunk k hands to chunk k+1 in-process
-                self.mailbox[send[1]] = out
-            else:
-                ops.append(dist.P2POp(dist.isend, out, self.peer[send[0]], self.group))
-                sends = 1
-        if nxt is not None and (recv := _message(nxt, self.rank, self.p, self.v)[0]):
-            if self.p == 1:
-                buf = self.mailbox.pop(recv[1])
-            else:  # the shape is known from the config: nothing is sent to describe it
-                buf = torch.empty(self.shape, dtype=self.dtype, device=self.xs[0].device)
-                ops.append(dist.P2POp(dist.irecv, buf, self.peer[recv[0]], self.group))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        coalesced = len(works) != len(ops)  # NCCL returns one work for the whole batch
-        self.sends += works[:sends] if not coalesced else []
-        self.sends = [w for w in self.sends if not w.is_completed()]  # free finished ones
-        return buf, works if coalesced else works[sends:]
+    def exchange(self, tick: Tick, outs: dict):
+        """This tick's sends and receives as ONE batch_isend_irecv group (NCCL launches it as one
+        kernel), waited as a whole before the next compute: the plan made that safe."""
+        ops = [dist.P2POp(dist.isend, outs[msg], self.peer[q], self.group) for q, msg in tick.sends]
+        for q, msg in tick.recvs:  # the shape is known from the config: nothing describes it
+            self.inbox[msg] = torch.empty(self.shape, dtype=self.dtype, device=self.xs[0].device)
+            ops.append(dist.P2POp(dist.irecv, self.inbox[msg], self.peer[q], self.group))
+        for work in dist.batch_isend_irecv(ops):  # NCCL: one work for the group; gloo: one each
+            work.wait()
 
-    def forward(self, a, inp):
+    def forward(self, a: Action, s: int):
         chunk, mod = self.chunks[a.chunk], self.modules[a.chunk]
         if mod.is_first:
             inp = self.xs[a.mb]  # (b, T) ids
-        else:
-            inp.requires_grad_()  # (b, T, C): we need dL/d(input) to send back
+        else:  # (b, T, C): we need dL/d(input) to send back
+            inp = self.inbox.pop(_needs(a, s, mod.n_stages)).requires_grad_()
         out = chunk(inp)  # (b, T, C), or (b, T, V) logits on the last stage
-        if mod.is_last:  # each microbatch's loss is a mean over its tokens; the step's is the
-            out = mod.loss_fn(out, self.ys[a.mb], "mean") / len(self.xs)  # mean over m of them
-            self.loss += out.detach()
-            out = out * self.loss_scale  # fp16's loss scaling (06): backward sees S * loss
-        self.stash[(a.mb, a.chunk)] = (inp, out)  # alive until this microbatch's backward
-        self.peak = max(self.peak, len(self.stash))
+        if mod.is_last:  # Σ of the microbatch's token losses / the step's token count (as 06)
+            loss_sum = mod.loss_fn(out, self.ys[a.mb], "sum")
+            self.loss += loss_sum.detach() / self.n_tokens
+            out = loss_sum * self.grad_scale  # backward starts from dp · S · loss_sum / N
+        if torch.is_grad_enabled():  # (not when evaluating: no backward will come)
+            self.stash[(a.mb, a.chunk)] = (inp, out)  # alive until this microbatch's backward
+            self.peak = max(self.peak, len(self.stash))
         return None if mod.is_last else out.detach()
 
-    def backward(self, a, grad, last_of_chunk):
+    def backward(self, a: Action, s: int, last_of_chunk: bool):
         inp, out = self.stash.pop((a.mb, a.chunk))
-        chunk = self.chunks[a.chunk]
+        chunk, mod = self.chunks[a.chunk], self.modules[a.chunk]
+        grad = None if mod.is_last else self.inbox.pop(_needs(a, s, mod.n_stages))
         # DP syncs gradients once per step: in the last backward of each chunk, never before
         quiet = hasattr(chunk, "no_sync") and not last_of_chunk
         with chunk.no_sync() if quiet else contextlib.nullcontext():
             torch.autograd.backward(out, grad_tensors=grad)  # grads accumulate in .grad
-        return None if self.modules[a.chunk].is_first else inp.grad
+        return None if mod.is_first else inp.grad
 
-    def run(self, order):
-        last_b = {a.chunk: i for i, a in enumerate(order) if a.op == "B"}
+    def run(self, ticks: list[Tick]):
+        last_b = {a.chunk: a for t in ticks for a in t.actions if a.op == "B"}  # chunk's last
         if self.p > 1:
             dist.barrier(group=self.group)  # a common t = 0; NCCL's first p2p wants everyone
         t0 = time.perf_counter()
-        buf, works = self.post(None, None, order[0])
-        for i, a in enumerate(order):
-            for w in works:
-                w.wait()
-            start = time.perf_counter()
-            out = (
-                self.forward(a, buf) if a.op == "F" else self.backward(a, buf, last_b[a.chunk] == i)
-            )
-            self.events.append(Event(*a, start - t0, time.perf_counter() - t0))
-            buf, works = self.post(a, out, order[i + 1] if i + 1 < len(order) else None)
-        for w in self.sends:  # never leave a send unwaited
-            w.wait()
+        for tick in ticks:
+            outs = {}  # message -> the tensor this tick sends
+            for a in tick.actions:
+                s, start = a.chunk * self.p + self.rank, time.perf_counter()
+                if a.op == "F":
+                    out = self.forward(a, s)
+                else:
+                    out = self.backward(a, s, last_b[a.chunk] == a)
+                self.events.append(Event(*a, start - t0, time.perf_counter() - t0))
+                send = _message(a, self.rank, self.p, self.v)[1]
+                if send and send[0] == self.rank:  # p = 1: the next chunk is on this rank
+                    self.inbox[(a.op, a.mb, s)] = out
+                outs[(a.op, a.mb, s)] = out
+            if tick.sends or tick.recvs:
+                self.exchange(tick, outs)
+        assert not self.inbox and not self.stash, "a received tensor or activation was not used"
+
+
+@functools.lru_cache(maxsize=64)
+def step_plan(schedule: str, p: int, m: int, v: int, forward_only: bool = False):
+    """Every rank's comm plan for one step (forward_only: the schedule's forwards alone)."""
+    steps = [schedule_steps(schedule, p, m, v, r) for r in range(p)]
+    if forward_only:  # the forwards alone, one per step: still deadlock-free (tested)
+        steps = [[(a,) for step in rank_steps for a in step if a.op == "F"] for rank_steps in steps]
+    return comm_plan(steps, p, v)
 
 
 def pipeline_step(chunks, batch, n_microbatches: int, schedule: str = "1f1b", pp_group=None, *,
                   act_shape=None, act_dtype=None, embed_group=None, loss_scale: float = 1.0,
-                  forward_only: bool = False) -> StepResult:  # fmt: skip
+                  n_tokens=None, dp_size: int = 1, forward_only: bool = False) -> StepResult:  # fmt: skip
     """Forwards and backwards of one training step under `schedule` (no optimizer step).
 
     chunks: this rank's split_model list, each possibly wrapped by DP (`.module`, `no_sync()`).
     batch: (x, y), both (B, T), the same on every rank of the pipeline (stage 0 reads x, the last
     stage y). act_shape/act_dtype: one microbatch's activation between stages, default
     (B/m, T, C) in the parameters' dtype; with sequence parallelism pass (B/m, T/tp, C).
-    Gradients accumulate into .grad (zero them first) and equal those of one big batch. With tied
-    embeddings and p > 1, pass embed_group=embedding_group(...): the copies' grads are summed.
+    The loss is normalised as 06 does: each microbatch contributes its SUM of token losses over
+    n_tokens, the target tokens (not -1) of the whole step: all microbatches of all DP replicas
+    (06's global_token_count); default: those of this batch. With DP wrappers (which average
+    over the dp_size replicas) pass dp_size, so the gradients are those of one big batch.
+    Gradients accumulate into .grad (zero them first). With tied embeddings and p > 1, pass
+    embed_group=embedding_group(...): the copies' grads are summed.
     loss_scale: backward starts from loss_scale * loss (fp16 with a loss scaler; .loss is unscaled).
     forward_only: run only the schedule's forwards, in its order, under no_grad (evaluation).
-    Returns StepResult; .loss is the step's loss on the last stage and 0 on the others, so a SUM
-    all-reduce over pp_group gives it to every rank."""
+    Returns StepResult; .loss is this replica's share of the step's loss on the last stage and 0
+    on the others, so a SUM all-reduce over pp_group (and over DP) gives it to every rank."""
     p = dist.get_world_size(pp_group) if dist.is_initialized() else 1
     rank = dist.get_rank(pp_group) if p > 1 else 0
     x, y = batch
@@ -421,14 +542,13 @@ def pipeline_step(chunks, batch, n_microbatches: int, schedule: str = "1f1b", pp
     shape = tuple(act_shape or (x.size(0) // m, x.size(1), mods[0].config.n_embd))
     dtype = act_dtype or next(mods[0].parameters()).dtype
     run = _Run(chunks, x.chunk(m), y.chunk(m), pp_group, p, rank, shape, dtype)
-    run.loss_scale = loss_scale
-    order = schedule_order(schedule, p, m, len(chunks), rank)
-    if forward_only:  # dropping the backwards only removes waits: still deadlock-free
-        with torch.no_grad():
-            run.run([a for a in order if a.op == "F"])
-        return StepResult(run.loss, run.events, run.peak)
-    run.run(order)
-    if embed_group is not None:
+    run.n_tokens = int((y != -1).sum()) if n_tokens is None else n_tokens  # 02's ignore index
+    assert run.n_tokens > 0, "this step has no target tokens: every target is -1"
+    run.grad_scale = dp_size * loss_scale / run.n_tokens
+    ticks = step_plan(schedule, p, m, len(chunks), forward_only)[rank]
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        run.run(ticks)
+    if embed_group is not None and not forward_only:
         allreduce_tied_grads(mods, embed_group)
     return StepResult(run.loss, run.events, run.peak)
 

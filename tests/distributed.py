@@ -19,6 +19,7 @@ queue is shared memory owned by the child, which dies before the parent reads it
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import socket
@@ -36,6 +37,50 @@ GRACE_S = 5.0  # how long healthy ranks may take to notice a dead peer before we
 
 class RankError(RuntimeError):
     """One or more ranks raised, or timed out."""
+
+
+ACK_TAG = 7177  # the emulation's acknowledgements travel apart from the data (tag 0)
+
+
+class _GroupWork:
+    """NCCL hands back ONE work for a whole batch_isend_irecv group: wait() waits for all of it."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, timeout=None):
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self.works)
+
+
+@contextlib.contextmanager
+def nccl_p2p_rules():
+    """Make gloo's batch_isend_irecv block the way NCCL's does, inside a rank.
+
+    NCCL has no send buffer: a send completes only once the receiver has launched the group that
+    holds the matching receive, and the group completes as a whole. Gloo buffers sends, so a
+    schedule that deadlocks on GPUs passes on CPUs. Here every operation of a group also
+    exchanges a small acknowledgement with its peer (a send waits for the receiver's ack, which
+    the receiver posts when it launches its group), and the group comes back as one work."""
+    real = dist.batch_isend_irecv
+
+    def batch_isend_irecv(p2p_op_list):
+        acks = []
+        for op in p2p_op_list:
+            flag = torch.zeros(1)
+            ack = dist.irecv if op.op is dist.isend else dist.isend  # the opposite direction
+            acks.append(dist.P2POp(ack, flag, op.peer, op.group, tag=ACK_TAG))
+        return [_GroupWork(real(list(p2p_op_list) + acks))]
+
+    dist.batch_isend_irecv = batch_isend_irecv
+    try:
+        yield
+    finally:
+        dist.batch_isend_irecv = real
 
 
 def free_port() -> int:

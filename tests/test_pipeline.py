@@ -4,15 +4,17 @@ process (loss and every gradient); DP x PP composition; torch.distributed.pipeli
 Starting a rank costs 1-2 s, so each world size is spawned ONCE (`_world`) and runs every case;
 the tests below only read its results. Models are tiny: 8 blocks (so p·v = 4·2 works), C = 16."""
 
+import contextlib
 import functools
 import importlib
 import json
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_ranks
+from tests.distributed import nccl_p2p_rules, run_ranks
 
 pp = importlib.import_module("05_pipeline")
 model_lib = importlib.import_module("02_model")
@@ -33,16 +35,22 @@ def make_model(**overrides):
     return model_lib.GPT(model_lib.GPTConfig(**{**CFG, **overrides}))
 
 
-def make_batch(rows: int, seed: int = 0):
+def make_batch(rows: int, seed: int = 0, ignore: bool = False):
+    """(B, T) inputs and next-token targets. ignore: the first half of the rows keep only their
+    first target (the rest -1, as padding or a masked prompt), so microbatches, and DP replicas,
+    hold very different numbers of real tokens: 1 per row against T."""
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, CFG["vocab_size"], (rows, CFG["block_size"] + 1), generator=g)
-    return data[:, :-1], data[:, 1:]  # (B, T) inputs and next-token targets
+    x, y = data[:, :-1], data[:, 1:].clone()
+    if ignore:
+        y[: rows // 2, 1:] = -1
+    return x, y
 
 
-def reference(m: int, seed: int = 0, **overrides):
+def reference(m: int, seed: int = 0, ignore: bool = False, **overrides):
     """One process, one batch of MICRO*m rows: (loss, {name: grad})."""
     model = make_model(**overrides)
-    _, loss = model(*make_batch(MICRO * m, seed))
+    _, loss = model(*make_batch(MICRO * m, seed, ignore))
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -65,27 +73,65 @@ def _grads(chunks):
     }
 
 
-def _step(model, rank, p, schedule, m, v, group, embed_group, batch, wrap=None):
+def _step(model, rank, p, schedule, m, v, group, embed_group, batch, wrap=None, **kwargs):
     chunks = pp.split_model(model, rank, p, v)
     if wrap is not None:
         chunks = [wrap(c) for c in chunks]
     model.zero_grad(set_to_none=True)
-    res = pp.pipeline_step(chunks, batch, m, schedule, group, embed_group=embed_group)
+    res = pp.pipeline_step(chunks, batch, m, schedule, group, embed_group=embed_group, **kwargs)
     return chunks, res
 
 
 def _all_schedules(rank, p):
-    """Every case on the whole world as one pipeline."""
+    """Every case on the whole world as one pipeline, p2p blocking as NCCL's does (gloo alone
+    buffers sends and would forgive a grouping that hangs on GPUs)."""
     embed_group, out = pp.embedding_group([list(range(p))]), {}
-    for schedule, m, v in cases(p):
-        model = make_model()
-        chunks, res = _step(
-            model, rank, p, schedule, m, v, None, embed_group, make_batch(MICRO * m)
-        )
-        out[(schedule, m)] = dict(
-            loss=res.loss, grads=_grads(chunks), peak=res.peak_in_flight, events=res.events
-        )
+    with nccl_p2p_rules():
+        for schedule, m, v in cases(p):
+            model = make_model()
+            chunks, res = _step(
+                model, rank, p, schedule, m, v, None, embed_group, make_batch(MICRO * m)
+            )
+            out[(schedule, m)] = dict(
+                loss=res.loss, grads=_grads(chunks), peak=res.peak_in_flight, events=res.events
+            )
     return out
+
+
+def _ignored_targets(rank, p, m=4):
+    """Every schedule on a batch whose microbatches hold 4 and 32 real target tokens."""
+    embed_group, out = pp.embedding_group([list(range(p))]), {}
+    with nccl_p2p_rules():
+        for schedule in pp.SCHEDULES:
+            v = 2 if schedule == "interleaved" else 1
+            chunks, res = _step(make_model(), rank, p, schedule, m, v, None, embed_group,
+                                make_batch(MICRO * m, ignore=True))  # fmt: skip
+            out[schedule] = dict(loss=res.loss, grads=_grads(chunks))
+    return out
+
+
+def _p2p_blocking(rank, p, wait_s=1.0):
+    """Both ranks send first and receive in a LATER group: a hang on NCCL. For plain gloo and
+    the emulation: how many works the send group returns, and whether the send was still
+    pending after wait_s (then the pattern drains: the barrier keeps either rank from posting
+    its receive before both have looked)."""
+    peer, seen = 1 - rank, []
+    for emulate in (False, True):
+        with nccl_p2p_rules() if emulate else contextlib.nullcontext():
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(4), peer),
+                                            dist.P2POp(dist.isend, torch.ones(4), peer)])  # fmt: skip
+            deadline = time.monotonic() + wait_s
+            while not all(w.is_completed() for w in works) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen.append((len(works), not all(w.is_completed() for w in works)))
+            dist.barrier()
+            bufs = [torch.zeros(4), torch.zeros(4)]
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer) for b in bufs]):
+                w.wait()
+            for w in works:
+                w.wait()
+            assert all(torch.equal(b, torch.ones(4)) for b in bufs)
+    return seen
 
 
 def _optimizer_curve(rank, p, steps=4):
@@ -161,25 +207,30 @@ def _bad_configs(rank, p):
 def _dp_times_pp(rank, world):
     """pp=2 x dp=2 on 4 ranks, grid arange(4).view(pp, dp): PP groups {0,2} {1,3}, DP groups
     {0,1} {2,3}. Each DP replica runs its own pipeline on its half of the batch, every chunk
-    wrapped in 03's bucketed DataParallel (tiny buckets, so there are several per chunk)."""
+    wrapped in 03's bucketed DataParallel (tiny buckets, so there are several per chunk). The
+    batch has ignored targets: replica 0's half holds 4 real tokens, replica 1's 32, so only
+    normalising by the step's token count over both replicas gives one process's gradient."""
     ddp_lib, dp = importlib.import_module("03_ddp"), 2
     pp_rank, dp_rank = rank // dp, rank % dp
     pp_ranks, dp_ranks = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
     pp_groups = [dist.new_group(r) for r in pp_ranks]  # every rank creates every group, in order
     dp_groups = [dist.new_group(r) for r in dp_ranks]
     embed_group = pp.embedding_group(pp_ranks)
-    out = {}
+    mp_lib, out = importlib.import_module("06_mixed_precision"), {}
     for schedule in pp.SCHEDULES:
         m, v = 2, 2 if schedule == "interleaved" else 1
-        x, y = make_batch(MICRO * m * dp)
+        x, y = make_batch(MICRO * m * dp, ignore=True)
         half = slice(dp_rank * MICRO * m, (dp_rank + 1) * MICRO * m)
-        chunks, res = _step(make_model(), pp_rank, 2, schedule, m, v, pp_groups[dp_rank],
-                            embed_group, (x[half], y[half]),
-                            wrap=lambda c: ddp_lib.DataParallel(c, 1e-3, dp_groups[pp_rank]))  # fmt: skip
+        n_tokens = mp_lib.global_token_count([(x[half], y[half])], dp_groups[pp_rank])
+        with nccl_p2p_rules():
+            chunks, res = _step(make_model(), pp_rank, 2, schedule, m, v, pp_groups[dp_rank],
+                                embed_group, (x[half], y[half]),
+                                wrap=lambda c: ddp_lib.DataParallel(c, 1e-3, dp_groups[pp_rank]),
+                                n_tokens=n_tokens, dp_size=dp)  # fmt: skip
         loss = res.loss.clone()
-        dist.all_reduce(loss, group=dp_groups[pp_rank])  # SUM over replicas, then the mean
+        dist.all_reduce(loss, group=dp_groups[pp_rank])  # SUM of the replicas' shares
         syncs = [c.stats["syncs"] for c in chunks]  # gradient all-reduce rounds, per chunk
-        out[schedule] = dict(loss=loss / dp, grads=_grads(chunks), syncs=syncs)
+        out[schedule] = dict(loss=loss, grads=_grads(chunks), syncs=syncs)
     return out
 
 
@@ -201,8 +252,9 @@ def _tp_times_pp(rank, world):
             model = tp_lib.apply_tensor_parallel(make_model(), tp_groups[pp_rank], sp)
             T, C = CFG["block_size"], CFG["n_embd"]
             chunks = pp.split_model(model, pp_rank, 2, v)
-            res = pp.pipeline_step(chunks, make_batch(MICRO * 2), 2, schedule, pp_groups[rank % tp],
-                                   act_shape=(MICRO, T // tp if sp else T, C), embed_group=embed_group)  # fmt: skip
+            with nccl_p2p_rules():
+                res = pp.pipeline_step(chunks, make_batch(MICRO * 2), 2, schedule, pp_groups[rank % tp],
+                                       act_shape=(MICRO, T // tp if sp else T, C), embed_group=embed_group)  # fmt: skip
             out[(sp, schedule)] = dict(loss=res.loss, grads=_grads(chunks))
     return out
 
@@ -211,6 +263,8 @@ def _rank_main(rank, world):
     torch.manual_seed(0)
     results = dict(all=_all_schedules(rank, world), torch=_torch_pipelining(rank, world))
     if world == 2:
+        results["blocking"] = _p2p_blocking(rank, world)
+        results["ignored"] = _ignored_targets(rank, world)
         results["curve"] = _optimizer_curve(rank, world)
         results["untied"] = _untied(rank, world)
         results["bad"] = _bad_configs(rank, world)
@@ -352,7 +406,7 @@ def test_dp_times_pp_syncs_once_per_step():
     collectively, and 03's DataParallel around each chunk: grads equal one process on the whole
     batch, and DP synchronises once per step and chunk (no_sync() on every earlier backward)."""
     results = _world(4)
-    ref_loss, ref_grads = reference(2 * 2)  # both replicas' halves together
+    ref_loss, ref_grads = reference(2 * 2, ignore=True)  # both replicas' halves together
     for schedule in pp.SCHEDULES:
         per_rank = [r["dp_pp"][schedule] for r in results]
         for r in per_rank:  # one synchronised backward per chunk: no_sync() on all the others
@@ -526,15 +580,109 @@ def test_simulated_bubble_is_the_formula_and_nothing_deadlocks():
                         )
 
 
+def old_grouping(schedule, p, m, v):
+    """The executor before NCCL's rule was modelled: before each action one group = {send the
+    previous action's output, receive this action's input}, waited as a whole."""
+    plan = []
+    for r in range(p):
+        ticks, prev = [], None
+        for a in pp.schedule_order(schedule, p, m, v, r) + [None]:
+            send = prev and pp._message(prev, r, p, v)[1]
+            recv = a and pp._message(a, r, p, v)[0]
+            send, recv = (None if not q or q[0] == r else q for q in (send, recv))  # p=1: local
+            ticks.append(pp.Tick(
+                (prev,) if prev else (), ((send[0], (prev.op, prev.mb, prev.chunk * p + r)),) if send else (),
+                ((recv[0], pp._needs(a, a.chunk * p + r, p * v)),) if recv else ()))  # fmt: skip
+            prev = a
+        plan.append(ticks if ticks[0].recvs else ticks[1:])  # rank 0 starts by computing
+    return plan
+
+
+def test_the_executors_groups_complete_under_nccls_rule():
+    """Every schedule, p <= 8, m <= 16, v <= 3: the plan the executor runs never hangs when a
+    send completes only once its receive is posted. The old grouping hangs in every interleaved
+    case with m > p (38 of them here; e.g. p=2, m=4, v=2, the case found in review) and in none
+    with m = p, nor for GPipe or 1F1B: the checker tells them apart."""
+    hung = []
+    for schedule in pp.SCHEDULES:
+        for p in range(1, 9):
+            for m in range(1, 17):
+                for v in (1, 2, 3) if schedule == "interleaved" else (1,):
+                    if schedule == "interleaved" and m % p:
+                        continue
+                    steps = [pp.schedule_steps(schedule, p, m, v, r) for r in range(p)]
+                    pp.nccl_timeline(pp.comm_plan(steps, p, v), v)  # raises if it would hang
+                    try:
+                        pp.nccl_timeline(old_grouping(schedule, p, m, v), v)
+                    except RuntimeError:
+                        hung.append((schedule, p, m, v))
+    assert ("interleaved", 2, 4, 2) in hung
+    assert all(s == "interleaved" and m > p for s, p, m, _ in hung), hung
+    assert len(hung) == sum(1 for v in (2, 3) for p in range(2, 9) for m in range(2 * p, 17, p))
+
+
+def _groups(plan):
+    """A plan as [(computed, sent, received)] per rank, messages named like F0 or B1."""
+    name = lambda op, mb, *_: f"{op}{mb}"  # noqa: E731
+    return [[(" ".join(name(*a) for a in t.actions), [name(*m) for _, m in t.sends],
+              [name(*m) for _, m in t.recvs]) for t in ticks] for ticks in plan]  # fmt: skip
+
+
+def test_1f1b_p2_m4_groups_pair_like_megatron():
+    """Worked example, derived tick by tick. Rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3 and rank 1
+    F0 B0 F1 B1 F2 B2 F3 B3. In the steady state rank 0, after a forward, posts {send it,
+    receive a gradient} (Megatron's send_forward_recv_backward) in the same tick as rank 1, after
+    a backward, posts the mirror group {send the gradient, receive a forward}
+    (send_backward_recv_forward): the groups match one to one."""
+    steps = [pp.schedule_steps("1f1b", 2, 4, 1, r) for r in range(2)]
+    rank0, rank1 = _groups(pp.comm_plan(steps, 2, 1))
+    assert rank0 == [("F0", ["F0"], []), ("F1", ["F1"], []), ("", [], ["B0"]), ("B0", [], []),
+                     ("F2", ["F2"], ["B1"]), ("B1", [], []), ("F3", ["F3"], ["B2"]),
+                     ("B2", [], []), ("", [], ["B3"]), ("B3", [], [])]  # fmt: skip
+    assert rank1 == [("", [], ["F0"]), ("F0", [], ["F1"]), ("B0", ["B0"], []), ("F1", [], []),
+                     ("B1", ["B1"], ["F2"]), ("F2", [], []), ("B2", ["B2"], ["F3"]),
+                     ("F3", [], []), ("B3", ["B3"], [])]  # fmt: skip
+
+
+def test_interleaved_steady_state_exchanges_after_each_forward_backward_pair():
+    """Interleaved p=2, m=4, v=2 (the case that hung): in the steady state a step is a forward
+    and a backward (Megatron's send_forward_backward_recv_forward_backward after both), and every
+    group of rank 0 is matched by rank 1's group of the same tick, so the plan runs under NCCL's
+    rule (nccl_timeline would raise otherwise) with the bubble of the formula."""
+    steps = [pp.schedule_steps("interleaved", 2, 4, 2, r) for r in range(2)]
+    assert [len(s) for s in steps[1]] == [1, 1] + [2] * 6 + [1, 1]  # warm-up 2 = (v-1)p
+    timeline = pp.nccl_timeline(pp.comm_plan(steps, 2, 2), 2, t_f=1.0, t_b=2.0)
+    assert pp.bubble_fraction(timeline) == pytest.approx(pp.bubble_formula(2, 4, 2))
+
+
+def test_nccl_emulation_blocks_a_send_until_its_receive_is_posted():
+    """The emulation the executor tests run under is itself checked. Plain gloo hands back one
+    work per operation, so an executor may wait on its receives alone and leave a send pending
+    (the old one did, which is how it passed on CPUs); NCCL hands back one work for the group.
+    Under the emulation: one work, still pending while the peer has not posted the receives."""
+    for plain, emulated in (r["blocking"] for r in _world(2)):
+        assert plain[0] == 2 and emulated == (1, True), (plain, emulated)
+
+
+def test_ignored_targets_are_normalised_by_the_steps_tokens():
+    """Microbatches with 4 and 32 real tokens: each contributes its token SUM over the step's
+    count, so every schedule equals one process's mean over the real tokens. The old mean of
+    per-microbatch means was off by up to 0.24 in a gradient here (same tolerance as above)."""
+    ref_loss, ref_grads = reference(4, ignore=True)
+    for schedule in pp.SCHEDULES:
+        per_rank = [r["ignored"][schedule] for r in _world(2)]
+        assert_matches_reference(per_rank, ref_loss, ref_grads, f"{schedule}, ignored targets")
+
+
 def test_simulator_catches_a_deadlock():
     """A rank that wants microbatch 0's backward before its forward can never run."""
-    broken = lambda schedule, p, m, v, rank: [pp.Action("B", 0, 0), pp.Action("F", 0, 0)]  # noqa: E731
-    original, pp.schedule_order = pp.schedule_order, broken
+    broken = lambda schedule, p, m, v, rank: [(pp.Action("B", 0, 0),), (pp.Action("F", 0, 0),)]  # noqa: E731
+    original, pp.schedule_steps = pp.schedule_steps, broken
     try:
-        with pytest.raises(RuntimeError, match="deadlocks"):
+        with pytest.raises(RuntimeError, match="deadlock"):
             pp.simulate("1f1b", 2, 1)
     finally:
-        pp.schedule_order = original
+        pp.schedule_steps = original
 
 
 def test_figures_are_written(tmp_path):
