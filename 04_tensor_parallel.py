@@ -488,7 +488,12 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
     returns (this rank's (B, T, V/tp) logits, the full mean loss, the same on every TP rank);
     gather_logits() gives the full logits. State-dict keys stay 02's. 05 may call model.embed,
     the blocks, model.head and model.loss_fn separately (shapes: the docstring at the top).
-    `seed` (default: torch.initial_seed()) seeds the per-rank dropout stream."""
+    `seed` (default: torch.initial_seed()) is the run's, the same on every rank. The per-rank
+    dropout stream is seed + 1 + world_size + global rank: one per (stage, replica, TP rank), as
+    the global rank is (pp_rank * dp + dp_rank) * tp + tp_rank. (Megatron's seed + 2718 +
+    tp_rank on a seed offset per stage is a sum of ranks, which can collide.) Keep the default
+    stream below seed + 1 + world_size (train.py: seed + 1 + pp_rank * dp + dp_rank), and no
+    two streams share a seed."""
     if group is None:
         raise ValueError("pass the TP process group explicitly (dist.new_group(ranks))")
     if getattr(model, "tp_group", None) is not None:
@@ -498,7 +503,7 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
     t, sp = model.transformer, sequence_parallel
     rng = RNGStateTracker(t.wte.weight.device)
     base = torch.initial_seed() if seed is None else seed
-    rng.add(TP_RNG, (base + 2718 + dist.get_rank(group)) % 2**63)  # differs by TP rank
+    rng.add(TP_RNG, (base + 1 + dist.get_world_size() + dist.get_rank()) % 2**63)  # one per rank
     tied = model.lm_head.weight is t.wte.weight
     t.wte = VocabParallelEmbedding(t.wte, group, sp)
     for block in t.h:

@@ -59,7 +59,9 @@ tp_lib = importlib.import_module("04_tensor_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
 
-DEFAULT_DATA = "data/stdlib-bpe4096"  # what `python 01_data.py` writes; prepared when missing
+# what `python 01_data.py --tokenizer T` writes, per T; the default --data-dir, prepared if missing
+DEFAULT_DATA = {"bpe": "data/stdlib-bpe4096", "gpt2": "data/stdlib-gpt2",
+                "char": "data/stdlib-char"}  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -101,7 +103,11 @@ class TrainConfig:
         "together (32 x 128 = 4,096 tokens on the CPU job)",
     )
     micro_batch_size: int = opt(8, "sequences per microbatch per DP rank")
-    block_size: int = opt(0, "sequence length in tokens; 0 = the model's context length")
+    block_size: int = opt(
+        0,
+        "sequence length in tokens, and the model's context (it has no other positions: "
+        "untrained ones would be garbage); 0 = the preset's context",
+    )
     # model
     model: str = opt(
         "small",
@@ -141,9 +147,14 @@ class TrainConfig:
     # files
     out_dir: str = opt("out/run", "where metrics.jsonl, loss.png, checkpoints/, model.pt go")
     data_dir: str = opt(
-        DEFAULT_DATA,
-        "train.bin/val.bin/meta.json from 01_data.py "
-        f"({DEFAULT_DATA} is prepared automatically when missing)",
+        "",
+        "train.bin/val.bin/meta.json from 01_data.py; empty = data/stdlib-bpe4096, -gpt2 or "
+        "-char by --tokenizer, prepared automatically when missing",
+    )
+    tokenizer: str = opt(
+        "",
+        "the tokenizer of the data: bpe (4,096 tokens, trained on the corpus by 01_data.py), "
+        "gpt2 or char; empty = bpe for the default data, else whatever --data-dir was made with",
     )
     ckpt_interval: int = opt(
         250, "steps between checkpoints; 0 = only at the end and on SIGTERM/SIGUSR1"
@@ -182,7 +193,9 @@ def parse_args(argv=None):
     ap.add_argument("--sample", metavar="MODEL_PT", help="sample from an exported model.pt, exit")
     ap.add_argument("--prompt", default="def ", help="prompt for --sample")
     args = ap.parse_args(argv)
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)}), args
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    cfg.data_dir = cfg.data_dir or DEFAULT_DATA.get(cfg.tokenizer or "bpe", "")  # "": validate
+    return cfg, args
 
 
 def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -193,32 +206,82 @@ def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def model_config(cfg: TrainConfig, vocab_size: int):
-    """The GPTConfig: the preset, the data's vocabulary padded to 64 (TP splits it evenly)."""
+    """The GPTConfig: the preset with its context cut to --block-size (a model holds only the
+    positions it trains: rows of wpe past T would stay random, and sampling past T would read
+    them), and the data's vocabulary padded to 64 (TP splits it evenly)."""
     overrides = {"vocab_size": vocab_size, "dropout": cfg.dropout, "pad_vocab_multiple": 64}
-    if cfg.n_layer:
-        overrides["n_layer"] = cfg.n_layer
+    for name in ("block_size", "n_layer"):  # 0 = the preset's
+        if getattr(cfg, name):
+            overrides[name] = getattr(cfg, name)
     return model_lib.GPTConfig.from_preset(cfg.model, **overrides)
 
 
-def validate(cfg: TrainConfig, world_size: int):
-    """Every check that needs no process group; each failure is one line naming the flag."""
+POSITIVE = ("dp", "tp", "pp", "virtual_stages", "batch_size", "micro_batch_size", "max_steps",
+            "lr", "eval_steps", "log_interval", "keep_checkpoints")  # fmt: skip
+NOT_NEGATIVE = ("block_size", "n_layer", "warmup_steps", "min_lr", "weight_decay", "grad_clip",
+                "eval_interval", "sample_tokens", "ckpt_interval", "steps_this_run")  # fmt: skip
+
+
+def check_flags(cfg: TrainConfig, world_size: int) -> None:
+    """The checks that need no file: they run before anything is read, prepared or written."""
+    for name in POSITIVE + NOT_NEGATIVE:
+        value, positive = getattr(cfg, name), name in POSITIVE
+        if not (value > 0 if positive else value >= 0):  # `not`: NaN fails too
+            sign = ">" if positive else ">="
+            raise ConfigError(f"--{name.replace('_', '-')} must be {sign} 0, got {value}")
     n = cfg.dp * cfg.tp * cfg.pp
     if n != world_size:
         raise ConfigError(
             f"world_size={world_size} but --dp {cfg.dp} x --tp {cfg.tp} x "
             f"--pp {cfg.pp} = {n}: launch {n} processes or change the sizes"
         )
-    for flag in ("batch_size", "micro_batch_size", "log_interval", "keep_checkpoints"):
-        if getattr(cfg, flag) < 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be at least 1")
-    if cfg.block_size < 0:
-        raise ConfigError("--block-size must be >= 0 (0 = the model's context length)")
-    if cfg.dtype not in ("auto", *DTYPES):
-        raise ConfigError(f"--dtype {cfg.dtype}: use auto, fp32, bf16 or fp16")
-    if cfg.model not in model_lib.PRESETS:
-        raise ConfigError(f"--model {cfg.model}: use one of {', '.join(model_lib.PRESETS)}")
+    if not 0 <= cfg.dropout < 1:
+        raise ConfigError(f"--dropout {cfg.dropout}: a probability, in [0, 1)")
+    for flag, value, choices in (
+        ("dtype", cfg.dtype, ("auto", *DTYPES)),
+        ("model", cfg.model, tuple(model_lib.PRESETS)),
+        ("schedule", cfg.schedule, ("gpipe", "1f1b", "interleaved")),
+        ("tokenizer", cfg.tokenizer, ("", *DEFAULT_DATA)),
+    ):
+        if value not in choices:
+            raise ConfigError(f"--{flag} {value}: use one of {', '.join(filter(None, choices))}")
+    for flag, on, dim, size, what in (  # a flag that would silently do nothing is a mistake
+        ("--zero", cfg.zero, "--dp", cfg.dp, "shards AdamW's state over the DP replicas"),
+        ("--sequence-parallel", cfg.sequence_parallel, "--tp", cfg.tp, "shards over TP ranks"),
+        ("--virtual-stages", cfg.virtual_stages > 1, "--pp", cfg.pp, "cuts pipeline ranks"),
+    ):
+        if on and size == 1:
+            raise ConfigError(f"{flag} {what}, but {dim} is 1: it would do nothing")
+    if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
+        raise ConfigError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
+    out = Path(cfg.out_dir)
+    if (found := next(p for p in (out, *out.parents) if p.exists())).is_file():
+        raise ConfigError(f"--out-dir {cfg.out_dir}: {found} is a file, not a folder")
+
+
+def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
+    """Every check that needs no process group; each failure is one line naming the flag. The
+    flags come first, so bad input writes nothing; then the default data is prepared if missing
+    and the data, the model and the loader are checked."""
+    check_flags(cfg, world_size)
+    prepare_default_data(cfg, rank)
     meta = data_meta(cfg)
-    gcfg = model_config(cfg, meta["vocab_size"])
+    made_with = meta["tokenizer"] if meta["tokenizer"] in ("gpt2", "char") else "bpe"  # or a path
+    if cfg.tokenizer and cfg.tokenizer != made_with:
+        raise ConfigError(
+            f"--tokenizer {cfg.tokenizer}, but --data-dir {cfg.data_dir} was prepared with "
+            f"{meta['tokenizer']}: pass --tokenizer {made_with}, or another --data-dir"
+        )
+    context = model_lib.PRESETS[cfg.model]["block_size"]
+    if cfg.block_size > context:
+        raise ConfigError(
+            f"--block-size {cfg.block_size} exceeds the context of --model "
+            f"{cfg.model} ({context} positions)"
+        )
+    try:  # GPTConfig's own checks (n_embd % n_head, ...): one line too
+        gcfg = model_config(cfg, meta["vocab_size"])
+    except ValueError as e:
+        raise ConfigError(f"--model {cfg.model}: {e}") from None
     if gcfg.n_head % cfg.tp:
         raise ConfigError(
             f"--tp {cfg.tp} does not divide n_head={gcfg.n_head} of --model "
@@ -230,10 +293,6 @@ def validate(cfg: TrainConfig, world_size: int):
             f"n_layer={gcfg.n_layer} is fewer than --pp {cfg.pp} x "
             f"--virtual-stages {cfg.virtual_stages} = {stages} pipeline stages"
         )
-    if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
-        raise ConfigError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
-    if cfg.schedule not in ("gpipe", "1f1b", "interleaved"):
-        raise ConfigError(f"--schedule {cfg.schedule}: use gpipe, 1f1b or interleaved")
     per_step = cfg.micro_batch_size * cfg.dp
     if cfg.batch_size % per_step:
         raise ConfigError(
@@ -246,14 +305,7 @@ def validate(cfg: TrainConfig, world_size: int):
             f"the interleaved schedule needs microbatches m={m} divisible by "
             f"--pp {cfg.pp}: change --batch-size or --micro-batch-size"
         )
-    if cfg.block_size > gcfg.block_size:
-        raise ConfigError(
-            f"--block-size {cfg.block_size} exceeds the context of --model "
-            f"{cfg.model} ({gcfg.block_size} positions)"
-        )
-    if cfg.eval_steps < 1 or cfg.max_steps < 1:
-        raise ConfigError("--eval-steps and --max-steps must be at least 1")
-    T = cfg.block_size or gcfg.block_size
+    T = gcfg.block_size
     if cfg.sequence_parallel and T % cfg.tp:
         raise ConfigError(
             f"--sequence-parallel shards the {T} tokens of a sequence over "
@@ -264,6 +316,11 @@ def validate(cfg: TrainConfig, world_size: int):
         pp_lib.check_config(cfg.schedule, cfg.pp, m, cfg.virtual_stages, gcfg.n_layer)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    for split in ("train", "val"):  # the loader's own checks: a batch larger than the data, ...
+        try:
+            data_lib.DataLoader(cfg.data_dir, split, cfg.batch_size // cfg.dp, T, dp_size=cfg.dp)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"--data-dir {cfg.data_dir}, {split} split: {e}") from None
     if cfg.resume:
         check_resume_layout(cfg)
     elif ckpts := complete_checkpoints(cfg.out_dir):  # never mix two runs in one folder
@@ -286,14 +343,19 @@ def data_meta(cfg: TrainConfig) -> dict:
 
 
 def prepare_default_data(cfg: TrainConfig, rank: int) -> None:
-    """The main job works from nothing: BPE-4096 on the standard library, as 01_data.py does.
-    Rank 0 prepares it before any process group exists; the other ranks wait for meta.json."""
-    meta = Path(DEFAULT_DATA) / "meta.json"
-    if cfg.data_dir != DEFAULT_DATA or meta.is_file():
+    """The main job works from nothing: the standard library, tokenized as `python 01_data.py
+    --tokenizer T` does (bpe: a 4,096-token BPE trained on it first). Rank 0 prepares it before
+    any process group exists; the other ranks wait for meta.json."""
+    kind = next((k for k, path in DEFAULT_DATA.items() if path == cfg.data_dir), None)
+    meta = Path(cfg.data_dir) / "meta.json"
+    if kind is None or meta.is_file():
         return
     if rank == 0:
-        print(f"{DEFAULT_DATA} is missing: preparing it (python 01_data.py, about 30 s)")
-        data_lib.main([])
+        print(f"{cfg.data_dir} is missing: preparing it (python 01_data.py --tokenizer {kind})")
+        try:
+            data_lib.main(["--tokenizer", kind])
+        except (RuntimeError, ValueError) as e:  # e.g. gpt2's files offline: 01 says what to do
+            raise ConfigError(" ".join(str(e).split())) from None
     deadline = time.monotonic() + 600
     while not meta.is_file() and time.monotonic() < deadline:
         time.sleep(1)
@@ -395,9 +457,11 @@ def build_chunks(cfg: TrainConfig, gcfg, grid: Grid, device: torch.device) -> li
             chunk.compile()  # in place: parameter names (and checkpoints) are unchanged
     if grid.dp > 1:
         chunks = [ddp_lib.DataParallel(c, group=grid.dp_group) for c in chunks]
-    # Dropout streams: different per DP replica and pipeline stage, shared by TP peers (whose
-    # replicated activations need the same masks; 04's tracker forks per-rank masks inside).
-    torch.manual_seed(cfg.seed + 1 + 1009 * grid.pp_rank + grid.dp_rank)
+    # Dropout streams (DESIGN §4), one seed each, none shared: replicated activations draw from
+    # the default generator, seeded per (stage, replica) and so alike on TP peers (their copies
+    # must stay copies); sharded ones (heads; with SP, token shards) from 04's tracker, seeded
+    # seed + 1 + world + global rank, i.e. per (stage, replica, TP rank).
+    torch.manual_seed(cfg.seed + 1 + grid.pp_rank * grid.dp + grid.dp_rank)  # < seed + 1 + world
     return chunks
 
 
@@ -420,7 +484,7 @@ def build_optimizer(cfg: TrainConfig, modules, grid: Grid, device: torch.device)
 
 
 def build_run(cfg: TrainConfig, gcfg, grid: Grid, device: torch.device) -> Run:
-    T = cfg.block_size or gcfg.block_size
+    T = gcfg.block_size  # the model's context is --block-size (model_config)
     dtype = resolve_dtype(cfg, device)
     chunks = build_chunks(cfg, gcfg, grid, device)
     modules = [getattr(c, "module", c) for c in chunks]
@@ -457,9 +521,11 @@ def act_shape(run: Run) -> tuple:
 def forward_backward(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Gradients of the step's mean loss in .grad; returns that loss (all ranks agree)."""
     g = run.grid
-    if g.pp == 1:  # accumulation over m microbatches, token-normalised (06)
-        mbs = list(zip(x.split(run.cfg.micro_batch_size), y.split(run.cfg.micro_batch_size)))
-        n_tokens = mp_lib.global_token_count(mbs, group=g.dp_group)
+    # Every microbatch's token losses are SUMmed and divided by the step's token count over all
+    # DP replicas (06), with PP or without, so ignored (-1) targets weigh as in one big batch.
+    mbs = list(zip(x.split(run.cfg.micro_batch_size), y.split(run.cfg.micro_batch_size)))
+    n_tokens = mp_lib.global_token_count(mbs, group=g.dp_group)
+    if g.pp == 1:  # accumulation over m microbatches (06)
         share = mp_lib.accumulate_gradients(
             run.chunks[0], mbs, n_tokens, dp_size=g.dp, scaler=run.scaler, dtype=run.dtype
         )
@@ -474,9 +540,11 @@ def forward_backward(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
             act_shape=act_shape(run),
             embed_group=g.embed_group,
             loss_scale=run.scaler.get_scale(),
+            n_tokens=n_tokens,
+            dp_size=g.dp,
         )
     loss = all_reduce_sum(result.loss.clone(), g.pp_group, g.pp)  # only the last stage has it
-    return all_reduce_sum(loss, g.dp_group, g.dp) / g.dp
+    return all_reduce_sum(loss, g.dp_group, g.dp)  # the replicas' shares add up to the loss
 
 
 def global_grad_norm(run: Run) -> torch.Tensor:
@@ -519,13 +587,17 @@ def train_step(run: Run, step: int) -> dict:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float:
+def evaluate(run: Run, stop=lambda: False) -> float | None:
     """Mean validation loss over the same eval_steps batches every time; every rank runs the
-    same collectives (the pipeline's sends, the SUMs over PP and DP)."""
+    same collectives (the pipeline's sends, the SUMs over PP and DP). `stop` is asked before
+    each batch (train() passes Preemption.agreed, a collective, so all ranks leave at the same
+    batch): True ends the evaluation at once and returns None, so a preempted job saves in time."""
     for c in run.chunks:
         c.eval()
-    total = torch.zeros((), device=run.device)
+    total, stopped = torch.zeros((), device=run.device), False
     for i in range(run.cfg.eval_steps):
+        if stopped := stop():
+            break
         x, y = run.val.get_batch(i)
         with mp_lib.autocast_context(run.dtype, run.device.type):
             if run.grid.pp == 1:
@@ -545,6 +617,8 @@ def evaluate(run: Run) -> float:
                 ).loss
     for c in run.chunks:
         c.train()
+    if stopped:
+        return None  # preempted: train() saves and exits; half an evaluation is no loss
     total = all_reduce_sum(total, run.grid.pp_group, run.grid.pp)
     total = all_reduce_sum(total, run.grid.dp_group, run.grid.dp) / run.grid.dp
     return total.item() / run.cfg.eval_steps
@@ -570,16 +644,22 @@ def shard_name(rank: int) -> str:
 
 
 def check_resume_layout(cfg: TrainConfig) -> None:
-    ckpts = complete_checkpoints(cfg.out_dir)
-    if not ckpts:
-        return  # nothing to resume: start fresh (said at startup)
-    meta = json.loads((ckpts[0] / "meta.json").read_text())
-    for k in ("dp", "tp", "pp", "virtual_stages", "zero"):  # shards are found by global rank
-        if meta["config"][k] != getattr(cfg, k):
-            raise ConfigError(
-                f"--resume: {ckpts[0]} was written with --{k} {meta[k]}, this run "
-                f"has --{k} {getattr(cfg, k)}; the shards only fit the same layout"
-            )
+    """--resume continues the same run: shards are found by global rank and shaped by ZeRO and
+    the virtual stages, and the batches are a function of the seed and the batch shape."""
+    for ckpt in complete_checkpoints(cfg.out_dir):  # nothing to resume: start fresh (said later)
+        try:
+            saved = json.loads((ckpt / "meta.json").read_text())["config"]
+        except (OSError, ValueError, KeyError):
+            continue  # a damaged meta.json: load_checkpoint names it and falls back too
+        for k in ("dp", "tp", "pp", "virtual_stages", "zero", "seed", "batch_size",
+                  "micro_batch_size", "block_size"):  # fmt: skip
+            if saved[k] != getattr(cfg, k):
+                flag = "--" + k.replace("_", "-")
+                raise ConfigError(
+                    f"--resume: {ckpt} was written with {flag} {saved[k]}, this run has "
+                    f"{flag} {getattr(cfg, k)}; resume with the same {flag} (or a new --out-dir)"
+                )
+        return
 
 
 def rng_state(device: torch.device) -> dict:
@@ -616,12 +696,26 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def atomic_torch_save(obj, path: Path) -> None:
+def atomic_write(path: Path, write) -> None:
+    """`write(tmp)`, fsync, rename over `path`: readers see the old file or the new, never half."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
+    write(tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+def fsync_dir(path: Path) -> None:
+    """A directory's entries (new names, renames) reach the disk only when it is fsynced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def barrier(run: Run) -> None:
@@ -660,12 +754,14 @@ def save_checkpoint(run: Run, step: int) -> Path:
             "tp": run.cfg.tp,
             "pp": run.cfg.pp,
             "model_config": asdict(run.gcfg),
-            "tokenizer": data_meta(run.cfg)["tokenizer"],
+            "tokenizer": tokenizer_path(data_meta(run.cfg)["tokenizer"]),
             "config": asdict(run.cfg),
         }
-        (partial / "meta.json").write_text(json.dumps(meta, indent=1))
+        atomic_write(partial / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
+        fsync_dir(partial)  # every shard's and meta.json's name, before the rename publishes them
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
+        fsync_dir(final.parent)  # the rename itself
         for old in complete_checkpoints(run.cfg.out_dir)[run.cfg.keep_checkpoints :]:
             shutil.rmtree(old, ignore_errors=True)
     barrier(run)
@@ -675,23 +771,26 @@ def save_checkpoint(run: Run, step: int) -> Path:
 def load_checkpoint(run: Run) -> int:
     """Restore the newest checkpoint every rank can read; returns the step to continue from.
 
-    A corrupt or truncated shard is reported by name and the previous checkpoint is tried: all
-    ranks vote (MIN of an ok flag), so they always agree on which one they load."""
+    A corrupt or truncated shard or meta.json is reported by name and the previous checkpoint is
+    tried: all ranks vote (MIN of an ok flag), so they always agree on which one they load.
+
+    subtle: shards load to the CPU, never to run.device. The RNG states must stay CPU byte
+    tensors (torch.cuda.set_rng_state rejects CUDA ones); restore() copies the model and
+    optimizer tensors to their parameters' device."""
     for ckpt in complete_checkpoints(run.cfg.out_dir):
-        path = ckpt / shard_name(run.grid.rank)
+        path = ckpt / "meta.json"
         try:
-            shard = torch.load(path, map_location=run.device, weights_only=True)
+            json.loads(path.read_text())["step"]  # export and the layout check need it too
+            path = ckpt / shard_name(run.grid.rank)
+            shard = torch.load(path, map_location="cpu", weights_only=True)
             ok = 1.0
         except Exception as e:  # noqa: BLE001 - any unreadable file: say which, try older
             print(
-                f"[rank {run.grid.rank}] checkpoint shard {path} is unreadable "
+                f"[rank {run.grid.rank}] checkpoint file {path} is unreadable "
                 f"({type(e).__name__}: {str(e)[:120]}); trying the previous checkpoint"
             )
             ok = 0.0
-        vote = torch.tensor(ok, device=run.device)
-        if run.grid.world > 1:
-            dist.all_reduce(vote, op=dist.ReduceOp.MIN)
-        if vote.item() == 1.0:
+        if agree(run, ok, dist.ReduceOp.MIN) == 1.0:
             restore(run, shard)
             ddp_lib.print0(f"resumed from {ckpt} (step {shard['step']})")
             return shard["step"] + 1
@@ -701,7 +800,19 @@ def load_checkpoint(run: Run) -> int:
     return 0
 
 
+def agree(run: Run, value: float, op) -> float:
+    """`value` reduced over every rank (MIN: all ok; MAX: any asked), on run.device as NCCL
+    needs; a world of one has no one to ask."""
+    if run.grid.world == 1:
+        return value
+    t = torch.tensor(value, device=run.device)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
 def restore(run: Run, shard: dict) -> None:
+    """A CPU shard into this rank's state: load_state_dict copies into the parameters (on their
+    device), and torch's AdamW (ZeRO's too) casts its state to each parameter's device."""
     for mod, state in zip(run.modules(), shard["model"], strict=True):
         mod.load_state_dict(state)
     run.optimizer.load_state_dict(shard["optimizer"])
@@ -717,33 +828,47 @@ def restore(run: Run, shard: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 def export(run_dir) -> Path:
     """Merge the newest checkpoint's (tp, pp) shards into RUN_DIR/model.pt for 02_model.GPT.
-    Only DP rank 0's shards are read: the other replicas hold the same weights."""
-    ckpts = complete_checkpoints(run_dir)
-    if not ckpts:
-        raise SystemExit(f"--export: no complete checkpoint in {ckpt_root(run_dir)}")
-    meta = json.loads((ckpts[0] / "meta.json").read_text())
-    dp, tp, pp, full = meta["dp"], meta["tp"], meta["pp"], {}
-    for pp_rank in range(pp):
-        ranks = [(pp_rank * dp + 0) * tp + t for t in range(tp)]  # (pp, dp=0, tp) in the grid
-        shards = [
-            torch.load(ckpts[0] / shard_name(r), map_location="cpu", weights_only=True)["model"]
-            for r in ranks
-        ]
+    Only DP rank 0's shards are read: the other replicas hold the same weights. A damaged
+    checkpoint (meta.json or a shard) is named and the previous one used, as --resume does."""
+    for ckpt in complete_checkpoints(run_dir):
+        try:
+            meta = json.loads((ckpt / "meta.json").read_text())
+            dp, tp, pp = meta["dp"], meta["tp"], meta["pp"]
+            stages = []  # [pp_rank][tp_rank]: the model states of grid position (pp, dp=0, tp)
+            for p in range(pp):
+                files = [ckpt / shard_name(p * dp * tp + t) for t in range(tp)]
+                stages.append([torch.load(f, "cpu", weights_only=True)["model"] for f in files])
+            break
+        except Exception as e:  # noqa: BLE001 - any unreadable file: say which, try older
+            print(f"--export: {ckpt} is unreadable ({type(e).__name__}: {str(e)[:120]}); "
+                  "trying the previous checkpoint")  # fmt: skip
+    else:
+        raise SystemExit(f"--export: no complete, readable checkpoint in {ckpt_root(run_dir)}")
+    full = {}
+    for shards in stages:
         for chunk_states in zip(*shards):  # this stage's chunks, each split over tp ranks
             full.update(tp_lib.merge_shards(list(chunk_states)) if tp > 1 else chunk_states[0])
     model = model_lib.GPT(model_lib.GPTConfig(**meta["model_config"]))
     model.load_state_dict(full, strict=True)  # every weight present, none left over
     out = Path(run_dir) / "model.pt"
-    atomic_torch_save(
-        {
-            "model_config": meta["model_config"],
-            "model": model.state_dict(),
-            "tokenizer": meta["tokenizer"],
-            "step": meta["step"],
-        },
-        out,
-    )
+    blob = {"model_config": meta["model_config"], "model": model.state_dict(), "step": meta["step"]}
+    atomic_torch_save({**blob, "tokenizer": tokenizer_blob(meta["tokenizer"])}, out)
     return out
+
+
+def tokenizer_path(name: str) -> str:
+    """01_data's tokenizer name, with a saved BPE's path made absolute (any cwd can export)."""
+    return name if name in ("gpt2", "char") else str(Path(name).resolve())
+
+
+def tokenizer_blob(name: str):
+    """The tokenizer inside model.pt, so that it samples from any directory: a name tiktoken or
+    01_data rebuilds anywhere, or a BPE's own vocab (bytes), merges and special tokens, which
+    torch.load(weights_only=True) accepts."""
+    if name in ("gpt2", "char"):
+        return name
+    tok = data_lib.get_tokenizer(name)
+    return {"vocab": tok.vocab, "merges": tok.merges, "special_tokens": list(tok.special_tokens)}
 
 
 def load_exported(path) -> tuple:
@@ -755,7 +880,8 @@ def load_exported(path) -> tuple:
 
 def sample(model_pt, prompt: str, n_tokens: int, seed: int = 0) -> str:
     model, blob = load_exported(model_pt)
-    tok = data_lib.get_tokenizer(blob["tokenizer"])
+    t = blob["tokenizer"]  # a name (an older model.pt: a path), or a BPE's vocab and merges
+    tok = data_lib.get_tokenizer(t) if isinstance(t, str) else data_lib.Tokenizer(**t)
     idx = torch.tensor([tok.encode(prompt) or [tok.eot_token]])
     out = model.generate(
         idx, n_tokens, temperature=0.8, top_k=50, generator=torch.Generator().manual_seed(seed)
@@ -783,12 +909,20 @@ class Logger:
             self._truncate_after(start_step - 1)
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop rows a crashed run logged after its last checkpoint."""
-        if self.path.is_file():
-            rows = [r for r in self.path.read_text().splitlines() if json.loads(r)["step"] <= step]
-            self.path.write_text("".join(r + "\n" for r in rows))
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        """On resume, drop rows a crashed run logged after its last checkpoint, and a torn line
+        (half a row, as a kill mid-write leaves it); replaced atomically, so a kill now loses
+        nothing."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.is_file():
+            return
+        rows = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    rows.append(line + "\n")
+            except ValueError:  # JSONDecodeError: only a torn write makes one
+                print(f"{self.path}: skipping a torn line {line[:60]!r}")
+        atomic_write(self.path, lambda tmp: tmp.write_text("".join(rows)))
 
     def write(self, row: dict) -> None:
         if self.run.grid.rank == 0:
@@ -843,7 +977,8 @@ class Logger:
 
 class Preemption:
     """SIGTERM/SIGUSR1 (Slurm's warning, a spot instance going away) set a flag; at the next step
-    boundary the ranks agree (MAX) and all save a checkpoint, then exit cleanly."""
+    boundary (and after each evaluation batch) the ranks agree (MAX): a signal to any one rank
+    stops them all, at the same point, and they save a checkpoint and exit cleanly."""
 
     def __init__(self):
         self.requested = False
@@ -854,10 +989,8 @@ class Preemption:
         self.requested = True
 
     def agreed(self, run: Run) -> bool:
-        flag = torch.tensor(float(self.requested), device=run.device)
-        if run.grid.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        """A collective: call it at the same point on every rank."""
+        return bool(agree(run, float(self.requested), dist.ReduceOp.MAX))
 
 
 def plot_losses(out_dir) -> Path:
@@ -885,9 +1018,12 @@ def plot_losses(out_dir) -> Path:
 # The loop
 # ---------------------------------------------------------------------------------------------
 def train(run: Run) -> None:
-    cfg = run.cfg
+    cfg, preempt = run.cfg, Preemption()  # first: a signal during the load is honoured too
+    if run.grid.rank == 0:  # a save killed midway leaves step_N.partial/, never to be completed
+        for stale in ckpt_root(cfg.out_dir).glob("*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
     start = load_checkpoint(run) if cfg.resume else 0
-    log, preempt = Logger(run, start), Preemption()
+    log = Logger(run, start)
     stop = (
         cfg.max_steps if not cfg.steps_this_run else min(cfg.max_steps, start + cfg.steps_this_run)
     )
@@ -897,7 +1033,9 @@ def train(run: Run) -> None:
         if step % cfg.log_interval == 0 or step == stop - 1:
             log.train_row(step, stats)
         if cfg.eval_interval and step % cfg.eval_interval == 0:  # step 0: the baseline
-            log.val_row(step, evaluate(run))
+            val = evaluate(run, lambda: preempt.agreed(run))  # None: preempted while evaluating
+            if val is not None:
+                log.val_row(step, val)
         if cfg.ckpt_interval and (step + 1) % cfg.ckpt_interval == 0:
             last_saved = save_checkpoint(run, step)
         if preempt.agreed(run):
@@ -908,7 +1046,9 @@ def train(run: Run) -> None:
     if step >= start and (last_saved is None or not last_saved.name.endswith(f"{step:07d}")):
         save_checkpoint(run, step)
     if stop == cfg.max_steps and step >= start:
-        log.val_row(step, evaluate(run))
+        if (val := evaluate(run, lambda: preempt.agreed(run))) is None:
+            return  # preempted during the last evaluation: the checkpoint is saved, exit now
+        log.val_row(step, val)
     finish(run, step)
 
 
@@ -933,9 +1073,8 @@ def main(argv=None) -> None:
         print(sample(args.sample, args.prompt, cfg.sample_tokens or 200, cfg.seed))
         return
     world = int(os.environ.get("WORLD_SIZE", 1))
-    prepare_default_data(cfg, int(os.environ.get("RANK", 0)))
-    try:
-        gcfg = validate(cfg, world)
+    try:  # everything that can be checked, before any process group or file exists
+        gcfg = validate(cfg, world, int(os.environ.get("RANK", 0)))
     except ConfigError as e:
         raise SystemExit(f"train.py: error: {e}") from None
     created = not dist.is_initialized()

@@ -1,9 +1,11 @@
 """train.py: every parallel layout trains like one process; checkpoints resume bit for bit,
 survive SIGTERM and crashes; export gives one model; bad flags fail fast."""
 
+import dataclasses
 import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,16 +132,15 @@ def test_16_bit_training_follows_fp32_and_only_fp16_uses_a_scaler(data_dir, tmp_
                                                                    dtype):  # fmt: skip
     """Autocast keeps weights, the loss and its softmax in fp32 and rounds matmul inputs to 16
     bits (relative error 2^-8 for bf16, 2^-11 for fp16); over 4 steps the loss moves by ~1e-5
-    relative here, so rtol 2e-3 leaves room and still catches a missing 1/m or a skipped step."""
+    relative here and the grad norm by up to 7e-4 (bf16), so rtol 2e-3 leaves room and still
+    catches a missing 1/m, a skipped step or a norm taken before unscaling (x 65536)."""
     run_main(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--micro-batch-size",
                      "4", "--dtype", dtype])  # fmt: skip
     got = metrics(tmp_path)
-    torch.testing.assert_close(
-        torch.tensor([r["loss"] for r in got]),
-        torch.tensor([r["loss"] for r in reference]),
-        rtol=2e-3,
-        atol=0,
-    )
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([r[key] for r in got]),
+                                   torch.tensor([r[key] for r in reference]), rtol=2e-3, atol=0,
+                                   msg=lambda m, key=key: f"{dtype}, {key}: {m}")  # fmt: skip
     shard = torch.load(train.complete_checkpoints(tmp_path)[0] / train.shard_name(0),
                        weights_only=True)  # fmt: skip
     if dtype == "fp16":
@@ -216,6 +217,29 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
     assert [r["step"] for r in metrics(tmp_path)] == list(range(saved + 3))
 
 
+def test_sigterm_during_a_long_evaluation_is_honoured_within_seconds(data_dir, tmp_path):
+    """A preempted job must save before torchrun's shutdown timeout, so a signal that arrives
+    during evaluation ends it after the current batch. Here the step-0 evaluation has 10^6
+    batches (a quarter of an hour): checked only at step boundaries, the signal would wait for
+    all of them and the 60 s below run out."""
+    args = ["train.py", *BASE, "--data-dir", data_dir, "--out-dir", str(tmp_path),
+            "--eval-interval", "1", "--eval-steps", "1000000"]  # fmt: skip
+    proc = launch(args)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "metrics.jsonl").is_file() or not metrics(tmp_path):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.1)
+        time.sleep(1)  # step 0 is logged: its evaluation is running
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output
+    assert [c.name for c in train.complete_checkpoints(tmp_path)] == ["step_0000000"]
+    assert metrics(tmp_path, "val") == []  # a half-done evaluation is not logged as a loss
+
+
 CRASH_IN_SECOND_SAVE = """
 import os, sys, torch
 sys.argv = ["train.py"] + sys.argv[1:]
@@ -256,8 +280,95 @@ def test_a_corrupt_checkpoint_is_named_and_the_previous_one_used(data_dir, tmp_p
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated
     run_main(args + ["--resume", "--max-steps", "5"])
     out = capsys.readouterr().out
-    assert f"checkpoint shard {newest} is unreadable" in out
+    assert f"checkpoint file {newest} is unreadable" in out
     assert "(step 1)" in out
+
+
+def test_resume_survives_ordinary_damage(data_dir, tmp_path, capsys):
+    """What a kill or a full disk leaves behind, all at once: an empty meta.json in the newest
+    checkpoint (--export and --resume fall back to the previous one instead of a JSON error), a
+    torn last line in metrics.jsonl (skipped, not a JSONDecodeError), and a stale
+    step_N.partial/ of a save that never finished (removed at start)."""
+    args = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--ckpt-interval", "2"]
+    run_main(args)  # checkpoints at steps 1 and 3
+    (train.complete_checkpoints(tmp_path)[0] / "meta.json").write_text("")
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 4, "lo')  # half a row: killed mid-write
+    stale = tmp_path / "checkpoints" / "step_0000099.partial"
+    stale.mkdir()
+    assert train.load_exported(train.export(tmp_path))[1]["step"] == 1
+    run_main(args + ["--resume", "--max-steps", "6"])
+    out = capsys.readouterr().out
+    assert "meta.json is unreadable" in out and "(step 1)" in out
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(6))
+    assert not stale.exists()
+
+
+def test_resume_loads_shards_to_the_cpu_whatever_the_run_device(data_dir, tmp_path):
+    """--resume died on every CUDA run: torch.load(map_location=run.device) moved the saved RNG
+    states to the GPU, and torch.set_rng_state / torch.cuda.set_rng_state take CPU byte tensors
+    only. With no GPU here, `meta` stands in for "a run device other than the shard's": the
+    model stays on the CPU but run.device is meta. Loading to run.device (the bug) gives
+    data-less meta tensors and the restore fails; loading to the CPU restores the weights,
+    AdamW's state (on its parameters' device) and the RNG exactly."""
+    argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "2"]
+    run_main(argv)
+    cfg, _ = train.parse_args(argv + ["--resume"])
+    run = train.build_run(cfg, train.validate(cfg, 1), train.Grid(), torch.device("cpu"))
+    run = dataclasses.replace(run, device=torch.device("meta"))
+    torch.manual_seed(0)  # somewhere else: the restore must bring back the saved state
+    assert train.load_checkpoint(run) == 2
+    shard = torch.load(train.complete_checkpoints(tmp_path)[0] / train.shard_name(0),
+                       weights_only=True)  # fmt: skip
+    params = run.modules()[0].state_dict()
+    for name, saved in shard["model"][0].items():
+        assert torch.equal(params[name], saved), name
+    states = [t for s in run.optimizer.state.values() for t in s.values()]
+    assert states and all(t.device.type == "cpu" for t in states)
+    assert torch.equal(torch.get_rng_state(), shard["rng"]["torch"])
+
+
+def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
+    """1. SIGTERM to rank 1 only, during step 1 of 6: returns the checkpoints each rank sees.
+    2. Rank 1's shard of the newest checkpoint truncated: returns the step each rank resumes at."""
+    common = BASE + ["--data-dir", data_dir, "--dp", "2", "--micro-batch-size", "2"]
+    real_step = train.train_step
+
+    def step_then_signal(run, step):
+        stats = real_step(run, step)
+        if rank == 1 and step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # this process only, as a node's kill would
+        return stats
+
+    train.train_step = step_then_signal
+    train.main(common + ["--out-dir", f"{tmp}/sigterm", "--max-steps", "6"])
+    train.train_step = real_step
+    ckpts = train.complete_checkpoints(f"{tmp}/sigterm")
+    saved = [(c.name, sorted(p.name for p in c.glob("rank_*.pt"))) for c in ckpts]
+
+    argv = common + ["--out-dir", f"{tmp}/corrupt", "--ckpt-interval", "2"]
+    train.main(argv)  # checkpoints at steps 1 and 3
+    dist.barrier()
+    if rank == 1:
+        newest = train.complete_checkpoints(f"{tmp}/corrupt")[0] / train.shard_name(1)
+        newest.write_bytes(newest.read_bytes()[:1000])
+    dist.barrier()
+    cfg, _ = train.parse_args(argv + ["--resume"])
+    grid = train.build_grid(cfg, rank, world)
+    run = train.build_run(cfg, train.validate(cfg, world), grid, torch.device("cpu"))
+    return saved, train.load_checkpoint(run)
+
+
+def test_two_ranks_agree_when_only_one_is_signalled_or_damaged(data_dir, tmp_path):
+    """Cross-rank agreement (MAX of the preemption flag, MIN of the load vote), which a world of
+    one cannot test. Without it, a signal to rank 1 alone makes it save while rank 0 trains
+    (mismatched collectives: a hang, then this test's timeout), and a shard damaged on rank 1
+    alone makes rank 0 resume at step 4 and rank 1 at step 2."""
+    results = run_ranks(_one_rank_of_two_damaged, 2, data_dir, str(tmp_path), timeout=120)
+    for saved, resumed in results:
+        assert saved == [("step_0000001", ["rank_00000.pt", "rank_00001.pt"])]  # both, at once
+        assert resumed == 2  # the previous checkpoint (step 1) on both ranks
+    assert [r["step"] for r in metrics(tmp_path / "sigterm")] == [0, 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +405,29 @@ def test_export_of_tp2_pp2_gives_one_model_with_the_same_logits(data_dir, tmp_pa
     torch.testing.assert_close(logits, sharded, rtol=1e-5, atol=1e-5)
 
 
+def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tmp_path):
+    """model.pt named its BPE tokenizer by a path relative to the training directory (the
+    .tiktoken file in the data folder, as `python 01_data.py` records it), so --sample failed
+    from anywhere else, or once the data moved. It now holds the vocab, merges and special
+    tokens themselves, as bytes and strings that torch.load(weights_only=True) accepts."""
+    text = "".join(f.read_text() for f in sorted((Path(data_dir).parent / "src").iterdir()))
+    tok = data.train_bpe(text, 300)
+    data_bpe = tmp_path / "data-bpe"
+    tok_path = tok.save(data_bpe / "tokenizer")
+    data.prepare(str(Path(data_dir).parent / "src"), tok, data_bpe, block_size=32,
+                 tokenizer_name=os.path.relpath(tok_path))  # fmt: skip
+    run_dir = tmp_path / "run"
+    run_main(BASE + ["--data-dir", str(data_bpe), "--out-dir", str(run_dir), "--max-steps", "1"])
+    shutil.rmtree(data_bpe)
+    sampled = subprocess.run([sys.executable, str(ROOT / "train.py"), "--sample", "model.pt",
+                              "--sample-tokens", "8", "--prompt", "def f"], cwd=run_dir,
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stdout.startswith("def f")
+    blob = torch.load(run_dir / "model.pt", weights_only=True)
+    assert blob["tokenizer"]["merges"] == tok.merges  # the BPE itself, not the name "char"
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad configurations and the main job
 # ---------------------------------------------------------------------------------------------
@@ -306,13 +440,38 @@ def test_export_of_tp2_pp2_gives_one_model_with_the_same_logits(data_dir, tmp_pa
         (["--micro-batch-size", "3"], 1, "--batch-size 8 is not divisible into microbatches"),
         (["--block-size", "64"], 1, "--block-size 64 exceeds the context of --model tiny (32"),
         (["--data-dir", "/no/such/dir"], 1, "run `python 01_data.py --out /no/such/dir`"),
+        (["--dropout", "1.5"], 1, "--dropout 1.5: a probability, in [0, 1)"),
+        (["--n-layer", "-1"], 1, "--n-layer must be >= 0, got -1"),
+        (["--lr", "-1"], 1, "--lr must be > 0, got -1.0"),
+        (["--lr", "nan"], 1, "--lr must be > 0, got nan"),
+        (["--grad-clip", "-1"], 1, "--grad-clip must be >= 0, got -1.0"),
+        (["--warmup-steps", "-1"], 1, "--warmup-steps must be >= 0, got -1"),
+        (["--eval-interval", "-1"], 1, "--eval-interval must be >= 0, got -1"),
+        (["--ckpt-interval", "-1"], 1, "--ckpt-interval must be >= 0, got -1"),
+        (["--steps-this-run", "-1"], 1, "--steps-this-run must be >= 0, got -1"),
+        (["--dp", "-1", "--tp", "-1"], 1, "--dp must be > 0, got -1"),  # (-1)(-1)(1) = world 1
+        (["--batch-size", "8192", "--micro-batch-size", "8192"], 1,
+         "train split: DATA/train.bin holds 4008 windows of 32+1 tokens, but one step needs"),
+        (["--out-dir", "DATA/meta.json/run"], 1, "DATA/meta.json is a file, not a folder"),
+        (["--zero"], 1, "--zero shards AdamW's state over the DP replicas, but --dp is 1"),
+        (["--sequence-parallel"], 1, "--sequence-parallel shards over TP ranks, but --tp is 1"),
+        (["--virtual-stages", "2", "--schedule", "interleaved"], 1, "but --pp is 1"),
+        (["--tokenizer", "gpt2"], 1, "--tokenizer gpt2, but --data-dir DATA was prepared with"),
+        (["--tokenizer", "sentencepiece"], 1, "use one of bpe, gpt2, char"),
     ],
-    ids=["world-size", "n_head", "n_layer", "microbatches", "block-size", "data-dir"],
-)
+    ids=["world-size", "n_head", "n_layer", "microbatches", "block-size", "data-dir", "dropout",
+         "n-layer", "lr", "lr-nan", "grad-clip", "warmup", "eval-interval", "ckpt-interval",
+         "steps-this-run", "negative-sizes", "batch-over-data", "out-dir-file", "zero-at-dp1",
+         "sp-at-tp1", "virtual-at-pp1", "tokenizer-mismatch", "tokenizer-unknown"],
+)  # fmt: skip
 def test_bad_configurations_fail_fast_with_one_line(data_dir, argv, world, message):
+    """Each bad flag is one line naming it, from validate(), before any process group. "DATA"
+    stands for the data folder (a file inside it: meta.json)."""
+    argv = [a.replace("DATA", data_dir) for a in argv]
     cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir] + argv)
     with pytest.raises(train.ConfigError) as err:
         train.validate(cfg, world)
+    message = message.replace("DATA", data_dir)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -322,6 +481,18 @@ def test_resume_with_another_layout_or_a_fresh_run_over_old_ones_is_refused(data
                                       "--resume", "--tp", "2"])  # fmt: skip
     with pytest.raises(train.ConfigError, match="written with --tp 1, this run has --tp 2"):
         train.validate(cfg, 2)
+    changed = [(["--zero"], "--zero False, this run has --zero True"),  # was a KeyError
+               (["--seed", "7"], "--seed 1337, this run has --seed 7"),  # these passed silently
+               (["--batch-size", "16"], "--batch-size 8, this run has --batch-size 16"),
+               (["--micro-batch-size", "4"], "--micro-batch-size 8, this run has "),
+               (["--block-size", "16"], "--block-size 0, this run has --block-size 16"),
+               ]  # fmt: skip
+    for argv, message in changed:
+        cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path),
+                                          "--resume"] + argv)  # fmt: skip
+        with pytest.raises(train.ConfigError) as err:
+            train.check_resume_layout(cfg)
+        assert message in str(err.value) and "\n" not in str(err.value), argv
     fresh, _ = train.parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path)])
     with pytest.raises(train.ConfigError, match="already holds checkpoints .* pass --resume"):
         train.validate(fresh, 1)  # a second run without --resume would mix two runs' files

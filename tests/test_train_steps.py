@@ -1,0 +1,238 @@
+"""train.py, one step at a time: the LR schedule at its edges, clipping that never scales up,
+evaluation under DP, TP and PP equal to one process's, dropout streams per rank, the model's
+context, and bad input that fails in one line having written nothing."""
+
+import hashlib
+import importlib
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.distributed import run_ranks
+from tests.test_train import BASE, assert_same_curve, data_dir, metrics, run_main  # noqa: F401
+
+train = importlib.import_module("train")
+
+
+def build(argv, rank, world):
+    """A Run as train.main builds it, without training: (cfg, run)."""
+    cfg, _ = train.parse_args(argv)
+    gcfg = train.validate(cfg, world, rank)
+    return cfg, train.build_run(cfg, gcfg, train.build_grid(cfg, rank, world), torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The learning rate: derived by hand
+# ---------------------------------------------------------------------------------------------
+def test_lr_schedule_at_the_warmup_and_decay_edges():
+    """lr 6, min_lr 1, 10 warm-up steps, 110 steps. Warm-up is linear and reaches the peak on its
+    last step: lr(s) = 6 (s+1)/10, so 0.6 at step 0 (not 0: no wasted step) and 6 at step 9.
+    Then cosine from 6 to 1 over the 100 steps 10..110: lr = 1 + 2.5 (1 + cos(pi (s-10)/100)),
+    so 6 at step 10, 3.5 at 60 (halfway), 1 + 2.5 (1 + cos(0.99 pi)) at the last step 109, and 1
+    (min_lr, never below, never rising again) from 110 on. Catches an off-by-one warm-up (0 at
+    step 0, or the peak a step late), a decay that starts at min_lr or overshoots past max_steps."""
+    cfg, _ = train.parse_args(["--lr", "6", "--min-lr", "1", "--warmup-steps", "10",
+                               "--max-steps", "110"])  # fmt: skip
+    last = 1 + 2.5 * (1 + math.cos(0.99 * math.pi))
+    expected = {0: 0.6, 4: 3.0, 9: 6.0, 10: 6.0, 60: 3.5, 109: last, 110: 1.0, 111: 1.0,
+                10_000: 1.0}  # fmt: skip
+    for step, lr in expected.items():
+        assert train.lr_at(cfg, step) == pytest.approx(lr, rel=1e-12), f"step {step}"  # float math
+    cfg.warmup_steps = 0  # no warm-up: the peak at step 0, no division by zero
+    assert train.lr_at(cfg, 0) == pytest.approx(6.0, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation and clipping under dp=2, tp=2, pp=2 (one spawned world of 2 for all of them)
+# ---------------------------------------------------------------------------------------------
+def _clipped_norms(argv, rank, world):
+    """Step 0 with --grad-clip 1000 (far above the norm, ~4), step 1 with 0.01 (far below):
+    (pre-clip norm, norm of the gradients the optimizer got) for each, on this rank."""
+    cfg, run = build(argv + ["--grad-clip", "1000"], rank, world)
+    got = []
+    for step, clip in ((0, 1000.0), (1, 0.01)):
+        cfg.grad_clip = clip
+        norm = train.train_step(run, step)["grad_norm"]  # .grad holds what AdamW used
+        got.append((norm, train.global_grad_norm(run).item()))
+    return got
+
+
+def _evaluate_and_clip(rank, world, data, tmp, layouts):
+    """Per layout: a 4-step run evaluating at steps 0, 2 and the end; then the clipping steps."""
+    out = []
+    for name, extra in layouts:
+        argv = BASE + ["--data-dir", data, "--eval-interval", "2"] + extra
+        train.main(argv + ["--out-dir", f"{tmp}/{name}"])
+        clipped = _clipped_norms(argv + ["--out-dir", f"{tmp}/{name}-clip"], rank, world)
+        dist.barrier()
+        rows = (metrics(f"{tmp}/{name}"), metrics(f"{tmp}/{name}", "val")) if rank == 0 else None
+        out.append((rows, clipped))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_with_eval(data_dir, tmp_path_factory):  # noqa: F811 (data_dir: the fixture)
+    """One process, the batch of 8 as one microbatch, evaluating at steps 0, 2 and the end."""
+    out = tmp_path_factory.mktemp("ref-eval")
+    argv = BASE + ["--data-dir", data_dir, "--eval-interval", "2", "--micro-batch-size", "8"]
+    run_main(argv + ["--out-dir", str(out)])
+    return metrics(out), metrics(out, "val")
+
+
+def test_evaluation_and_clipping_under_dp_tp_pp_equal_one_process(data_dir, tmp_path,  # noqa: F811
+                                                                  reference_with_eval):  # fmt: skip
+    """Catches: an evaluation that forgets the SUM over DP or PP, divides by m or dp twice, or
+    evaluates only one replica's share (every multi-rank test ran with evaluation off before);
+    clipping that scales gradients up when the norm is below --grad-clip, or clips each rank by
+    its own shard's norm; the fp16 pipeline's gradient norm measured on scaled gradients."""
+    ref_train, ref_val = reference_with_eval
+    layouts = [("dp2", ["--dp", "2", "--micro-batch-size", "2"]),
+               ("tp2", ["--tp", "2", "--micro-batch-size", "4"]),
+               ("pp2-fp16", ["--pp", "2", "--micro-batch-size", "2", "--dtype", "fp16"])]
+    results = run_ranks(_evaluate_and_clip, 2, data_dir, str(tmp_path), layouts, timeout=240)
+    assert [r["step"] for r in ref_val] == [0, 2, 3]  # the baseline, the interval, the end
+    for (name, _), (rows, _) in zip(layouts, results[0]):
+        got_train, got_val = rows
+        assert [r["step"] for r in got_val] == [0, 2, 3], name
+        if name.endswith("fp16"):
+            # autocast rounds matmul inputs to 11 bits (2^-11 relative); the loss and the norm,
+            # measured on unscaled fp32 gradients, move by ~1e-4 here: rtol 2e-3 leaves room
+            # and still catches a norm of scaled gradients (x 65536) or a missed 1/m (x 2)
+            for key, got, ref in (("loss", got_train, ref_train), ("grad_norm", got_train,
+                                  ref_train), ("val_loss", got_val, ref_val)):  # fmt: skip
+                torch.testing.assert_close(torch.tensor([r[key] for r in got]),
+                                           torch.tensor([r[key] for r in ref]), rtol=2e-3, atol=0,
+                                           msg=lambda m, k=key, n=name: f"{n}, {k}: {m}")  # fmt: skip
+            continue
+        assert_same_curve(got_train, ref_train, name)
+        # the same fp32 rounding argument as assert_same_curve: ~1e-6 relative, bugs >= 1e-2
+        torch.testing.assert_close(torch.tensor([r["val_loss"] for r in got_val]),
+                                   torch.tensor([r["val_loss"] for r in ref_val]), rtol=1e-4,
+                                   atol=1e-5, msg=lambda m, n=name: f"{n}, val: {m}")  # fmt: skip
+    for (name, _), *ranks in zip(layouts, *results):
+        for rank, (_, ((norm0, used0), (_, used1))) in enumerate(ranks):
+            where = f"{name}, rank {rank}"
+            # below the threshold the coefficient is exactly 1.0: the gradients are untouched
+            assert used0 == norm0, f"{where}: clip 1000 changed a norm of {norm0} to {used0}"
+            # above it they are scaled to the clip value: c / (norm + 1e-6) * norm = c (1 - 1e-6
+            # / norm), plus fp32 rounding of the norm (~1e-6): rel 1e-4
+            assert used1 == pytest.approx(0.01, rel=1e-4), f"{where}: clip 0.01 gave {used1}"
+
+
+def test_clipping_on_one_process_scales_down_only(data_dir, tmp_path):  # noqa: F811
+    """The same two clipping steps in a world of one (see _clipped_norms)."""
+    argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path)]
+    (norm0, used0), (_, used1) = _clipped_norms(argv, 0, 1)
+    assert used0 == norm0, f"clip 1000 changed a norm of {norm0} to {used0}"  # coefficient 1.0
+    assert used1 == pytest.approx(0.01, rel=1e-4), used1  # as in the test above
+
+
+# ---------------------------------------------------------------------------------------------
+# Dropout streams and replicas in sync (one spawned world of 4)
+# ---------------------------------------------------------------------------------------------
+def mask_hash() -> str:
+    """The hash of the dropout mask the default generator gives a (64,) activation now."""
+    mask = F.dropout(torch.ones(64), 0.5, training=True) != 0
+    return hashlib.sha256(mask.numpy().tobytes()).hexdigest()[:12]
+
+
+def max_difference(p: torch.Tensor, group, size: int) -> float:
+    """The largest |difference| between this parameter's copies over a group."""
+    copies = [torch.empty_like(p) for _ in range(size)]
+    dist.all_gather(copies, p.detach(), group=group)
+    return max((c - copies[0]).abs().max().item() for c in copies)
+
+
+def _streams_and_sync(rank, world, data, tmp):
+    """For tp2 x pp2 and dp2 x tp2: this rank's (pp, dp, tp) and the hashes of the masks its
+    replicated regions (the default generator) and sharded ones (04's tracker) would draw. Then
+    3 steps of dp2 x tp2 with dropout 0.1: how far apart are TP peers' replicated parameters and
+    DP replicas' parameters (all of them)?"""
+    hashes = {}
+    for name, extra in (("tp2-pp2", ["--tp", "2", "--pp", "2"]),
+                        ("dp2-tp2", ["--dp", "2", "--tp", "2"])):  # fmt: skip
+        argv = BASE + ["--data-dir", data, "--out-dir", f"{tmp}/{name}", "--dropout", "0.1",
+                       "--micro-batch-size", "2"] + extra  # fmt: skip
+        _, run = build(argv, rank, world)
+        g = run.grid
+        with run.modules()[0].tp_rng.fork():
+            sharded = mask_hash()
+        hashes[name] = ((g.pp_rank, g.dp_rank, g.tp_rank), mask_hash(), sharded)
+    for step in range(3):  # the dp2 x tp2 run, built last
+        train.train_step(run, step)
+    params = list(run.modules()[0].parameters())
+    replicated = [p for p in params if not getattr(p, "tensor_parallel", False)]
+    tp_diff = max(max_difference(p, g.tp_group, g.tp) for p in replicated)
+    dp_diff = max(max_difference(p, g.dp_group, g.dp) for p in params)
+    return hashes, tp_diff, dp_diff, len(replicated)
+
+
+def test_dropout_streams_per_rank_and_replicas_in_sync(data_dir, tmp_path):  # noqa: F811
+    """Replicated regions: the same masks on TP peers (their activations are copies), different
+    ones on other stages and replicas. Sharded regions: a different mask on every rank. Catches
+    the tracker seeded by TP rank alone (the same attention-dropout masks on every stage and
+    replica), a default stream that differs across TP peers (their replicated parameters drift
+    apart, checked after 3 steps with dropout on), and DP replicas that drift."""
+    results = run_ranks(_streams_and_sync, 4, data_dir, str(tmp_path), timeout=240)
+    for name in ("tp2-pp2", "dp2-tp2"):
+        ranks = [r[0][name] for r in results]  # ((pp, dp, tp), replicated, sharded) per rank
+        for coords, replicated, sharded in ranks:
+            for other, other_replicated, other_sharded in ranks:
+                if other == coords:
+                    continue
+                same_place = other[:2] == coords[:2]  # same stage and replica: TP peers
+                assert (replicated == other_replicated) == same_place, (name, coords, other)
+                assert sharded != other_sharded, f"{name}: {coords} and {other} share masks"
+            assert sharded != replicated, f"{name}: {coords}'s two streams are one"
+    for rank, (_, tp_diff, dp_diff, n_replicated) in enumerate(results):
+        assert n_replicated > 0  # LayerNorms, wpe, row-parallel biases: something was compared
+        assert tp_diff == 0.0, f"rank {rank}: TP peers' replicated parameters differ by {tp_diff}"
+        assert dp_diff == 0.0, f"rank {rank}: DP replicas' parameters differ by {dp_diff}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's context, and bad input
+# ---------------------------------------------------------------------------------------------
+def test_the_model_context_is_the_trained_block_size(data_dir, tmp_path, monkeypatch):  # noqa: F811
+    """--block-size 16 on the tiny preset (32 positions): the exported model has 16 positions,
+    so a 40-token sample crops its context and reads positions 0..15 only. Catches model_config
+    ignoring --block-size: a 32-position model whose positions 16..31 keep their random init,
+    read as soon as the sample passes 16 tokens."""
+    run_main(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--block-size", "16",
+                     "--max-steps", "1"])  # fmt: skip
+    model, blob = train.load_exported(tmp_path / "model.pt")
+    assert blob["model_config"]["block_size"] == 16 and model.transformer.wpe.num_embeddings == 16
+    read, real = [], train.load_exported
+
+    def spy(path):  # sample() loads the model through load_exported: watch its wpe lookups
+        model, blob = real(path)
+        wpe = model.transformer.wpe
+        wpe.register_forward_pre_hook(lambda mod, args: read.append(int(args[0].max())))
+        return model, blob
+
+    monkeypatch.setattr(train, "load_exported", spy)
+    train.sample(tmp_path / "model.pt", "\n", 40)
+    assert len(read) == 40 and max(read) == 15, f"positions read: up to {max(read)}"
+
+
+def test_bad_input_is_one_line_before_anything_is_written(data_dir, tmp_path,  # noqa: F811
+                                                          monkeypatch):  # fmt: skip
+    """train.main with a bad flag (the default data missing) and with a batch larger than the
+    data: one line, SystemExit (no traceback), no process group, no data prepared, no --out-dir.
+    Catches the default data being prepared (~30 s, files written) before the flags are read,
+    and the loader's error surfacing as a traceback after the process group started."""
+    monkeypatch.chdir(tmp_path)  # the default --data-dir, data/stdlib-char, would go here
+    for argv, message in (
+        (["--tokenizer", "char", "--dropout", "1.5"], "--dropout 1.5: a probability, in [0, 1)"),
+        (["--data-dir", data_dir, "--batch-size", "8192", "--micro-batch-size", "8192"],
+         "one step needs dp_size*batch_size = 8192"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as err:
+            train.main(argv + ["--out-dir", "run"])
+        line = str(err.value.code)
+        assert line.startswith("train.py: error: ") and message in line and "\n" not in line
+        assert not dist.is_initialized()
+        assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
