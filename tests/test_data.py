@@ -8,7 +8,6 @@ import subprocess
 import sys
 import tracemalloc
 import urllib.error
-
 from pathlib import Path
 
 import numpy as np
