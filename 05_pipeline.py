@@ -28,10 +28,12 @@ ranks (Megatron), so both take the same optimizer step and stay one matrix.
 NCCL's rule. Sends and receives go in batch_isend_irecv groups, and on GPUs a send completes only
 once the peer has posted the matching receive, and a group only as a whole: if rank 0's group
 waits on a receive rank 1 posts in a later group, and rank 1's on one rank 0 posts later, both
-hang (gloo forgives it, so CPU tests alone cannot see it). So every rank steps on a shared clock:
-what one rank sends at step t, its neighbour receives in its own group of step t (`comm_plan`,
-Megatron's send_forward_recv_backward / send_backward_recv_forward pairing), and the simulator
-runs that plan under NCCL's rule (`nccl_timeline`), which is where the timelines below come from.
+hang. (Plain gloo hands back one work per operation, so an executor that waits only its
+receives passes on CPUs; the tests emulate NCCL's blocking instead.) So the plan is made on an
+imaginary shared clock of ticks: what one rank sends at tick t, its neighbour receives in its own
+group of tick t (`comm_plan`; in the steady state, Megatron's send_forward_recv_backward on one
+side of a link and send_backward_recv_forward on the other). At run time each rank just posts its
+groups in order. The simulator runs that plan under NCCL's rule (`nccl_timeline`).
 
 Timelines below come from `simulate()` with t_f = t_b = 1 (a real backward costs ~2x); Fi/Bi is
 microbatch i, "." idle; for interleaved a/b name the chunk and one column is one chunk's step:
@@ -48,9 +50,9 @@ microbatch i, "." idle; for interleaved a/b name the chunk and one column is one
     r2  . . . .F0  F1   . .B0  F2  B1  F3  B2   . .B3
     r3  . . . . . .F0  B0  F1  B1  F2  B2  F3  B3
     interleaved p=4, m=4, v=2 (chunks a, b; same scale): bubble 3/11 = 27%
-    r0 F0aF1aF2aF3aF0bF1bF2bF3b  .  .  .B0b  .B1b  .B2b  .B3bB0aB1aB2aB3a
-    r1   .F0aF1aF2aF3aF0bF1bF2bF3b  .B0b  .B1b  .B2b  .B3bB0aB1aB2aB3a
-    r2   .  .F0aF1aF2aF3aF0bF1bF2bB0bF3bB1b  .B2b  .B3bB0aB1aB2aB3a
+    r0 F0aF1aF2aF3aF0bF1bF2bF3b  .  .  .  .B0b  .  .B1bB2bB3bB0aB1aB2aB3a
+    r1   .F0aF1aF2aF3aF0bF1bF2bF3b  .  .B0b  .B1bB2b  .B3bB0aB1aB2aB3a
+    r2   .  .F0aF1aF2aF3aF0bF1b  .F2bB0bF3bB1bB2b  .B3bB0aB1aB2aB3a
     r3   .  .  .F0aF1aF2aF3aF0bB0bF1bB1bF2bB2bF3bB3bB0aB1aB2aB3a
 
 Launch:  torchrun --standalone --nproc_per_node=4 05_pipeline.py [--plot]   (CPU gloo or GPUs)
@@ -63,7 +65,7 @@ interleaved schedule and bubble analysis (Narayanan et al. 2021, arXiv 2104.0447
 What changed from 04: data parallelism (03) copied the model and tensor parallelism (04) split
 every matrix; here each rank holds whole layers, only some of them, and talks only to its two
 neighbours, which is why PP is the one to stretch across nodes. The schedules are data: steps of
-(F|B, microbatch, chunk) per rank (`schedule_steps`), placed on a shared clock with their p2p
+(F|B, microbatch, chunk) per rank (`schedule_steps`), placed on a shared clock of ticks with p2p
 groups (`comm_plan`), run under NCCL's rule by the simulator and executed as-is by
 `pipeline_step`, whose loss is normalised by the step's token count exactly as 06's accumulation.
 
@@ -245,29 +247,32 @@ def schedule_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[Act
     return [a for step in schedule_steps(schedule, p, m, v, rank) for a in step]
 
 
-def _message(a: Action, rank: int, p: int, v: int):
-    """(needs from, sends to) for action a: (peer rank, (op, mb, stage)) or None each.
-    Forward at stage s receives from s-1 and sends to s+1; backward the other way."""
-    S, s = p * v, a.chunk * p + rank
-    step = 1 if a.op == "F" else -1
-    src, dst = s - step, s + step
-    recv = (src % p, (a.op, a.mb, s)) if 0 <= src < S else None
-    send = (dst % p, (a.op, a.mb, dst)) if 0 <= dst < S else None
-    return recv, send
+def _destination(a: Action, rank: int, p: int, v: int) -> int | None:
+    """The rank that consumes action a's output: a forward at stage s feeds stage s+1, a
+    backward stage s-1 (stage s lives on rank s % p); None at the ends of the pipeline."""
+    s = a.chunk * p + rank + (1 if a.op == "F" else -1)
+    return s % p if 0 <= s < p * v else None
 
 
 # --------------------------------------------------------------------------- NCCL's rule, planned
 # subtle: NCCL has no send buffer. A send completes only when the receiver has posted the
-# matching receive, and a batch_isend_irecv group completes only as a whole. Group "send my
-# last output, receive my next input" on each rank, the obvious executor, and interleaved p=2,
-# m=4, v=2 hangs on GPUs: rank 0's 6th group sends to rank 1's 7th, while rank 1's 6th waits on
-# a receive in rank 0's 7th. Gloo buffers sends, so that bug passes every CPU test.
+# matching receive, and a batch_isend_irecv group completes only as a whole. The obvious
+# executor groups "send my last output, receive my next input" and waits on the group before
+# computing. Interleaved p=2, m=4, v=2 then hangs on GPUs: after B0 of chunk b, rank 0 posts
+# {send B0's gradient, receive F2's input}; rank 1 receives that gradient only in the group it
+# posts after F2 of chunk a, which comes after the group it posts after B1 of chunk b, {send
+# B1's gradient, receive F2's input}, and rank 0 receives B1's gradient only after its F3 of
+# chunk a, which it cannot reach while its own group waits. Each waits on the other's later
+# group. GPipe and 1F1B happen to pair up; interleaved with m > p does not (tests/test_pipeline).
 
 
-class Tick(NamedTuple):  # one rank's share of one step of a shared clock
-    actions: tuple  # the step it computes first: (), (F,), (B,) or (F, B)
+class Tick(NamedTuple):
+    """One rank's share of one tick of the plan's clock: compute, then one group. A message is
+    (op, microbatch, stage) of the action that made the tensor."""
+
+    actions: tuple  # what it computes first: (), (F,), (B,) or (F, B)
     sends: tuple  # ((peer, message), ...), then posted with the receives as ONE group
-    recvs: tuple  # message: (op, microbatch, stage) of the action that made the tensor
+    recvs: tuple  # ((peer, message), ...)
 
 
 def _needs(a: Action, s: int, S: int):
@@ -278,14 +283,16 @@ def _needs(a: Action, s: int, S: int):
 
 
 def comm_plan(steps, p: int, v: int) -> list[list[Tick]]:
-    """Each rank's steps on a shared clock, with the p2p group it posts after each tick.
+    """Each rank's steps placed on an imaginary shared clock, with the group it posts after each.
 
     Run the steps in lock-step: at tick t a rank runs its next step if the step's inputs were
     made before t (or by the step itself: the last stage's backward needs its own forward).
-    Every message made at tick t belongs to super-step t: the sender's group t holds the send,
-    the receiver's group t the receive. So a rank's group t matches exactly its neighbours'
-    groups t, all ranks post groups in increasing t, and no wait can depend on a peer's later
-    group. The pairs of schedule_steps' docstring come out of this rule by themselves."""
+    A message made at tick t is sent in the sender's group of tick t and received in the
+    receiver's group of tick t. So a rank's group of tick t matches exactly its neighbours'
+    groups of tick t, all ranks post groups in increasing t, and no wait can depend on a peer's
+    later group. The steady-state pairs of schedule_steps' docstring come out of this rule.
+    Ticks where a rank neither computes nor communicates are left out of its list, so the same
+    index on two ranks is not in general the same tick."""
     S, nxt, made, t = p * v, [0] * p, {}, 0
     plan = [[] for _ in range(p)]
     while any(nxt[r] < len(steps[r]) for r in range(p)):
@@ -305,10 +312,10 @@ def comm_plan(steps, p: int, v: int) -> list[list[Tick]]:
             for a in step:
                 msg = (a.op, a.mb, a.chunk * p + r)
                 made[msg] = t
-                send = _message(a, r, p, v)[1]
-                if send and send[0] != r:  # p = 1: chunk k hands to chunk k+1 in-process
-                    sends[r].append((send[0], msg))
-                    recvs[send[0]].append((r, msg))
+                dst = _destination(a, r, p, v)
+                if dst is not None and dst != r:  # p = 1: chunk k hands to chunk k+1 in-process
+                    sends[r].append((dst, msg))
+                    recvs[dst].append((r, msg))
         for r in range(p):
             if r in ran or sends[r] or recvs[r]:
                 plan[r].append(Tick(ran.get(r, ()), tuple(sends[r]), tuple(recvs[r])))
@@ -422,7 +429,7 @@ def ascii_timeline(timeline, unit: float = 1.0, chunks: bool = False) -> str:
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # last stage: Σ token losses / the step's token count (0 elsewhere)
+    loss: torch.Tensor  # last stage: Σ token losses / the step's tokens (this replica's share)
     events: list  # Events in the order they ran, start/end in seconds since the step began
     peak_in_flight: int  # most (microbatch, chunk) forwards alive at once, awaiting backward
 
@@ -461,7 +468,7 @@ class _Run:
         if mod.is_last:  # Σ of the microbatch's token losses / the step's token count (as 06)
             loss_sum = mod.loss_fn(out, self.ys[a.mb], "sum")
             self.loss += loss_sum.detach() / self.n_tokens
-            out = loss_sum * self.grad_scale  # backward starts from dp · S · loss_sum / N
+            out = loss_sum * self.grad_scale  # dp_size · loss_scale · loss_sum / n_tokens
         if torch.is_grad_enabled():  # (not when evaluating: no backward will come)
             self.stash[(a.mb, a.chunk)] = (inp, out)  # alive until this microbatch's backward
             self.peak = max(self.peak, len(self.stash))
@@ -491,8 +498,7 @@ class _Run:
                 else:
                     out = self.backward(a, s, last_b[a.chunk] == a)
                 self.events.append(Event(*a, start - t0, time.perf_counter() - t0))
-                send = _message(a, self.rank, self.p, self.v)[1]
-                if send and send[0] == self.rank:  # p = 1: the next chunk is on this rank
+                if _destination(a, self.rank, self.p, self.v) == self.rank:  # p = 1: next chunk
                     self.inbox[(a.op, a.mb, s)] = out
                 outs[(a.op, a.mb, s)] = out
             if tick.sends or tick.recvs:

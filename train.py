@@ -777,7 +777,12 @@ def load_checkpoint(run: Run) -> int:
     subtle: shards load to the CPU, never to run.device. The RNG states must stay CPU byte
     tensors (torch.cuda.set_rng_state rejects CUDA ones); restore() copies the model and
     optimizer tensors to their parameters' device."""
-    for ckpt in complete_checkpoints(run.cfg.out_dir):
+    names = [d.name for d in complete_checkpoints(run.cfg.out_dir)]
+    if run.grid.world > 1:  # rank 0's listing for all: a node with a stale view of a shared
+        box = [names]  # filesystem must not cast a different number of votes (that hangs)
+        dist.broadcast_object_list(box, src=0)
+        names = box[0]
+    for ckpt in (ckpt_root(run.cfg.out_dir) / name for name in names):
         path = ckpt / "meta.json"
         try:
             json.loads(path.read_text())["step"]  # export and the layout check need it too
@@ -791,7 +796,14 @@ def load_checkpoint(run: Run) -> int:
             )
             ok = 0.0
         if agree(run, ok, dist.ReduceOp.MIN) == 1.0:
-            restore(run, shard)
+            try:  # a shard that reads but does not fit (another model) is no damage: stop
+                restore(run, shard)
+                ok = 1.0
+            except Exception as e:  # noqa: BLE001 - every rank must hear of it, or they hang
+                print(f"[rank {run.grid.rank}] {path} does not fit this run: {str(e)[:200]}")
+                ok = 0.0
+            if agree(run, ok, dist.ReduceOp.MIN) < 1.0:
+                raise SystemExit(f"--resume: {ckpt} does not fit this run on some rank (above)")
             ddp_lib.print0(f"resumed from {ckpt} (step {shard['step']})")
             return shard["step"] + 1
     ddp_lib.print0(

@@ -587,12 +587,11 @@ def old_grouping(schedule, p, m, v):
     for r in range(p):
         ticks, prev = [], None
         for a in pp.schedule_order(schedule, p, m, v, r) + [None]:
-            send = prev and pp._message(prev, r, p, v)[1]
-            recv = a and pp._message(a, r, p, v)[0]
-            send, recv = (None if not q or q[0] == r else q for q in (send, recv))  # p=1: local
-            ticks.append(pp.Tick(
-                (prev,) if prev else (), ((send[0], (prev.op, prev.mb, prev.chunk * p + r)),) if send else (),
-                ((recv[0], pp._needs(a, a.chunk * p + r, p * v)),) if recv else ()))  # fmt: skip
+            dst = prev and pp._destination(prev, r, p, v)
+            need = a and pp._needs(a, a.chunk * p + r, p * v)  # made on rank need[2] % p
+            sends = ((dst, (prev.op, prev.mb, prev.chunk * p + r)),) if dst not in (None, r) else ()
+            recvs = ((need[2] % p, need),) if need and need[2] % p != r else ()  # p=1: local
+            ticks.append(pp.Tick((prev,) if prev else (), sends, recvs))
             prev = a
         plan.append(ticks if ticks[0].recvs else ticks[1:])  # rank 0 starts by computing
     return plan
