@@ -527,3 +527,15 @@ def test_the_main_job_runs_end_to_end(data_dir, tmp_path):
                               "--sample-tokens", "10"], cwd=ROOT, capture_output=True,
                              text=True, timeout=120)  # fmt: skip
     assert sampled.returncode == 0 and sampled.stdout.startswith("def "), sampled.stderr
+
+
+def test_a_checkpoint_of_another_model_stops_the_run_in_one_line(data_dir, tmp_path, capsys):
+    """A shard that loads but belongs to another model (here 4 blocks, resumed with 2) is no
+    damage to fall back from: every rank votes after restoring, and all stop with one line,
+    instead of one rank raising mid-restore while its peers walk into the next collective and
+    hang (and instead of a traceback at one process)."""
+    argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "1"]
+    run_main(argv)
+    with pytest.raises(SystemExit, match="does not fit this run"):
+        run_main(argv[:2] + ["--n-layer", "2"] + argv[4:] + ["--resume"])
+    assert "does not fit this run" in capsys.readouterr().out
