@@ -51,10 +51,12 @@ form of ZeRO-1, which would make its traffic equal plain DP's (we all-reduce, th
 import argparse
 import contextlib
 import importlib
+import math
 import os
 import statistics
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -82,7 +84,10 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, int, torch.dev
         torch.cuda.set_device(device)
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # device_id (NCCL): bind the communicators to this rank's GPU now, so no collective or
+        # subgroup ever has to guess the device from the rank
+        device_id = device if device.type == "cuda" else None
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
     if dist.is_initialized():
         return dist.get_rank(), local_rank, dist.get_world_size(), device
     return 0, 0, 1, device
@@ -118,6 +123,21 @@ def broadcast_from_first_rank(module: nn.Module, group) -> None:
         dist.broadcast(t.detach(), src=src, group=group)
 
 
+def _weak_hook(wrapper_ref):
+    """A gradient hook that calls wrapper_ref()._hook, without keeping the wrapper alive."""
+
+    def hook(p: torch.Tensor) -> None:
+        if (wrapper := wrapper_ref()) is not None:
+            wrapper._hook(p)
+
+    return hook
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
 # ---------------------------------------------------------------------------------------------
 # Simple first: all-reduce every gradient, one tensor at a time, after backward
 # ---------------------------------------------------------------------------------------------
@@ -130,6 +150,11 @@ class NaiveDataParallel(nn.Module):
     needs no extra call, and no user can forget to synchronise before optimizer.step().
     group: the data-parallel group (default: the world). In a 3D grid it is the ranks that hold
     the same shard of the model; the module may be a pipeline stage with tensor-parallel shards.
+
+    Lifetime: the hooks hold the wrapper only weakly, and a dropped wrapper takes its hooks with
+    it, so `model = DataParallel(model.module)` leaves one wrapper communicating, not two (as
+    torch DDP, whose reducer removes its hooks when freed). close() detaches it at once, for a
+    wrapper something still references.
     """
 
     def __init__(self, module: nn.Module, group=None):
@@ -141,8 +166,25 @@ class NaiveDataParallel(nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]  # frozen: skipped
         self.stats = {"allreduce_calls": 0, "allreduce_bytes": 0, "syncs": 0}
         self._sync, self._queued = True, False
-        for p in self.params:  # fires once per backward, after p.grad holds the summed gradient
-            p.register_post_accumulate_grad_hook(self._hook)
+        # subtle: the handles of the last two synchronised passes' collectives. A collective
+        # copies the thread-local state it is launched in, and inside backward that holds a
+        # Python object (autograd stashes a contextvars.Context). Dropped right after wait(),
+        # the last reference may be the gloo worker thread's, still finishing up; if it lets go
+        # while Python is exiting, it cannot take the GIL to free that object and the process
+        # aborts ("terminate called without an active exception"). So we free them, on our own
+        # thread, a whole pass later, when the worker is surely done (freeing them as the next
+        # pass starts still aborted 7 of 240 amplified jobs in tests/ddp_exit_job.py; this, 0 of
+        # 210). Cost: the naive wrapper's handles hold the gradients they reduced.
+        self._works, self._previous_works = [], []
+        # subtle: a bound method in the hook would keep this wrapper alive as long as the
+        # parameters; a weak reference does not (weakref.finalize then removes the hooks).
+        hook = _weak_hook(weakref.ref(self))
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+        self._detach = weakref.finalize(self, _remove_hooks, handles)
+
+    def close(self) -> None:
+        """Stop synchronising: remove the gradient hooks now, not when the wrapper is freed."""
+        self._detach()
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -166,6 +208,7 @@ class NaiveDataParallel(nn.Module):
             return
         if not self._queued:  # first gradient of this backward pass: finish when autograd does
             self._queued = True
+            self._previous_works, self._works = self._works, []  # see __init__
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._grad_ready(p)
 
@@ -184,18 +227,21 @@ class NaiveDataParallel(nn.Module):
             "requires_grad_(False) before wrapping."
         )
 
-    def _count(self, t: torch.Tensor) -> None:
+    def _all_reduce(self, t: torch.Tensor):
+        """Start a SUM all-reduce of t, counted, its handle kept (see _works in __init__)."""
+        work = dist.all_reduce(t, op=SUM, group=self.group, async_op=True)
+        self._works.append(work)
         self.stats["allreduce_calls"] += 1
         self.stats["allreduce_bytes"] += nbytes(t)
+        return work
 
     def _finish_backward(self) -> None:
         self._queued = False
         if error := self._missing_grad_error(self.params):
             raise error
         for p in self.params:
-            dist.all_reduce(p.grad, op=SUM, group=self.group)  # blocks: nothing overlaps
+            self._all_reduce(p.grad).wait()  # one at a time, blocking: nothing overlaps
             p.grad.div_(self.world)  # SUM / N = the mean of the per-rank gradients
-            self._count(p.grad)
         self.stats["syncs"] += 1
 
 
@@ -239,12 +285,16 @@ class DataParallel(NaiveDataParallel):
     all-reduce (SUM) starts asynchronously, and backward goes on computing earlier layers. The
     end-of-backward callback waits for every bucket, then hands each parameter its averaged
     gradient as a view into the bucket: no copy back (DDP's gradient_as_bucket_view=True).
+    bucket_mb=None: no cap, one bucket per dtype and device, launched when backward is done
+    with it (little left to overlap; the fewest calls).
     """
 
-    def __init__(self, module: nn.Module, bucket_mb: float = 25.0, group=None):
+    def __init__(self, module: nn.Module, bucket_mb: float | None = 25.0, group=None):
+        ok = bucket_mb is None or (isinstance(bucket_mb, int | float) and bucket_mb > 0)
+        assert ok, f"bucket_mb must be a positive number of MB or None (no cap), got {bucket_mb!r}"
         super().__init__(module, group)
-        assert bucket_mb > 0, f"bucket_mb must be positive, got {bucket_mb}"
-        self.buckets = make_buckets(self.params, bucket_mb * 2**20)
+        cap = math.inf if bucket_mb is None else bucket_mb * 2**20
+        self.buckets = make_buckets(self.params, cap)
         self._where = {}  # param -> (bucket index, position in bucket)
         for b, bucket in enumerate(self.buckets):
             for i, p in enumerate(bucket.params):
@@ -273,8 +323,7 @@ class DataParallel(NaiveDataParallel):
             bucket = self.buckets[self._next]
             if bucket.ready < len(bucket.params):
                 return
-            bucket.work = dist.all_reduce(bucket.buffer, op=SUM, group=self.group, async_op=True)
-            self._count(bucket.buffer)
+            bucket.work = self._all_reduce(bucket.buffer)
             self._next += 1
 
     def _finish_backward(self) -> None:
@@ -332,7 +381,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     Every rank holds all parameters and all (already averaged) gradients. Rank r runs
     optimizer_cls only on its shard, 1/N of the parameters by size, so it keeps state only for
     those; then each rank broadcasts its updated shard. param_groups lists every parameter,
-    so an LR scheduler (or `group["lr"] = ...`) works as with any optimizer.
+    so an LR scheduler (or `group["lr"] = ...`) works as with any optimizer. Every group must be
+    given here: add_param_group afterwards is refused.
     """
 
     def __init__(self, params, optimizer_cls, group=None, **kwargs):
@@ -351,6 +401,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 g.setdefault(k, v)
         self.state = self.local.state  # this rank's state only
         self.stats = {"broadcast_calls": 0, "broadcast_bytes": 0}
+
+    def add_param_group(self, param_group: dict) -> None:
+        # Refused once built: the split across ranks is decided once, from every parameter, by
+        # size. A later group would unbalance it, or re-split it and move optimizer state between
+        # ranks (what torch's ZeroRedundancyOptimizer does), and every rank would have to add it
+        # at the same step. Optimizer.__init__ calls this for the groups it is given: fine.
+        if hasattr(self, "local"):
+            raise NotImplementedError(
+                "ZeroOptimizer.add_param_group after construction is not supported: pass every "
+                "param group to ZeroOptimizer(...) (a group may start with lr=0)"
+            )
+        super().add_param_group(param_group)
 
     def shard_numels(self) -> list[int]:
         return [sum(p.numel() for p in shard) for shard in self.shards]
