@@ -172,9 +172,10 @@ class NaiveDataParallel(nn.Module):
         # the last reference may be the gloo worker thread's, still finishing up; if it lets go
         # while Python is exiting, it cannot take the GIL to free that object and the process
         # aborts ("terminate called without an active exception"). So we free them, on our own
-        # thread, a whole pass later, when the worker is surely done (freeing them as the next
+        # thread, a whole pass later, when the worker is long done (freeing them as the next
         # pass starts still aborted 7 of 240 amplified jobs in tests/ddp_exit_job.py; this, 0 of
-        # 210). Cost: the naive wrapper's handles hold the gradients they reduced.
+        # 210). Cost: the naive wrapper's handles keep up to two passes' gradients alive after
+        # zero_grad(set_to_none=True); the bucketed one's hold its buckets, which live anyway.
         self._works, self._previous_works = [], []
         # subtle: a bound method in the hook would keep this wrapper alive as long as the
         # parameters; a weak reference does not (weakref.finalize then removes the hooks).
