@@ -12,9 +12,10 @@ The math of BPE training (Sennrich et al. 2016; GPT-2's byte-level variant, Radf
     ties:   among equal counts, the lexicographically greatest (bytes(a), bytes(b)) wins
 
 "Words" come from GPT-2's pre-tokenization regex, so a merge never crosses a space-word or
-letter/digit/punctuation boundary, and special tokens such as <|endoftext|> are cut out before
-that, so nothing is ever merged across them. Encoding replays the merges: inside each word,
-repeatedly merge the adjacent pair whose concatenation has the lowest rank (= token id).
+letter/digit/punctuation boundary, and special tokens such as <|endoftext|> are cut out first.
+Simple first: `train_bpe_naive` recounts every pair after each merge (minbpe); `train_bpe` updates
+only the counts a merge touched and learns exactly the same merges, far faster. Encoding replays
+the merges: inside each word, merge the adjacent pair whose concatenation has the lowest rank.
 
 Who holds what (nothing is distributed yet, except who reads which window):
 
@@ -24,8 +25,10 @@ Who holds what (nothing is distributed yet, except who reads which window):
         dp_rank 0 -> perm_e[k*dp*B + 0*B : ... + B]     x = window[:-1], y = window[1:]
         dp_rank 1 -> perm_e[k*dp*B + 1*B : ... + B]     (disjoint from rank 0 in every step)
 
-Launch: `python 01_data.py` (trains a 4,096-token BPE on the Python standard library's source and
-writes shards to data/). `python 01_data.py --help` lists the options.
+Launch: `python 01_data.py` trains a 4,096-token BPE on the Python standard library's source (its
+generated tables left out) and writes shards to data/. It prints naive vs incremental training
+(same merges), our encoder against tiktoken's GPT-2, bytes per token on the validation text and
+one batch for each of two dp ranks. `--help` lists the options; bench/bench_data.py times them.
 
 This is the first file: it has no previous file to change. It leaves out, on purpose: Unicode
 normalisation, the regex-free fast trainers (tokenizers/sentencepiece) and document packing masks.
@@ -69,64 +72,90 @@ SHAKESPEARE_URL = (
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 4  # header: magic, version, itemsize, count
 
 
+# --- BPE training: the naive trainer, then the incremental one --------------------------------
 def _special_splitter(specials):
     """A regex that cuts text at special tokens (longest first, so one never hides another)."""
     alternatives = sorted(specials, key=len, reverse=True)
     return regex.compile("(" + "|".join(regex.escape(s) for s in alternatives) + ")")
 
 
-# ---------------------------------------------------------------------------------------------
-# BPE training
-# ---------------------------------------------------------------------------------------------
 def _pretokenize(text: str, specials) -> Counter:
     """Count each distinct pre-token (as bytes) once, with its frequency; specials are cut out."""
     pattern = regex.compile(GPT2_SPLIT_PATTERN)
-    parts = _special_splitter(specials).split(text) if specials else [text]
     counts: Counter = Counter()
-    for part in parts:
-        if part in specials:
-            continue  # never merged across, never merged into
-        counts.update(pattern.findall(part))
+    for part in _special_splitter(specials).split(text) if specials else [text]:
+        if part not in specials:  # never merged across, never merged into
+            counts.update(pattern.findall(part))
     return Counter({w.encode("utf-8"): c for w, c in counts.items()})
 
 
-def _tie_key(token: bytes) -> tuple:
-    """Sort key that is *smaller* for lexicographically *greater* bytes (heapq is a min-heap).
+def merge(ids: list[int], a: int, b: int, new_id: int) -> list[int]:
+    """Replace each (a, b) in `ids` by `new_id`, left to right: "aaa" with (a, a) -> [aa, a]."""
+    out, i = [], 0
+    while i < len(ids):
+        if i + 1 < len(ids) and ids[i] == a and ids[i + 1] == b:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
 
-    Each byte x maps to 256 - x, and 257 ends the string, so a string sorts before its own
-    prefixes: b"ab" > b"a" becomes (255, 254, 257) < (255, 257).
-    """
+
+def train_bpe_naive(text: str, vocab_size: int, special_tokens=(EOT,)) -> Tokenizer:
+    """The simple version (minbpe's BasicTokenizer, on GPT-2's pre-tokens): after every merge,
+    recount every pair of every word. Each merge costs a pass over the whole corpus."""
+    specials = list(special_tokens)
+    assert vocab_size >= 256 + len(specials), f"vocab_size {vocab_size} < 256 bytes + specials"
+    word_counts = _pretokenize(text, specials)
+    words, freqs = [list(w) for w in word_counts], list(word_counts.values())
+    vocab = {i: bytes([i]) for i in range(256)}
+    merges: list[tuple[bytes, bytes]] = []
+    for new_id in range(256, vocab_size - len(specials)):
+        counts: Counter = Counter()
+        for word, f in zip(words, freqs):
+            for pair in zip(word, word[1:]):
+                counts[pair] += f
+        if not counts:
+            break  # every word is one token: nothing left to merge
+        a, b = max(counts, key=lambda p: (counts[p], vocab[p[0]], vocab[p[1]]))  # ties: greatest
+        vocab[new_id] = vocab[a] + vocab[b]
+        merges.append((vocab[a], vocab[b]))
+        words = [merge(word, a, b, new_id) for word in words]
+    return Tokenizer.from_merges(merges, specials)
+
+
+def _tie_key(token: bytes) -> tuple:
+    """Smaller for lexicographically greater bytes (heapq is a min-heap): byte x maps to 256 - x
+    and 257 ends the string, so b"ab" > b"a" becomes (255, 254, 257) < (255, 257)."""
     return tuple(256 - x for x in token) + (257,)
 
 
 def train_bpe(text: str, vocab_size: int, special_tokens=(EOT,), verbose: bool = False):
     """Learn `vocab_size - 256 - len(special_tokens)` merges on `text`; return a `Tokenizer`.
 
-    Pair counts are updated incrementally: a merge of (a, b) touches only the words that contain
-    (a, b) (kept in `where`), so the cost per merge is the size of those words, not the corpus.
-    The next pair comes from a lazy max-heap: stale entries (count changed since they were pushed)
-    are skipped when popped.
+    The same merges as `train_bpe_naive`, with pair counts updated incrementally: a merge of
+    (a, b) touches only the words that contain it (kept in `where`), so it costs the size of those
+    words, not of the corpus. The next pair comes from a lazy max-heap: entries whose count
+    changed since they were pushed are skipped when popped.
     """
     specials = list(special_tokens)
     n_merges = vocab_size - 256 - len(specials)
     assert n_merges >= 0, f"vocab_size {vocab_size} < 256 bytes + {len(specials)} special tokens"
     word_counts = _pretokenize(text, specials)
-    words = [list(w) for w in word_counts]  # each word as a list of token ids (bytes at first)
-    freqs = list(word_counts.values())
+    words, freqs = [list(w) for w in word_counts], list(word_counts.values())
     vocab = {i: bytes([i]) for i in range(256)}
     keys = {i: _tie_key(vocab[i]) for i in range(256)}
-
     pair_counts: Counter = Counter()
-    where: dict[tuple[int, int], set[int]] = {}
+    where: dict[tuple[int, int], set[int]] = {}  # pair -> the words that contain it
     for w, (word, f) in enumerate(zip(words, freqs)):
         for pair in zip(word, word[1:]):
             pair_counts[pair] += f
             where.setdefault(pair, set()).add(w)
     heap = [(-c, keys[p[0]] + keys[p[1]], p) for p, c in pair_counts.items()]
     heapq.heapify(heap)
-
     merges: list[tuple[bytes, bytes]] = []
-    progress = Progress("merges", n_merges) if verbose else None
+    start = time.perf_counter()
     while len(merges) < n_merges and heap:
         neg_count, _, pair = heapq.heappop(heap)
         if pair_counts.get(pair, 0) != -neg_count:
@@ -135,41 +164,30 @@ def train_bpe(text: str, vocab_size: int, special_tokens=(EOT,), verbose: bool =
         vocab[new_id] = vocab[pair[0]] + vocab[pair[1]]
         keys[new_id] = _tie_key(vocab[new_id])
         merges.append((vocab[pair[0]], vocab[pair[1]]))
-        changed = _apply_merge(pair, new_id, words, freqs, pair_counts, where)
-        for p in changed:
+        for p in _apply_merge(pair, new_id, words, freqs, pair_counts, where):
             if pair_counts[p] > 0:
                 heapq.heappush(heap, (-pair_counts[p], keys[p[0]] + keys[p[1]], p))
             else:
                 del pair_counts[p]
-        if progress:
-            progress.update(len(merges), extra=repr(vocab[new_id])[:24])
-    if progress:
-        progress.close()
+        if verbose and len(merges) % 100 == 0:
+            progress("merges", len(merges), n_merges, start)
+    if verbose:  # the last line, ended; it shows fewer merges when the text ran out of pairs
+        progress("merges", len(merges), len(merges), start)
     return Tokenizer.from_merges(merges, specials)
 
 
 def _apply_merge(pair, new_id, words, freqs, pair_counts, where) -> set:
     """Replace `pair` by `new_id` in every word that has it; return the pairs whose count moved."""
-    a, b = pair
     changed = set()
     for w in where.pop(pair):
-        word = words[w]
-        merged, i = [], 0
-        while i < len(word):
-            if i + 1 < len(word) and word[i] == a and word[i + 1] == b:
-                merged.append(new_id)
-                i += 2
-            else:
-                merged.append(word[i])
-                i += 1
+        word, merged = words[w], merge(words[w], *pair, new_id)
         if len(merged) == len(word):
             continue  # stale entry: an earlier merge already consumed this occurrence
-        f = freqs[w]
         for p in zip(word, word[1:]):
-            pair_counts[p] -= f
+            pair_counts[p] -= freqs[w]
             changed.add(p)
         for p in zip(merged, merged[1:]):
-            pair_counts[p] += f
+            pair_counts[p] += freqs[w]
             where.setdefault(p, set()).add(w)
             changed.add(p)
         words[w] = merged
@@ -178,48 +196,22 @@ def _apply_merge(pair, new_id, words, freqs, pair_counts, where) -> set:
     return changed
 
 
-class Progress:
-    """A self-overwriting progress line with rate and ETA, redrawn at most every 0.2 s."""
-
-    def __init__(self, what: str, total: float, unit: str = ""):
-        self.what, self.total, self.unit = what, total, unit
-        self.start = self.last = time.perf_counter()
-
-    def update(self, done: float, extra: str = "") -> None:
-        now = time.perf_counter()
-        if now - self.last < 0.2 and done < self.total:
-            return
-        self.last, elapsed = now, now - self.start
-        eta = elapsed / max(done, 1e-9) * (self.total - done)
-        rate = f" {done / max(elapsed, 1e-9):,.1f} {self.unit}/s" if self.unit else ""
-        fmt = ",.0f" if float(self.total).is_integer() else ",.1f"
-        print(
-            f"\r  {self.what}: {done:{fmt}}/{self.total:{fmt}}{rate} ETA {eta:4.1f}s {extra:<24}",
-            end="",
-            flush=True,
-        )
-
-    def close(self) -> None:
-        print(f"  ({time.perf_counter() - self.start:.1f}s)")
+def progress(what: str, done: float, total: float, start: float, unit: str = "") -> None:
+    """Redraw one progress line in place, with the ETA; the call with done == total ends it."""
+    elapsed = time.perf_counter() - start
+    eta, digits = elapsed / max(done, 1e-9) * (total - done), 1 if unit else 0
+    status = f"{done:,.{digits}f}/{total:,.{digits}f}{unit}, ETA {eta:.1f} s ({elapsed:.1f} s)"
+    print(f"\r  {what}: {status}", end="\n" if done >= total else "", flush=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# Tokenizers: our BPE, bytes ("char"), and GPT-2 through tiktoken, all with one interface
-# ---------------------------------------------------------------------------------------------
+# --- Tokenizers: our BPE, bytes ("char"), and GPT-2 through tiktoken, all with one interface --
 class Tokenizer:
-    """Byte-level BPE with a pure-Python encoder that gives exactly tiktoken's ids.
-
-    `vocab` maps id -> bytes and must contain the 256 single bytes; an id is also the token's
-    merge rank. `merges` lists the learned pairs in order. Encoding follows tiktoken's rule: in a
-    word, merge the leftmost adjacent pair whose concatenation has the lowest rank, until none is
-    in the vocabulary.
-    """
+    """Byte-level BPE with a pure-Python encoder that gives exactly tiktoken's ids. `vocab` maps
+    id -> bytes (the 256 single bytes included); an id is also the token's merge rank. `merges`
+    lists the learned pairs in order."""
 
     def __init__(
-        self,
-        vocab: dict[int, bytes],
-        merges: list[tuple[bytes, bytes]],
-        special_tokens: list[str] | None = None,
+        self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], special_tokens=None
     ):
         self.vocab, self.merges = dict(vocab), list(merges)
         special_tokens = list(special_tokens or [])
@@ -229,13 +221,11 @@ class Tokenizer:
         assert not missing, f"vocab lacks single-byte tokens {missing[:5]}...: cannot encode"
         for a, b in self.merges:
             assert a + b in self.ranks, f"merge {a!r} + {b!r} has no token in the vocab"
-        next_id = max(self.vocab) + 1
         by_bytes = {b: i for i, b in self.vocab.items()}
         self.special_tokens = {}
         for s in special_tokens:  # specials keep their vocab id, or are appended after it
-            if s.encode("utf-8") not in by_bytes:
-                self.vocab[next_id], next_id = s.encode("utf-8"), next_id + 1
-            self.special_tokens[s] = by_bytes.get(s.encode("utf-8"), next_id - 1)
+            i = by_bytes.get(s.encode("utf-8"), max(self.vocab) + 1)
+            self.vocab[i], self.special_tokens[s] = s.encode("utf-8"), i
         self._pattern = regex.compile(GPT2_SPLIT_PATTERN)
         self._splitter = _special_splitter(self.special_tokens) if self.special_tokens else None
         self._cache: dict[bytes, list[int]] = {}
@@ -244,8 +234,7 @@ class Tokenizer:
     def from_merges(cls, merges, special_tokens=(EOT,)) -> Tokenizer:
         """The layout train_bpe produces: 256 bytes, then the merges in order, then specials."""
         vocab = {i: bytes([i]) for i in range(256)}
-        for i, (a, b) in enumerate(merges):
-            vocab[256 + i] = a + b
+        vocab.update({256 + i: a + b for i, (a, b) in enumerate(merges)})
         return cls(vocab, merges, list(special_tokens))
 
     @property
@@ -271,39 +260,27 @@ class Tokenizer:
             if best_rank is None:
                 break
             parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
-        ids = [self.ranks[p] for p in parts]
         if len(self._cache) > 100_000:  # bounded memory for encode_iterable on huge streams
             self._cache.clear()
-        self._cache[word] = ids
-        return ids
+        self._cache[word] = [self.ranks[p] for p in parts]
+        return self._cache[word]
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode, treating special-token text as ordinary text."""
-        ids = []
-        for word in self._pattern.findall(text):
-            ids.extend(self._bpe(word.encode("utf-8")))
-        return ids
+        return [i for word in self._pattern.findall(text) for i in self._bpe(word.encode("utf-8"))]
 
     def encode(self, text: str) -> list[int]:
         """Encode; special tokens in the text become their ids (tiktoken's allowed_special="all")."""
-        if self._splitter is None:
-            return self.encode_ordinary(text)
         ids = []
-        for part in self._splitter.split(text):
-            ids.extend(
-                [self.special_tokens[part]]
-                if part in self.special_tokens
-                else self.encode_ordinary(part)
-            )
+        for part in self._splitter.split(text) if self._splitter else [text]:
+            special = self.special_tokens.get(part)
+            ids.extend(self.encode_ordinary(part) if special is None else [special])
         return ids
 
     def encode_iterable(self, chunks):
-        """Stream ids from an iterable of strings (e.g. an open file) in bounded memory.
-
-        A chunk boundary can fall inside a pre-token or a special token, so each round emits only
-        what more text cannot change, and keeps the rest in the buffer. The ids equal
-        `encode("".join(chunks))`.
-        """
+        """Stream ids from an iterable of strings (e.g. an open file) in bounded memory; the ids
+        equal `encode("".join(chunks))`. A chunk boundary can fall inside a pre-token or a special
+        token, so each round emits only what more text cannot change, and buffers the rest."""
         buf = ""
         for chunk in chunks:
             buf += chunk
@@ -327,10 +304,8 @@ class Tokenizer:
             if any(s.startswith(buf[i:]) for s in self.special_tokens):
                 hold = i
                 break
-        start = 0
-        if self._splitter is not None:
-            ends = [m.end() for m in self._splitter.finditer(buf, 0, hold)]
-            start = ends[-1] if ends else 0
+        ends = [m.end() for m in self._splitter.finditer(buf, 0, hold)] if self._splitter else []
+        start = ends[-1] if ends else 0
         ids = self.encode(buf[:start])
         # subtle: emit the pre-tokens found in the *whole* buffer. Re-encoding the prefix as its
         # own string would let "whitespace at the end" match at the artificial end: the buffer
@@ -356,20 +331,15 @@ class Tokenizer:
         """Write `X.tiktoken` (tiktoken's own rank format) and `X.json` (specials, merges and
         any `extra` notes, such as what it was trained on)."""
         path = Path(path).with_suffix(".tiktoken")
-        path.parent.mkdir(parents=True, exist_ok=True)
         b64 = lambda b: base64.b64encode(b).decode("ascii")  # noqa: E731
         ranks = "".join(
             f"{b64(b)} {i}\n" for b, i in sorted(self.ranks.items(), key=lambda t: t[1])
         )
-        meta = {
-            "format": "llm-course-bpe/1",
-            "pattern": GPT2_SPLIT_PATTERN,
-            "special_tokens": self.special_tokens,
-            "merges": [[b64(a), b64(b)] for a, b in self.merges],
-            **extra,
-        }
-        _atomic_write(path, ranks.encode())
-        _atomic_write(path.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+        meta = {"format": "llm-course-bpe/1", "pattern": GPT2_SPLIT_PATTERN, **extra}
+        meta["special_tokens"] = self.special_tokens
+        meta["merges"] = [[b64(a), b64(b)] for a, b in self.merges]
+        atomic_write(path, lambda tmp: tmp.write_text(ranks))
+        atomic_write(path.with_suffix(".json"), lambda tmp: tmp.write_text(json.dumps(meta)))
         return path
 
     @classmethod
@@ -378,30 +348,23 @@ class Tokenizer:
         for p in (path, path.with_suffix(".json")):
             if not p.is_file():
                 raise FileNotFoundError(f"tokenizer file {p} not found (written by Tokenizer.save)")
-        ranks = tiktoken.load.load_tiktoken_bpe(str(path))
+        vocab = {i: b for b, i in tiktoken.load.load_tiktoken_bpe(str(path)).items()}
         meta = json.loads(path.with_suffix(".json").read_text())
         merges = [(base64.b64decode(a), base64.b64decode(b)) for a, b in meta["merges"]]
-        vocab = {i: b for b, i in ranks.items()}
         vocab.update({i: s.encode("utf-8") for s, i in meta["special_tokens"].items()})
         return cls(vocab, merges, list(meta["special_tokens"]))
 
 
 def gpt2_tokenizer() -> Tokenizer:
     """GPT-2's own 50,000 merges, read from the vocab.bpe file tiktoken caches, as a Tokenizer.
-
-    vocab.bpe writes bytes as printable stand-ins: byte b is chr(b) when printable, else
-    chr(256 + n) for the n-th unprintable one. GPT-2's ids 0..255 follow the same order
-    (printable bytes first), so the ids come out equal to tiktoken's "gpt2".
-    """
+    vocab.bpe writes byte b as chr(b) when printable, else as chr(256 + n) for the n-th
+    unprintable byte; GPT-2's ids 0..255 follow that order, so the ids equal tiktoken's "gpt2"."""
     text = tiktoken.load.read_file_cached(GPT2_VOCAB_BPE, GPT2_VOCAB_BPE_SHA256).decode("utf-8")
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     others = [b for b in range(256) if b not in printable]
     char_to_byte = {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
-    merges = [
-        tuple(bytes(char_to_byte[c] for c in part) for part in line.split())
-        for line in text.split("\n")[1:]
-        if line
-    ]
+    lines = [line.split() for line in text.split("\n")[1:] if line]
+    merges = [tuple(bytes(char_to_byte[c] for c in part) for part in pair) for pair in lines]
     vocab = {i: bytes([b]) for i, b in enumerate(printable + others)}
     vocab.update({256 + i: a + b for i, (a, b) in enumerate(merges)})
     return Tokenizer(vocab, merges, [EOT])
@@ -426,10 +389,8 @@ class CharTokenizer:
         return [np.frombuffer(t.encode("utf-8"), np.uint8).tolist() for t in texts]
 
     def decode(self, ids) -> str:
-        out = bytearray()
-        for i in ids:
-            out.extend(EOT.encode() if i == self.eot_token else bytes([i]))
-        return out.decode("utf-8", errors="replace")
+        pieces = (EOT.encode() if i == self.eot_token else bytes([i]) for i in ids)
+        return b"".join(pieces).decode("utf-8", errors="replace")
 
 
 def get_tokenizer(name: str):
@@ -439,15 +400,14 @@ def get_tokenizer(name: str):
             return tiktoken.get_encoding("gpt2")
         except Exception as e:  # noqa: BLE001 - network or cache failure; say what to do
             raise RuntimeError(
-                f"cannot load GPT-2's tokenizer ({type(e).__name__}: {e}). It is "
-                "downloaded once; offline, set TIKTOKEN_CACHE_DIR to a folder "
-                "holding its files, or use --tokenizer char"
+                f"cannot load GPT-2's tokenizer ({type(e).__name__}: {e}). It is downloaded "
+                "once; offline, set TIKTOKEN_CACHE_DIR to a folder holding its files, or use "
+                "--tokenizer char"
             ) from e
     if name == "char":
         return CharTokenizer()
-    path = Path(name).with_suffix(".tiktoken")
-    if path.is_file():
-        return Tokenizer.load(path)
+    if Path(name).with_suffix(".tiktoken").is_file():
+        return Tokenizer.load(name)
     raise ValueError(
         f"unknown tokenizer {name!r}: use 'gpt2', 'char', or the path of a saved "
         "BPE tokenizer (the .tiktoken file written by 01_data.py)"
@@ -459,24 +419,34 @@ def fast_encoder(tok):
     return tok.to_tiktoken() if isinstance(tok, Tokenizer) else tok
 
 
-# ---------------------------------------------------------------------------------------------
-# Sources: the standard library (default, offline), a path/dir/glob, or tiny-shakespeare
-# ---------------------------------------------------------------------------------------------
+# --- Sources: the standard library (default, offline), a path/dir/glob, or tiny-shakespeare ---
+def is_table(text: str) -> bool:
+    """Generated data, not code: more than 60% of the code lines (not blank, not comments) open
+    with a string or number literal. That is the charmap codecs in encodings/ (a 256-entry
+    `decoding_table` each), pydoc_data/topics.py (Sphinx's help text), html/entities.py,
+    stringprep.py's Unicode tables and locale's alias table; Python code scores under 30%."""
+    lines = [s for s in text.splitlines() if s.strip() and not s.lstrip().startswith("#")]
+    literal = regex.compile(r"""\s*(?:[rbuRBU]?['"]|[-+]?\d)""")
+    return sum(bool(literal.match(s)) for s in lines) > 0.6 * len(lines)
+
+
 def stdlib_files() -> list[Path]:
-    """The Python standard library's .py files, in sorted order (tests and site-packages out)."""
+    """The Python standard library's .py files, in sorted order, without tests, site-packages
+    and generated tables (`is_table`: ~20% of the bytes), so a model trained on it writes Python."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-    return [f for f in sorted(root.rglob("*.py")) if not skip & set(f.relative_to(root).parts)]
+    files = [f for f in sorted(root.rglob("*.py")) if not skip & set(f.relative_to(root).parts)]
+    return [f for f in files if not is_table(f.read_text("utf-8", errors="replace"))]
 
 
 def download_shakespeare(cache_dir="data/downloads") -> Path:
     """Fetch tiny-shakespeare once into a cache (only when the user asks for it)."""
     path = Path(cache_dir) / "tinyshakespeare.txt"
-    if path.is_file():
-        return path
     try:
-        with urllib.request.urlopen(SHAKESPEARE_URL, timeout=20) as r:
-            _atomic_write(path, r.read())
+        if not path.is_file():
+            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=20) as r:
+                body = r.read()
+            atomic_write(path, lambda tmp: tmp.write_bytes(body))
     except (urllib.error.URLError, OSError) as e:
         raise RuntimeError(
             f"could not download tiny-shakespeare from {SHAKESPEARE_URL} ({e}); "
@@ -499,17 +469,13 @@ def is_binary(raw: bytes) -> bool:
 
 def source_files(source: str) -> list[Path]:
     """Resolve --source to a sorted list of files, or fail with a message that says how."""
-    if source == "stdlib":
-        return stdlib_files()
-    if source == "shakespeare":
-        return [download_shakespeare()]
+    if source in ("stdlib", "shakespeare"):
+        return stdlib_files() if source == "stdlib" else [download_shakespeare()]
     p = Path(source)
     if p.is_file():
-        files = [p]
-    elif p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file())
-    else:
-        files = sorted(Path(f) for f in glob.glob(source, recursive=True) if Path(f).is_file())
+        return [p]
+    found = p.rglob("*") if p.is_dir() else map(Path, glob.glob(source, recursive=True))
+    files = sorted(f for f in found if f.is_file())
     if not files:
         raise FileNotFoundError(
             f"source {source!r} is not a file, a directory with files or a "
@@ -538,19 +504,31 @@ def read_documents(files, source=None) -> list[str]:
     return docs
 
 
-# ---------------------------------------------------------------------------------------------
-# Prepare: documents -> token shards on disk
-# ---------------------------------------------------------------------------------------------
-def _atomic_write(path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename: never a half file."""
+# --- Prepare: documents -> token shards on disk -----------------------------------------------
+def atomic_write(path, write) -> None:
+    """`write(tmp)` writes a temporary file (a Path in the same folder), which is fsynced and
+    renamed over `path`, then the folder is fsynced: readers see the old file or the new one,
+    never half of one, even after a crash."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # same folder: rename is atomic
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a write that failed leaves no litter
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path) -> None:
+    """A folder's entries (new names, renames) reach the disk only when the folder is fsynced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def shard_dtype(n_vocab: int):
@@ -560,7 +538,7 @@ def shard_dtype(n_vocab: int):
 
 def write_shard(path, tokens: np.ndarray) -> None:
     header = np.array([SHARD_MAGIC, SHARD_VERSION, tokens.itemsize, len(tokens)], np.int64)
-    _atomic_write(path, header.tobytes() + tokens.tobytes())
+    atomic_write(path, lambda tmp: tmp.write_bytes(header.tobytes() + tokens.tobytes()))
 
 
 def read_shard(path) -> np.ndarray:
@@ -572,11 +550,10 @@ def read_shard(path) -> np.ndarray:
     return np.memmap(path, dtype, mode="r", offset=HEADER_INTS * 8, shape=(int(header[3]),))
 
 
-def _split_val(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+def split_val(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
     """The last `val_fraction` of the characters is validation; the document there is cut at a
     newline. Deterministic, and it works for one big document as well as for many."""
-    total = sum(map(len, docs))
-    cut, seen = int(total * (1 - val_fraction)), 0
+    cut, seen = int(sum(map(len, docs)) * (1 - val_fraction)), 0
     for i, d in enumerate(docs):
         if seen + len(d) > cut:
             # subtle: not at the final newline, which leaves val empty for a one-line file
@@ -587,11 +564,10 @@ def _split_val(docs: list[str], val_fraction: float) -> tuple[list[str], list[st
     return docs, []
 
 
-def _encode_documents(enc, docs, eot: int, label: str) -> np.ndarray:
+def encode_documents(enc, docs, eot: int, label: str) -> np.ndarray:
     """tiktoken's batch encoder with threads, ~8 MB at a time, EOT between documents."""
-    threads, pieces, done = os.cpu_count() or 1, [], 0.0
-    progress = Progress(f"encode {label}", sum(map(len, docs)) / 1e6, unit="MB")
-    batch: list[str] = []
+    threads, pieces, done, batch = os.cpu_count() or 1, [], 0, []
+    start, total = time.perf_counter(), sum(map(len, docs))
     for i, doc in enumerate(docs):
         batch.append(doc)
         if sum(map(len, batch)) >= 8_000_000 or i == len(docs) - 1:
@@ -599,10 +575,9 @@ def _encode_documents(enc, docs, eot: int, label: str) -> np.ndarray:
                 if pieces:  # between documents: not before the first, not after the last
                     pieces.append(np.array([eot], np.int64))
                 pieces.append(np.asarray(ids, np.int64))
-            done += sum(map(len, batch)) / 1e6
-            progress.update(done)
+            done += sum(map(len, batch))
+            progress(f"encode {label}", done / 1e6, total / 1e6, start, unit=" MB")
             batch = []
-    progress.close()
     return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
 
 
@@ -626,28 +601,22 @@ def prepare(
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     name = tokenizer_name or (tokenizer if isinstance(tokenizer, str) else type(tok).__name__)
     files = source_files(source)
-    fingerprint = hashlib.sha256(
-        json.dumps(
-            [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-            + [name, tok.n_vocab, val_fraction, block_size]
-        ).encode()
-    ).hexdigest()
-    out = Path(out_dir)
-    meta_path = out / "meta.json"
+    stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    inputs = json.dumps(stats + [name, tok.n_vocab, val_fraction, block_size]).encode()
+    fingerprint = hashlib.sha256(inputs).hexdigest()
+    out, meta_path = Path(out_dir), Path(out_dir) / "meta.json"
     if meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        if meta.get("fingerprint") == fingerprint and all(
-            (out / s).is_file() for s in meta["files"]
-        ):
+        same_inputs = meta.get("fingerprint") == fingerprint
+        if same_inputs and all((out / s).is_file() for s in meta["files"]):
             print(f"{out}: already prepared from the same inputs, nothing to do")
             before_write()  # the inputs passed before; e.g. a tokenizer deleted by hand comes back
             return meta
     docs = read_documents(files, source)
     enc, dtype = fast_encoder(tok), shard_dtype(tok.n_vocab)
-    train_docs, val_docs = _split_val(docs, val_fraction)
     splits = {
-        "train": _encode_documents(enc, train_docs, tok.eot_token, "train"),
-        "val": _encode_documents(enc, val_docs, tok.eot_token, "val"),
+        split: encode_documents(enc, part, tok.eot_token, split)
+        for split, part in zip(("train", "val"), split_val(docs, val_fraction))
     }
     for split, ids in splits.items():
         if len(ids) < block_size + 1:
@@ -658,27 +627,16 @@ def prepare(
     before_write()  # every check passed: the first write (main saves its new tokenizer here)
     for split, ids in splits.items():
         write_shard(out / f"{split}.bin", ids.astype(dtype))
-    meta = {
-        "tokenizer": name,
-        "vocab_size": tok.n_vocab,
-        "eot_token": tok.eot_token,
-        "dtype": np.dtype(dtype).name,
-        "source": source,
-        "n_documents": len(docs),
-        "n_bytes": sum(len(d.encode("utf-8")) for d in docs),
-        "val_fraction": val_fraction,
-        "train_tokens": len(splits["train"]),
-        "val_tokens": len(splits["val"]),
-        "files": ["train.bin", "val.bin"],
-        "fingerprint": fingerprint,
-    }
-    _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+    meta = dict(tokenizer=name, vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source)
+    meta.update(dtype=np.dtype(dtype).name, n_documents=len(docs), val_fraction=val_fraction)
+    meta.update(n_bytes=sum(len(d.encode("utf-8")) for d in docs), files=["train.bin", "val.bin"])
+    meta.update(train_tokens=len(splits["train"]), val_tokens=len(splits["val"]))
+    meta["fingerprint"] = fingerprint
+    atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     return meta
 
 
-# ---------------------------------------------------------------------------------------------
-# The loader: (x, y) = f(seed, step, dp_rank, dp_size), nothing else
-# ---------------------------------------------------------------------------------------------
+# --- The loader: (x, y) = f(seed, step, dp_rank, dp_size), nothing else -----------------------
 class DataLoader:
     """Batches of B windows of T+1 tokens from a memory-mapped shard.
 
@@ -689,15 +647,7 @@ class DataLoader:
     """
 
     def __init__(
-        self,
-        data_dir,
-        split: str,
-        batch_size: int,
-        block_size: int,
-        seed: int = 0,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        device="cpu",
+        self, data_dir, split, batch_size, block_size, seed=0, dp_rank=0, dp_size=1, device="cpu"
     ):
         path = Path(data_dir) / f"{split}.bin"
         if not path.is_file():
@@ -732,113 +682,120 @@ class DataLoader:
         starts = self.window_ids(step) * self.T
         rows = np.stack([self.tokens[s : s + self.T + 1] for s in starts]).astype(np.int64)
         x, y = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])  # (B, T) each
-        if torch.device(self.device).type == "cuda":  # pinned host memory -> async copy
-            return (
-                x.pin_memory().to(self.device, non_blocking=True),
-                y.pin_memory().to(self.device, non_blocking=True),
-            )
-        return x.to(self.device), y.to(self.device)
+        cuda = torch.device(self.device).type == "cuda"
+        if cuda:  # pinned host memory -> an asynchronous copy
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.device, non_blocking=cuda), y.to(self.device, non_blocking=cuda)
 
 
-# ---------------------------------------------------------------------------------------------
-# The demo
-# ---------------------------------------------------------------------------------------------
-def train_or_load_bpe(text: str, vocab_size: int, path: Path):
-    """Training is deterministic, so a tokenizer saved from the same text and size is reused.
-    Returns (tokenizer, save): a new tokenizer is not on disk yet, `save()` writes it (None when
-    reused), so that `prepare` can write it only once the corpus passed every check."""
-    digest = hashlib.sha256(f"{vocab_size}:{text}".encode()).hexdigest()
-    json_path = path.with_suffix(".json")
-    if json_path.is_file() and json.loads(json_path.read_text()).get("trained_on") == digest:
-        print(f"reusing {path}: trained on this same text at vocab {vocab_size}")
-        return Tokenizer.load(path), None
-    print(f"training a {vocab_size}-token byte-level BPE (incremental pair counts):")
+# --- The demo: each lesson printed with its check ---------------------------------------------
+def show_naive_vs_incremental(text: str, vocab_size: int) -> None:
+    """Simple first: both trainers on the same text, timed, and their merges compared."""
     start = time.perf_counter()
-    tok = train_bpe(text, vocab_size, verbose=True)
-    print(f"  trained in {time.perf_counter() - start:.1f}s (saved with the shards to {path})")
-    return tok, lambda: tok.save(path, trained_on=digest)
+    naive = train_bpe_naive(text, vocab_size)
+    mid = time.perf_counter()
+    same = train_bpe(text, vocab_size).merges == naive.merges
+    took = f"naive {mid - start:.2f} s, incremental {time.perf_counter() - mid:.2f} s"
+    print(f"BPE on {len(text) / 1e3:.0f} KB, vocab {vocab_size}: {took}, same merges: {same}")
 
 
-def _bytes_per_token(enc, text: str) -> float:
-    return len(text.encode("utf-8")) / max(1, len(enc.encode_ordinary(text)))
+def show_tokenizers(name: str, tok, val_text: str) -> None:
+    """Our encoder, given GPT-2's own merges, against tiktoken's GPT-2 (Rust); then bytes per
+    token (higher = fewer tokens) on the validation text, which no tokenizer was trained on."""
+    encoders = {name: fast_encoder(tok), "char": CharTokenizer()}
+    try:
+        ref, ours = get_tokenizer("gpt2"), gpt2_tokenizer()
+    except Exception as e:  # noqa: BLE001 - offline without TIKTOKEN_CACHE_DIR: say so, go on
+        print(f"ours == tiktoken: skipped: GPT-2's files cannot be loaded ({e!r:.80})")
+    else:
+        encoders["gpt2"], sample = ref, val_text[:200_000]
+        same = ours.encode(sample) == ref.encode(sample, allowed_special="all")
+        print(
+            f"ours == tiktoken: {same} (GPT-2's merges on {len(sample) / 1e3:.0f} KB of val text)"
+        )
+    n = len(val_text.encode("utf-8"))
+    scores = [
+        f"{k} {n / max(1, len(e.encode_ordinary(val_text))):.2f}" for k, e in encoders.items()
+    ]
+    print(f"bytes per token on the val split, which no tokenizer trained on: {', '.join(scores)}")
 
 
-def _show_split(tok, sentence: str) -> None:
-    ids = tok.encode(sentence)
-    pieces = [tok.decode([i]) for i in ids]
-    print(f"  {sentence!r} -> {len(ids)} tokens\n  " + " | ".join(repr(p)[1:-1] for p in pieces))
+def show_loader(out: Path, tok) -> None:
+    """Step 0 for dp_rank 0 and 1 of dp_size 2: disjoint windows, and y is x shifted by one."""
+    B, T = 2, 8  # small, to print; training uses --block-size
+    try:
+        loaders = [DataLoader(out, "train", B, T, seed=0, dp_rank=r, dp_size=2) for r in (0, 1)]
+    except ValueError as e:  # a corpus of fewer than 4 windows of 8 tokens
+        print(f"loader: skipped: {e}")
+        return
+    ids = [set(ld.window_ids(0).tolist()) for ld in loaders]
+    print(
+        f"loader, step 0, B={B}, T={T}: windows {ids[0]} and {ids[1]}, disjoint: {not ids[0] & ids[1]}"
+    )
+    for r, ld in enumerate(loaders):
+        x, y = ld.get_batch(0)  # (B, T) each
+        text = " | ".join(f"{tok.decode(row[:6].tolist())!r}" for row in (x[0], y[0]))
+        print(f"  dp_rank {r}: x, y = {text}; y is x shifted by one: {y[:, :-1].equal(x[:, 1:])}")
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    ap.add_argument(
+    parser.add_argument(
         "--source",
         default="stdlib",
-        help="'stdlib' (Python's own source, offline), 'shakespeare' (downloads "
-        "tiny-shakespeare once) or a text file, directory or glob",
+        help="stdlib (Python's own source: every install has it, no network), shakespeare "
+        "(downloaded once), or a text file, folder or glob",
     )
-    ap.add_argument(
+    parser.add_argument(
         "--tokenizer",
         default="bpe",
-        help="'bpe' (train our own on the source), 'gpt2', 'char', or a saved .tiktoken",
+        help="bpe (ours, trained here: the lesson), gpt2, char, or a saved .tiktoken",
     )
-    ap.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size to train")
-    ap.add_argument(
-        "--block-size",
-        type=int,
-        default=1024,
-        help="each split must hold at least one block of this many tokens + 1",
+    parser.add_argument(
+        "--vocab-size", type=int, default=4096, help="BPE vocabulary; 4,096 trains in seconds"
     )
-    ap.add_argument("--val-fraction", type=float, default=0.05, help="tail of the text for val")
-    ap.add_argument("--out", default=None, help="output folder (default data/SOURCE-TOKENIZER)")
-    args = ap.parse_args(argv)
+    parser.add_argument(
+        "--block-size", type=int, default=1024, help="GPT-2's context; each split needs one + 1"
+    )
+    parser.add_argument(
+        "--val-fraction", type=float, default=0.05, help="tail held out for validation; 5%% will do"
+    )
+    parser.add_argument("--out", help="output folder; data/SOURCE-TOKENIZER when not given")
+    args = parser.parse_args(argv)
     small_vocab = args.tokenizer == "bpe" and args.vocab_size < 257  # 256 bytes + <|endoftext|>
     if small_vocab or args.block_size < 1 or not 0 < args.val_fraction < 1:
-        ap.error("need --vocab-size >= 257 for bpe, --block-size >= 1 and 0 < --val-fraction < 1")
+        parser.error("need --vocab-size >= 257 for bpe, --block-size >= 1, 0 < --val-fraction < 1")
     try:
-        _prepare_and_show(args)
+        demo(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input: one line, no traceback
         raise SystemExit(f"01_data.py: error: {' '.join(str(e).splitlines())}") from None
 
 
-def _prepare_and_show(args) -> None:
-    """Check the corpus, train (or load) a tokenizer, show what it does, write the shards.
-    Nothing reaches --out before `prepare` has checked everything (see its `before_write`)."""
+def demo(args) -> None:
+    """Check the corpus, train a tokenizer on the train split, show what it does, write the
+    shards. Nothing reaches --out before `prepare` has checked everything (`before_write`)."""
     label = Path(args.source).stem if args.source not in ("stdlib", "shakespeare") else args.source
     tok_label = f"bpe{args.vocab_size}" if args.tokenizer == "bpe" else Path(args.tokenizer).stem
     out = Path(args.out or f"data/{label}-{tok_label}")
-
     docs = read_documents(source_files(args.source), args.source)  # bad input fails here, first
-    text = EOT.join(docs)
-    print(f"source {args.source!r}: {len(docs)} documents, {len(text.encode()) / 1e6:.1f} MB")
+    train_text, val_text = (EOT.join(part) for part in split_val(docs, args.val_fraction))
+    print(f"source {args.source!r}: {len(docs)} documents, {len(train_text) / 1e6:.1f} MB train")
     tok_name, save_tok = str(out / "tokenizer.tiktoken"), None
     if args.tokenizer == "bpe":
-        tok, save_tok = train_or_load_bpe(text, args.vocab_size, Path(tok_name))
+        show_naive_vs_incremental(train_text[:80_000], min(args.vocab_size, 512))
+        print(f"training a {args.vocab_size}-token BPE on the train split:")
+        tok = train_bpe(train_text, args.vocab_size, verbose=True)
+        save_tok = lambda: tok.save(tok_name)  # noqa: E731 - by prepare, once the input passed
     else:
         tok, tok_name = get_tokenizer(args.tokenizer), args.tokenizer
-    _show_split(tok, "def hello_world(self):\n    return 'Hello, world!'")
-
-    sample = text[-1_000_000:]  # bytes per token on the last MB (compression: higher is better)
-    print("compression on the last MB of the corpus (bytes per token, higher = fewer tokens):")
-    candidates = {"ours (this run)": fast_encoder(tok), "char": CharTokenizer()}
-    try:
-        candidates["gpt2"] = get_tokenizer("gpt2")
-    except RuntimeError as e:
-        print(f"  gpt2: unavailable ({str(e)[:60]}...)")
-    for name, enc in candidates.items():
-        print(
-            f"  {name:16s} {_bytes_per_token(enc, sample):5.2f} bytes/token  "
-            f"(vocab {enc.n_vocab:,})"
-        )
+    show_tokenizers(args.tokenizer, tok, val_text)
     meta = prepare(args.source, tok, out, args.val_fraction, args.block_size, tok_name, save_tok)
     for split in ("train", "val"):
-        f = out / f"{split}.bin"
-        print(
-            f"  {f}: {meta[split + '_tokens']:,} tokens as {meta['dtype']}, "
-            f"{f.stat().st_size / 1e6:.1f} MB"
-        )
+        path, n = out / f"{split}.bin", meta[f"{split}_tokens"]
+        print(f"  {path}: {n:,} tokens, {meta['dtype']}, {path.stat().st_size / 1e6:.1f} MB")
+    show_loader(out, tok)
 
 
 if __name__ == "__main__":

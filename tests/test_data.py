@@ -2,10 +2,12 @@
 
 import importlib
 import json
+import os
 import random
 import re
 import subprocess
 import sys
+import sysconfig
 import tracemalloc
 import urllib.error
 from pathlib import Path
@@ -45,7 +47,11 @@ def random_unicode(rng: random.Random, n: int) -> str:
 # ---------------------------------------------------------------------------------------------
 # BPE training
 # ---------------------------------------------------------------------------------------------
-def test_wikipedia_example_aaabdaaabac():
+TRAINERS = pytest.mark.parametrize("train", ["train_bpe_naive", "train_bpe"])
+
+
+@TRAINERS
+def test_wikipedia_example_aaabdaaabac(train):
     """Wikipedia's BPE example, byte-level, with our tie-break rule.
 
     "aaabdaaabac" is one pre-token (all letters). Pair counts over its bytes:
@@ -58,19 +64,37 @@ def test_wikipedia_example_aaabdaaabac():
     (aaa,b)=2 and everything else 1                                  -> merge 258 = "aaab"
     so the text encodes as [aaab, d, aaab, a, c] = [258, 100, 258, 97, 99].
     """
-    tok = data.train_bpe("aaabdaaabac", 256 + 3, special_tokens=())
+    tok = getattr(data, train)("aaabdaaabac", 256 + 3, special_tokens=())
     assert tok.merges == [(b"a", b"a"), (b"aa", b"a"), (b"aaa", b"b")]
     assert tok.encode("aaabdaaabac") == [258, ord("d"), 258, ord("a"), ord("c")]
     assert tok.decode([258, 100]) == "aaabd"
 
 
-def test_ties_break_to_the_greatest_pair_whatever_the_input_order():
+@TRAINERS
+def test_ties_break_to_the_greatest_pair_whatever_the_input_order(train):
     """In "ab cd" every pair occurs once: (a,b), (" ",c), (c,d). The greatest byte-string pair
     is (b"c", b"d") (b"c" > b"a" > b" "), then (b"a", b"b"), then (b" ", b"cd"). The order in
     which words appear, and hash seeds, must not matter."""
     expected = [(b"c", b"d"), (b"a", b"b"), (b" ", b"cd")]
-    assert data.train_bpe("ab cd", 256 + 3, special_tokens=()).merges == expected
-    assert data.train_bpe("cd ab", 256 + 3, special_tokens=()).merges[:2] == expected[:2]
+    assert getattr(data, train)("ab cd", 256 + 3, special_tokens=()).merges == expected
+    assert getattr(data, train)("cd ab", 256 + 3, special_tokens=()).merges[:2] == expected[:2]
+
+
+def test_naive_and_incremental_trainers_learn_the_same_merges(real_text):
+    """The naive trainer recounts every pair after each merge; the incremental one patches the
+    counts of the words a merge touched. On real code (many ties among rare pairs), on runs such
+    as "aaaaa" (a merge of (a, a) must take "aa" "aa" "a" left to right, and the counts of the
+    overlapping pairs must follow) and on random Unicode, both must pick the same pair every
+    time, until the text runs out of pairs."""
+    rng = random.Random(5)
+    text = real_text[:30_000] + EOT.join(random_unicode(rng, 300) for _ in range(20))
+    text += " aaaaa aaa aaaa bbbbbb abab ababab" * 7
+    naive, fast = data.train_bpe_naive(text, 700), data.train_bpe(text, 700)
+    assert len(naive.merges) == 700 - 257
+    assert naive.merges == fast.merges
+    tiny = "aaaaa aaa"  # runs out of pairs after a few merges
+    assert data.train_bpe_naive(tiny, 300).merges == data.train_bpe(tiny, 300).merges
+    assert len(data.train_bpe(tiny, 300).merges) < 300 - 257
 
 
 def test_training_is_deterministic_and_lays_out_the_vocab(real_text, trained):
@@ -96,9 +120,10 @@ def test_special_tokens_are_never_merged_into_or_across():
     assert len(tok.encode_ordinary(EOT)) > 1  # as ordinary text it is just characters
 
 
-def test_rejects_a_vocab_too_small_for_the_specials():
+@TRAINERS
+def test_rejects_a_vocab_too_small_for_the_specials(train):
     with pytest.raises(AssertionError, match="vocab_size 256 < 256 bytes"):
-        data.train_bpe("abc", 256)
+        getattr(data, train)("abc", 256)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,6 +235,23 @@ def test_stdlib_corpus_is_found_in_a_deterministic_order():
     assert not any("site-packages" in f.parts for f in files)
 
 
+def test_stdlib_corpus_leaves_out_generated_tables():
+    """The charmap codecs (encodings/cp437.py: a 256-line `decoding_table` of string literals),
+    Sphinx's help text (pydoc_data/topics.py, 750 KB) and html/entities.py are in the standard
+    library but are not Python anyone writes. Code stays in, the codecs' code included."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = data.stdlib_files()
+    names = {f.relative_to(root).as_posix() for f in files}
+    assert {"json/decoder.py", "codecs.py", "encodings/utf_8.py", "encodings/idna.py"} <= names
+    assert not names & {"encodings/cp437.py", "pydoc_data/topics.py", "html/entities.py"}
+    charmaps = [f for f in root.glob("encodings/*.py") if "decoding_table = (" in f.read_text()]
+    assert len(charmaps) > 30, "the standard library has charmap codecs to leave out"
+    assert not set(charmaps) & set(files)
+    # the rule by hand: a table is mostly lines that open with a string or number literal
+    assert data.is_table("X = {\n    'a': 1,\n    'b': 2,\n    'c': 3,\n    0x41: 'A',\n}\n")
+    assert not data.is_table('def f(x):\n    """Doc."""\n    return {"a": x}\n')
+
+
 def test_shakespeare_offline_gives_a_clear_error(tmp_path, monkeypatch):
     def offline(*args, **kwargs):
         raise urllib.error.URLError("Name or service not known")
@@ -227,6 +269,30 @@ def test_shards_round_trip(tmp_path, dtype):
     back = data.read_shard(tmp_path / "s.bin")
     assert back.dtype == dtype and np.array_equal(back, tokens)
     assert (tmp_path / "s.bin").stat().st_size == 32 + tokens.size * np.dtype(dtype).itemsize
+
+
+def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):
+    """`write` gets a temporary path in the same folder (so the rename is atomic) whose name
+    holds the pid (two processes never share one); a write that fails leaves the old file and
+    no temporary behind."""
+    path, seen = tmp_path / "sub" / "f.json", []
+
+    def write(tmp):
+        seen.append(tmp)
+        tmp.write_text("new")
+
+    data.atomic_write(path, write)
+    assert path.read_text() == "new" and seen[0].parent == path.parent
+    assert str(os.getpid()) in seen[0].name and not seen[0].exists()
+
+    def torn(tmp):
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        data.atomic_write(path, torn)
+    assert path.read_text() == "new" and sorted(path.parent.iterdir()) == [path]
+    data.fsync_dir(path.parent)  # a folder can be fsynced (train.py does after its renames)
 
 
 def test_a_file_that_is_not_a_shard_is_rejected(tmp_path):
@@ -413,6 +479,33 @@ def test_cli_skips_binaries_in_a_folder_and_saves_the_tokenizer_with_the_shards(
     data.main(args)
     assert "nothing to do" in capsys.readouterr().out
     assert data.get_tokenizer(meta["tokenizer"]).merges == tok.merges
+
+
+def test_the_demo_prints_its_headlines_and_trains_on_the_train_split_only(tmp_path, capsys):
+    """`python 01_data.py` prints each lesson with its check: naive == incremental BPE, our
+    encoder == tiktoken's GPT-2 (or why it was skipped), compression on the validation text and
+    a loader step for two dp ranks. The tokenizer is trained on the train split alone: the last
+    file, "qx qx ...", lies wholly in the validation tail, so no learned token may contain "qx"
+    (training on all the text made "qx" its first merge)."""
+    corpus = write_corpus(tmp_path / "corpus")
+    (corpus / "zz.txt").write_text("qx " * 250)
+    out = tmp_path / "out"
+    flags = ["--vocab-size", "300", "--block-size", "64", "--val-fraction", "0.2"]
+    data.main(["--source", str(corpus), "--out", str(out), *flags])
+    printed = capsys.readouterr().out
+    try:
+        tiktoken.get_encoding("gpt2")
+        assert "ours == tiktoken: True" in printed, printed
+    except Exception:  # noqa: BLE001 - offline without the cache: the demo must say so
+        assert "ours == tiktoken: skipped: " in printed, printed
+    assert re.search(r"naive [\d.]+ s, incremental [\d.]+ s, same merges: True", printed), printed
+    assert "bytes per token on the val split, which no tokenizer trained on: bpe " in printed
+    assert "disjoint: True" in printed and printed.count("y is x shifted by one: True") == 2
+    train_docs, val_docs = data.split_val(data.read_documents(sorted(corpus.iterdir())), 0.2)
+    assert "qx" in "".join(val_docs) and "qx" not in "".join(train_docs)
+    tok = data.get_tokenizer(str(out / "tokenizer.tiktoken"))
+    assert tok.merges == data.train_bpe(EOT.join(train_docs), 300).merges
+    assert not any(b"qx" in a + b for a, b in tok.merges)
 
 
 def test_a_one_line_file_still_gets_a_validation_split(tmp_path):
