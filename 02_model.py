@@ -1,9 +1,8 @@
 """02_model.py: the GPT. Token ids go in, next-token logits come out.
 
-The idea in one sentence: a GPT is a stack of identical blocks that each read a "residual
-stream" of one C-wide vector per token and add back two things computed from it, what attention
-gathered from earlier tokens and what an MLP made of that, after which one linear layer reads the
-stream as scores (logits) over the vocabulary.
+The idea in one sentence: a GPT is a stack of identical blocks, each reading a "residual stream"
+(one C-wide vector per token) and adding back what attention gathered from earlier tokens and what
+an MLP made of that; then one linear layer reads the stream as scores (logits) over the vocabulary.
 
 The shape legend, used in every file of this course:
     B   batch: sequences per (micro)batch      T   time: sequence length, T <= block_size
@@ -42,29 +41,27 @@ One Block (attention through F.scaled_dot_product_attention: a flash-attention k
     │
     x (B, T, C)   on to the next block; after the last one: ln_f, lm_head -> (B, T, V)
 
-Counting: a token costs 6N + 12·L·nh·hs·T FLOPs in a training step (PaLM, Chowdhery et al. 2022,
-arXiv 2204.02311, Appendix B); model FLOPs utilisation (MFU) is the achieved share of the GPU's
-peak. Both are below, with a table of peak FLOP/s per GPU.
+Counting: a training step costs 6N + 12·L·nh·hs·T FLOPs per token (PaLM, Chowdhery et al. 2022,
+arXiv 2204.02311, Appendix B): count_params and flops_per_token below. MFU, that rate over a
+GPU's peak FLOP/s, is train.py's; the step time against a plain GPT-2 is bench/bench_model.py's.
 
-Run it:  python 02_model.py        (about 10 s on a laptop CPU; --help for flags)
-It prints the presets' sizes and FLOPs, overfits a tiny model on one batch, and samples from it.
+Run it:  python 02_model.py   (seconds on a CPU; --help for flags). It prints the presets' sizes
+and FLOPs/token, overfits a tiny model on one batch, and samples from it.
 
 What changed from 01_data.py: 01 turned text into token ids and (x, y) batches; here ids become
-logits and a loss. This file imports nothing from 01: its demo uses raw bytes as tokens (V = 256).
-The names match nanoGPT and Hugging Face (transformer.h.0.attn.c_attn, ...), so GPT-2's published
-weights load exactly (from_hf_state_dict).
+logits and a loss. Nothing is imported from 01: the demo's tokens are raw bytes (V = 256), from
+byte_batches, which the demos of 04-06 reuse. The names match nanoGPT and Hugging Face
+(transformer.h.0.attn.c_attn, ...), so GPT-2's published weights load exactly (from_hf_state_dict).
 
-Left out on purpose: every kind of parallelism (data 03, tensor 04, pipeline 05; the model is
-written so those files can cut it: embed / blocks / head, and attention that reads its head count
-from the tensor), mixed precision and loss scaling (06), the optimizer, schedule and checkpoints
-(train.py), torch.compile (train.py --compile), and a KV cache (generate() recomputes the prefix).
+Left out on purpose: parallelism (data 03, tensor 04, pipeline 05: the model can be cut as embed /
+blocks / head, and attention reads its head count from the tensor), mixed precision (06), the
+optimizer, schedule, checkpoints, MFU, torch.compile (train.py), a KV cache (generate() recomputes).
 """
 
 import argparse
 import json
 import math
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,10 +91,8 @@ class GPTConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}: "
-                f"each head gets hs = n_embd / n_head channels"
-            )
+            msg = f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}: hs = C / nh"
+            raise ValueError(msg)
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -194,8 +189,7 @@ def cross_entropy_loss(logits, targets, reduction="mean"):
     """Next-token cross-entropy in float32 over all B*T positions; targets == -1 are ignored.
 
     (B, T, V) logits and (B, T) targets. reduction="sum" lets a caller divide by its own token
-    count (gradient accumulation, 06). 04_tensor_parallel.py swaps in a vocab-parallel version.
-    """
+    count (gradient accumulation, 06). 04_tensor_parallel.py swaps in a vocab-parallel one."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     flat = logits.float().reshape(-1, logits.size(-1))  # (B*T, V); fp32 softmax, even under bf16
@@ -243,10 +237,8 @@ class GPT(nn.Module):
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, C): token embedding + position embedding, then dropout."""
         B, T = idx.shape
-        assert T <= self.config.block_size, (
-            f"sequence length T={T} exceeds block_size={self.config.block_size}: "
-            f"crop the input or use a larger block_size"
-        )
+        limit = self.config.block_size
+        assert T <= limit, f"sequence length T={T} exceeds block_size={limit}: crop the input"
         pos = torch.arange(T, device=idx.device)  # (T,)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C) + (T, C)
         return self.transformer.drop(x)  # (B, T, C)
@@ -310,9 +302,8 @@ class GPT(nn.Module):
         return torch.multinomial(probs, num_samples=1, generator=generator)
 
     # ----------------------------------------------------------------------- Hugging Face GPT-2
-    # subtle: HF's GPT-2 uses Conv1D, not nn.Linear. Conv1D computes x @ W + b with W stored as
-    # (in, out); nn.Linear computes x @ W^T + b with W stored as (out, in). Same numbers,
-    # transposed, so these four weights are transposed on the way in and out.
+    # subtle: HF's GPT-2 uses Conv1D, not nn.Linear: x @ W + b with W stored as (in, out), where
+    # nn.Linear computes x @ W^T + b with W as (out, in). So these four weights are transposed.
     _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
     @classmethod
@@ -329,35 +320,18 @@ class GPT(nn.Module):
                 continue  # HF's causal-mask buffers, not weights
             sd[key] = value.t() if key.endswith(cls._CONV1D) else value
         V, C = sd["wte.weight"].shape
-        n_layer = len({int(m.group(1)) for k in sd if (m := re.match(r"h\.(\d+)\.", k))})
-        head = sd.pop("lm_head.weight", None)
-        config = GPTConfig(
-            block_size=sd["wpe.weight"].shape[0],
-            vocab_size=V,
-            n_layer=n_layer,
-            n_head=n_head or C // 64,
-            n_embd=C,
-            bias="h.0.attn.c_attn.bias" in sd,
-            tie_embeddings=head is None or torch.equal(head, sd["wte.weight"]),
-        )
+        L = len({int(m.group(1)) for k in sd if (m := re.match(r"h\.(\d+)\.", k))})
+        T, head = sd["wpe.weight"].shape[0], sd.pop("lm_head.weight", None)
+        tied = head is None or torch.equal(head, sd["wte.weight"])
+        nh = n_head or C // 64
+        bias = "h.0.attn.c_attn.bias" in sd
+        # positionally: block_size, vocab_size, n_layer, n_head, n_embd, the fields' order
+        config = GPTConfig(T, V, L, nh, C, bias=bias, tie_embeddings=tied)
         ours = {f"transformer.{k}": v for k, v in sd.items()}
         ours["lm_head.weight"] = sd["wte.weight"] if config.tie_embeddings else head
         model = cls(config)
         model.load_state_dict(ours, strict=True)  # copies; errors name any missing or odd key
         return model
-
-    def to_hf_state_dict(self) -> dict:
-        """The inverse: GPT2LMHeadModel keys, Conv1D weights as (in, out), padding rows dropped.
-        No attn.bias mask buffers (transformers versions that still save them: strict=False)."""
-        V, sd = self.config.vocab_size, {}
-        for key, value in self.state_dict().items():
-            value = value.detach()
-            if key.endswith(self._CONV1D):
-                value = value.t()
-            if key in ("transformer.wte.weight", "lm_head.weight"):
-                value = value[:V]
-            sd[key] = value.contiguous().clone()
-        return sd
 
     @classmethod
     def load_pretrained(cls, path, n_head: int | None = None) -> "GPT":
@@ -376,11 +350,9 @@ class GPT(nn.Module):
         if path.suffix == ".safetensors":
             try:
                 from safetensors.torch import load_file
-            except ImportError as e:
-                raise ImportError(
-                    f"{path} is a .safetensors file and the 'safetensors' package is not "
-                    f"installed: pip install safetensors, or use a .bin checkpoint"
-                ) from e
+            except ImportError as e:  # an optional package: not a dependency of this course
+                msg = f"{path} needs the safetensors package: pip install safetensors, or use .bin"
+                raise ImportError(msg) from e
             state_dict = load_file(str(path))
         elif path.suffix in (".bin", ".pt", ".pth"):
             state_dict = torch.load(path, map_location="cpu", weights_only=True)
@@ -397,8 +369,7 @@ def count_params(config: GPTConfig, non_embedding: bool = False) -> int:
 
     Per block: two LayerNorms, c_attn C x 3C, attn c_proj C x C, c_fc C x 4C, mlp c_proj 4C x C,
     = 12 C^2 (+ 13 C with biases). Plus wte V_padded x C, wpe block_size x C, ln_f, and an
-    untied lm_head. GPT-2 small: 12 (12·768² + 13·768) + 50257·768 + 1024·768 + 2·768 = 124,439,808.
-    """
+    untied lm_head. GPT-2 small: 12 (12·768² + 13·768) + 50257·768 + 1024·768 + 2·768 = 124,439,808."""
     C, b = config.n_embd, int(config.bias)
     layernorm = C + b * C
     block = 2 * layernorm + (12 * C * C) + b * (3 * C + C + 4 * C + C)
@@ -417,166 +388,108 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
         that in the backward (gradients for the input and for the weight): 2N + 4N.
     12·L·H·Q·T: attention's own matmuls, which have no weights: q k^T and (scores) v are each
         2·T·Q FLOPs per head per token forward, so 4·L·H·Q·T forward, x3 with the backward.
-    N here is GPT.num_params(non_embedding=True): every weight that multiplies a token, the
-    (tied) output head included, and not wpe, which is a lookup. That is nanoGPT's choice (its
-    get_num_params() drops wpe only); PaLM's N likewise counts the weights in matmuls.
-    T is the full sequence, as PaLM counts it, though causal masking needs only about half of
-    the attention work. L layers, H heads, Q = hs head size.
-    """
+    N = GPT.num_params(non_embedding=True): every weight that multiplies a token, the (tied)
+    output head included, not wpe, a lookup (nanoGPT's get_num_params(); PaLM's N likewise counts
+    matmul weights). T is the whole sequence, as PaLM counts it, though causal masking needs only
+    about half of the attention work. L layers, H heads, Q = hs head size."""
     T = seq_len or config.block_size
     N = count_params(config, non_embedding=True)
     return 6 * N + 12 * config.n_layer * config.n_head * config.head_dim * T
 
 
-# Dense peak FLOP/s per GPU (tensor cores; without the 2:4 structured-sparsity doubling that
-# datasheets print next to them). Key = a piece of torch.cuda.get_device_name(), e.g.
-# "NVIDIA H100 80GB HBM3". fp16/bf16 are with fp32 accumulation, what PyTorch uses. Sources:
-# NVIDIA datasheets (V100, A100, H100, H200, L4, T4) and architecture whitepapers (GA102 appendix
-# A for the RTX 3090, Ada's for the RTX 4090). subtle: NVIDIA publishes no A10G (AWS G5) datasheet;
-# its entry is the commonly quoted 70/35 TFLOP/s, which public bf16 matmul measurements (~69)
-# support; it is not the A10's 125. Treat it as the least certain row.
-PEAK_FLOPS = {
-    "V100-SXM2": {"fp16": 125e12, "fp32": 15.7e12},  # Volta: no bf16, no tf32
-    "V100-PCIE": {"fp16": 112e12, "fp32": 14e12},
-    "T4": {"fp16": 65e12, "fp32": 8.1e12},  # Turing: no bf16, no tf32
-    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},  # 40 and 80 GB
-    "A10G": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 35e12},
-    "RTX 3090": {"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
-    "RTX 4090": {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12},
-    "H100": {"bf16": 989.5e12, "fp16": 989.5e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM
-    "H100 PCIe": {"bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378e12, "fp32": 51e12},
-    "H200": {"bf16": 989.5e12, "fp16": 989.5e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM
-}
-# Words that mark a different card with different peaks ("H100 NVL", "RTX 3090 Ti", "RTX 4090 D",
-# a laptop part): a name with one of these only matches a key that names it too.
-_VARIANT_WORDS = {"nvl", "ti", "super", "d", "laptop", "mobile", "max"}
+# --------------------------------------------------------------------------- demo data
 
 
-def peak_flops(device_name: str, dtype: str) -> float | None:
-    """Dense peak FLOP/s of one `device_name` GPU in `dtype` ("bf16", "fp16", "tf32", "fp32"),
-    or None when the card or dtype is not in PEAK_FLOPS: an unknown peak is never guessed."""
-    name_words = set(re.findall(r"[a-z0-9]+", device_name.lower()))
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # most specific first: "H100 PCIe"
-        whole_word = rf"(?<![a-z0-9]){re.escape(key.lower())}(?![a-z0-9])"  # "L4" is not "L40S"
-        if not re.search(whole_word, device_name.lower()):
-            continue
-        key_words = set(re.findall(r"[a-z0-9]+", key.lower()))
-        if (name_words - key_words) & _VARIANT_WORDS:
-            return None
-        return PEAK_FLOPS[key].get(dtype)
-    return None
+def byte_batches(block_size: int, batch_size: int, steps: int = 1, seed: int = 0, device="cpu"):
+    """A list of `steps` batches (x, y) of random windows of this file's own bytes (V = 256).
 
-
-def mfu(tokens_per_s, flops_per_token, n_devices, peak_flops_per_device) -> float | None:
-    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices together.
-
-    tokens_per_s is the global throughput (all devices). None when the peak is unknown."""
-    if peak_flops_per_device is None:
-        return None
-    return tokens_per_s * flops_per_token / (n_devices * peak_flops_per_device)
+    x and y are (B, T) int64, y is x shifted by one byte, and each has its own contiguous
+    storage (so a memory count sees the batch alone). Every demo that trains on bytes (02, 04,
+    05, 06) uses this one maker: no tokenizer needed, and the same seed gives the same batches."""
+    data = torch.tensor(list(Path(__file__).read_bytes()), dtype=torch.long)  # (n,)
+    T = block_size
+    assert len(data) > T + 1, f"block_size={T} needs more than {len(data)} bytes of text"
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(len(data) - T, (steps, batch_size), generator=g)  # (steps, B)
+    rows = data[starts[..., None] + torch.arange(T + 1)]  # (steps, B, T+1)
+    own = dict(memory_format=torch.contiguous_format)  # clone: a new storage, even when B = 1
+    return [(r[:, :-1].clone(**own).to(device), r[:, 1:].clone(**own).to(device)) for r in rows]
 
 
 # --------------------------------------------------------------------------- the demo
 
-DEMO_TEXT = (
-    "A GPT is a stack of blocks. Each block lets every token look back at the tokens before it, "
-    "then think on its own, and adds both results to the residual stream. "
-)
-
-
-def _si(n: float) -> str:
-    """1234567 -> '1.23 M'."""
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f}"
-
 
 def print_presets():
-    """Sizes of the presets, counted on the real module (built on the meta device: no memory)
-    and checked against the formula, with their training FLOPs per token."""
-    print(f"{'preset':<12} {'L':>3} {'nh':>3} {'C':>5} {'T':>5} {'V':>6} {'params':>15} "
-          f"{'non-embedding':>15} {'FLOPs/token':>12} {'attention':>9}")  # fmt: skip
+    """Each preset's size, counted on the real module (built on the meta device: no memory) and
+    checked against count_params, with its training FLOPs per token at T = block_size."""
+    print(f"{'preset':<12} {'params':>14} {'non-embedding':>14} {'FLOPs/token':>15}")
     for name in PRESETS:
         config = GPTConfig.from_preset(name)
         with torch.device("meta"):
             model = GPT(config)
         n, n_ne = model.num_params(), model.num_params(non_embedding=True)
-        assert (n, n_ne) == (count_params(config), count_params(config, non_embedding=True))
-        f = flops_per_token(config)
-        attention = 12 * config.n_layer * config.n_embd * config.block_size / f
-        print(
-            f"{name:<12} {config.n_layer:>3} {config.n_head:>3} {config.n_embd:>5} "
-            f"{config.block_size:>5} {config.vocab_size:>6} {n:>15,} {n_ne:>15,} "
-            f"{_si(f):>12} {attention:>9.1%}"
-        )
-    print("FLOPs/token = 6N + 12·L·nh·hs·T (PaLM App. B); N = non-embedding params; T = block_size")
-    print("attention = the 12·L·nh·hs·T share. 'small' is shown with GPT-2's vocabulary.\n")
+        formula = (count_params(config), count_params(config, non_embedding=True))
+        assert (n, n_ne) == formula, f"{name}: the module has {(n, n_ne)}, the formula {formula}"
+        print(f"{name:<12} {n:>14,} {n_ne:>14,} {flops_per_token(config):>15,}")
+    print("module == count_params (asserted); FLOPs/token = 6N + 12·L·nh·hs·T, N non-embedding\n")
 
 
-def demo_batch(config: GPTConfig, batch_size: int, device):
-    """One fixed batch of bytes of DEMO_TEXT: rows are windows of T+1 bytes, y is x shifted by 1."""
-    data = torch.tensor(list(DEMO_TEXT.encode()), dtype=torch.long)
-    T = config.block_size
-    starts = torch.arange(batch_size) * ((len(data) - T - 1) // max(batch_size - 1, 1))
-    rows = torch.stack([data[s : s + T + 1] for s in starts.tolist()])  # (B, T+1)
-    return rows[:, :-1].to(device), rows[:, 1:].to(device)  # (B, T), (B, T)
-
-
-def overfit_demo(model: GPT, x, y, steps: int, lr: float):
+def overfit_demo(model: GPT, x, y, args):
     """Train on one batch only: the loss must fall from ln(V) toward 0 (memorisation)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    _, loss = model(x, y)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     V = model.config.padded_vocab_size
     print(f"overfitting one batch {tuple(x.shape)} of bytes, {model.num_params():,} parameters")
-    print(f"step    0  loss {loss.item():.4f}   (ln V = ln {V} = {math.log(V):.4f}: uniform guess)")
-    t0 = time.perf_counter()
-    for step in range(1, steps + 1):
-        _, loss = model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if step % max(steps // 10, 1) == 0 or step == steps:
+    print(f"the loss falls from ln V = ln {V} = {math.log(V):.4f} (a uniform guess) toward 0")
+    for step in range(args.steps + 1):
+        _, loss = model(x, y)  # the loss after `step` updates
+        if step % max(args.steps // 5, 1) == 0 or step == args.steps:
             print(f"step {step:4d}  loss {loss.item():.4f}")
-    dt = time.perf_counter() - t0
-    tokens_per_s = steps * x.numel() / dt
-    f = flops_per_token(model.config, x.size(1))
-    print(f"{tokens_per_s:,.0f} tokens/s x {f:,} FLOPs/token = {_si(tokens_per_s * f)}FLOP/s. "
-          f"MFU divides that by the device's peak,")  # fmt: skip
-    print("peak_flops(torch.cuda.get_device_name(), 'bf16') on a GPU; a CPU has no entry.\n")
+        if step < args.steps:
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
 
 
-def sample_demo(model: GPT, x, seed: int):
+def sample_demo(model: GPT, x, args):
     """Decode from the first 8 bytes of the batch's first row: a model that memorised the batch
     recites the rest of the row greedily (temperature 0), and nearly so when sampling."""
     prompt, T = x[:1, :8], x.size(1)
     for temperature in (0.0, 1.0):
-        g = torch.Generator(device=x.device).manual_seed(seed)
+        g = torch.Generator(device=x.device).manual_seed(args.seed)
         out = model.generate(prompt, T - 8, temperature=temperature, top_k=50, generator=g)
         text = bytes(out[0].tolist()).decode("utf-8", errors="replace")
         recites = torch.equal(out, x[:1])
         print(f"generate(temperature={temperature}): {text!r}  recites the row: {recites}")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=150, help="AdamW steps on the one batch")
-    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
-    parser.add_argument("--batch-size", type=int, default=4, help="rows in the fixed batch")
-    parser.add_argument("--preset", default="tiny", choices=("tiny", "small"), help="model size")
-    parser.add_argument("--seed", type=int, default=1337)
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--preset", default="tiny", choices=("tiny", "small"), help="model size; tiny takes seconds"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=4, help="rows of the one batch; few, so quick to memorise"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=150, help="AdamW steps on the batch; take tiny's loss to ~0.01"
+    )
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW's; high: memorising is easy")
+    parser.add_argument("--seed", type=int, default=1337, help="seeds everything; runs repeat")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    parser.add_argument("--device", default=device, help="cpu or cuda (default: %(default)s)")
-    args = parser.parse_args()
+    parser.add_argument("--device", default=device, help="where it runs; a GPU when there is one")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1:
+        parser.error(f"--steps and --batch-size must be >= 1, not {args.steps}, {args.batch_size}")
 
     print_presets()
     torch.manual_seed(args.seed)
     config = GPTConfig.from_preset(args.preset, vocab_size=256)  # tokens are bytes here
     model = GPT(config).to(args.device)
-    x, y = demo_batch(config, args.batch_size, args.device)
-    overfit_demo(model, x, y, args.steps, args.lr)
-    sample_demo(model, x, args.seed)
+    [(x, y)] = byte_batches(config.block_size, args.batch_size, seed=args.seed, device=args.device)
+    overfit_demo(model, x, y, args)
+    sample_demo(model, x, args)
 
 
 if __name__ == "__main__":

@@ -5,21 +5,16 @@ a GPU's tensor cores many times fp32's FLOP/s), keep what accumulates small chan
 optimizer state, the loss, long sums) in fp32, and for fp16 multiply the loss by a scale S so
 that small gradients are not flushed to zero.
 
-The formats (sign|exponent|mantissa bits; the demo prints them from torch.finfo):
-    fp32  1|8|23   max 3.4e38   eps 1.2e-7   smallest subnormal 1.4e-45
-    tf32  1|8|10   fp32 in memory; Ampere+ tensor cores round matmul inputs to 10 mantissa bits
-                   and accumulate in fp32 (torch.set_float32_matmul_precision("high"))
-    bf16  1|8|7    max 3.4e38   eps 7.8e-3   smallest subnormal 9.2e-41
-    fp16  1|5|10   max 65504    eps 9.8e-4   smallest subnormal 6.0e-8 = 2^-24
-    fp8   e4m3 (max 448), e5m2 (max 57344) on H100+, with per-tensor scales: left out
-eps is the gap after 1.0. Below the smallest normal number (fp16: 2^-14) values keep fewer bits
-(subnormals); below half the smallest subnormal they round to 0.
+The formats, sign|exponent|mantissa bits: fp32 1|8|23; bf16 1|8|7 (fp32's range, 2-3 digits);
+fp16 1|5|10 (max 65504, smallest normal 2^-14, smallest subnormal 2^-24); tf32: fp32 in memory,
+matmul inputs rounded to 10 mantissa bits on Ampere+ GPUs. Below the smallest normal number
+values keep fewer bits (subnormals); below half the smallest subnormal they round to 0.
 
 Why fp16 gradients underflow and bf16's don't: dL/dlogits = (softmax - onehot)/N is ~1/(V·N) for
-most entries, and gradients shrink further on the way down: of the tiny GPT's activation
-gradients about three quarters are fp16 subnormals and a few % round to 0 (the demo counts).
-bf16 has fp32's 8 exponent bits, so nothing above 1e-38 vanishes; it pays in precision (2-3
-digits), which is why weights and updates stay fp32.
+most entries, and gradients shrink further on the way down: most of the tiny GPT's activation
+gradients are fp16 subnormals and a few % round to 0 (the demo counts). bf16 has fp32's 8
+exponent bits, so nothing above 1e-38 vanishes; it pays in precision, which is why weights and
+updates stay fp32.
 
 Loss scaling: backprop is linear, so grad(S·L) = S·grad(L): S = 2^k moves every gradient k
 binades up, past the underflow; divide by S in fp32 before the step. Too large an S overflows to
@@ -33,38 +28,35 @@ copy is rounded from it after each step (MasterWeights, Micikevicius et al. §3.
          ^                                                                | copy up to fp32
          +-- optimizer.step (skipped on inf/NaN) <-- /S, check inf/NaN <--+
 torch.autocast works the other way round: weights stay fp32 (they are the master copy) and each
-op casts its inputs. Matmuls run in 16 bits (autocast caches a 16-bit copy of each weight for the
-backward: 2 bytes/parameter more); on CUDA softmax, log_softmax, layer_norm, sums, exp/log and
-the losses run in fp32, as they add many terms (a 16-bit sum of V probabilities drops the small
-ones) or exponentiate (exp overflows fp16 past 11.1). CPU autocast's fp32 list is shorter, but
-our residual stream is fp32 anyway (fp32 embeddings + 16-bit branches = fp32), so LayerNorm reads
-fp32, and 02 computes the loss on fp32 logits.
+op casts its inputs: matmuls to 16 bits (caching a 16-bit copy of each weight), while on CUDA
+softmax, layer_norm, sums, exp/log and losses stay fp32 (long sums; exp overflows fp16 past 11.1);
+our residual stream and 02's loss are fp32 anyway. Saved activations halve: activation_formula.
 
 Gradient accumulation: k microbatches must give one batch's gradient of
     L = (1/N) Σ_microbatches Σ_tokens ℓ_t,   N = target tokens in the WHOLE step (all DP ranks),
 so each microbatch back-propagates its summed loss / N. The mean of microbatch means,
-(1/k) Σ_i (1/n_i) Σ_t ℓ_t, over-weights short microbatches when the n_i differ (padding, masks).
-The 2024 trap: in October 2024 Unsloth showed that Hugging Face Transformers' Trainer normalised
-per microbatch; transformers 4.46 fixed it by passing the step's token count (num_items_in_batch).
-With DP, N is all-reduced (SUM) over DP ranks and, as DP averages gradients, each rank multiplies
-its loss by dp. no_sync() on all but the last microbatch: one all-reduce round per step, not k.
+(1/k) Σ_i (1/n_i) Σ_t ℓ_t, over-weights short microbatches when the n_i differ (padding, masks):
+in October 2024 Unsloth showed that Hugging Face Transformers' Trainer did that; transformers
+4.46 fixed it by passing the step's token count (num_items_in_batch). With DP, N is all-reduced
+(SUM) and, as DP averages gradients, each rank multiplies its loss by dp. no_sync() on all but
+the last microbatch: one all-reduce round per step, not k.
 
-Launch: python 06_mixed_precision.py     (about 30 s on a 2-core CPU; --help for flags)
+Launch: python 06_mixed_precision.py   (seconds on a CPU; --help for flags). It prints what
+underflows in fp16 without and with S and in bf16 (and draws it), our scaler against GradScaler,
+and accumulation against one batch. Modes side by side: bench/bench_mixed_precision.py
 
 What changed from 05: 05 cut batches into microbatches to fill a pipeline; here they come back as
 accumulation steps, and training gets a dtype. The one new collective is the scaler's inf check,
 a 4-byte all-reduce (MAX) over all ranks: DP, TP and PP ranks hold different gradients and must
 skip the same step (a rank stepping alone would desync replicas or hang ZeRO's broadcasts).
-Left out on purpose: fp8 training, stochastic rounding, 16-bit optimizer states, per-layer loss
-scales. Paper: Micikevicius et al., "Mixed Precision Training", ICLR 2018, arXiv 1710.03740.
+Left out on purpose: fp8 (e4m3/e5m2, per-tensor scales), stochastic rounding, 16-bit optimizer
+states. Paper: Micikevicius et al., "Mixed Precision Training", ICLR 2018, arXiv 1710.03740.
 """
 
 import argparse
 import contextlib
 import importlib
 import math
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -76,31 +68,10 @@ model_lib = importlib.import_module("02_model")
 IGNORE = -1  # 02's cross_entropy_loss ignores targets == -1 (padding, masked prompts)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# --------------------------------------------------------------------------- the formats
-
 
 def smallest_subnormal(dtype: torch.dtype) -> float:
     """The smallest positive number of a float dtype: min normal x eps = 2^(emin - mantissa)."""
     return torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # exact: both are powers of two
-
-
-def needs_loss_scaling(dtype: torch.dtype) -> bool:
-    """Only fp16 needs a loss scaler: its 5 exponent bits flush small gradients to zero. bf16 has
-    fp32's exponent range (and fp32 has nothing to scale), so their scalers are disabled."""
-    return dtype == torch.float16
-
-
-def print_formats():
-    """The formats' range and precision, from torch.finfo (fp8 where this torch has it)."""
-    print(f"{'format':<14} {'bits':>4} {'max':>9} {'eps':>9} {'min normal':>10} {'subnormal':>9}")
-    for name in ("float32", "tf32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"):
-        dtype = getattr(torch, name, torch.float32)  # tf32 is not a dtype: fp32 in memory
-        info, sub = torch.finfo(dtype), f"{smallest_subnormal(dtype):.3g}"
-        bits, eps, sub = (19, 2.0**-10, "-") if name == "tf32" else (info.bits, info.eps, sub)
-        if name == "tf32" or hasattr(torch, name):
-            print(f"{name:<14} {bits:>4} {info.max:>9.3g} {eps:>9.3g} {info.tiny:>10.3g} {sub:>9}")
-    print("tf32: fp32 storage; Ampere+ tensor cores round matmul inputs to 10 mantissa bits and")
-    print("accumulate in fp32 (torch.set_float32_matmul_precision('high')).\n")
 
 
 # --------------------------------------------------------------------------- the loss scaler
@@ -124,8 +95,15 @@ class DynamicLossScaler:
     either one can load. enabled=False (bf16, fp32) turns every method into a pass-through.
     """
 
-    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=2000, enabled=True, group=None):  # fmt: skip
+    def __init__(
+        self,
+        init_scale=2.0**16,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=2000,
+        enabled=True,
+        group=None,
+    ):
         assert init_scale > 0, f"init_scale must be > 0, got {init_scale}"
         assert growth_factor > 1.0, f"growth_factor must be > 1, got {growth_factor}"
         assert 0.0 < backoff_factor < 1.0, f"backoff_factor must be in (0, 1), got {backoff_factor}"
@@ -153,10 +131,8 @@ class DynamicLossScaler:
         state = self._state(optimizer)
         assert state["stage"] == "ready", "unscale_() after step(): call update() first"
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        assert all(g.dtype != torch.float16 for g in grads), (
-            "unscaling fp16 gradients in fp16 would flush the small ones to zero: keep fp32 "
-            "parameters (torch.autocast) or copy the gradients up first (MasterWeights)"
-        )
+        msg = "fp16 grads: keep fp32 params (autocast) or copy them up first (MasterWeights)"
+        assert all(g.dtype != torch.float16 for g in grads), msg  # /S in fp16 flushes small ones
         # nccl needs the flag on the GPU, even on a rank without gradients
         device = grads[0].device if grads else ("cuda" if torch.cuda.is_available() else "cpu")
         found_inf = torch.zeros((), device=device)
@@ -229,8 +205,9 @@ class DynamicLossScaler:
 
 
 def make_scaler(dtype: torch.dtype, group=None, **kwargs) -> DynamicLossScaler:
-    """The scaler for a training dtype: enabled for fp16 only (bf16, fp32: a pass-through)."""
-    return DynamicLossScaler(enabled=needs_loss_scaling(dtype), group=group, **kwargs)
+    """The scaler for a training dtype: only fp16 needs one, as its 5 exponent bits flush small
+    gradients to zero; bf16 has fp32's exponent range, so for bf16 and fp32 it passes through."""
+    return DynamicLossScaler(enabled=dtype == torch.float16, group=group, **kwargs)
 
 
 def autocast_context(dtype: torch.dtype, device_type: str):
@@ -240,7 +217,7 @@ def autocast_context(dtype: torch.dtype, device_type: str):
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
-# --------------------------------------------------------------------------- fp32 master weights
+# ----------------------------------------------------------- fp32 master weights; one training step
 
 
 class MasterWeights:
@@ -256,7 +233,6 @@ class MasterWeights:
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float16):
         params = list(model.parameters())  # a tied weight (wte = lm_head) appears once
         assert all(p.dtype == torch.float32 for p in params), "MasterWeights wants an fp32 model"
-        self.model, self.dtype = model, dtype
         self.master = [nn.Parameter(p.detach().clone()) for p in params]  # fp32, before the cast
         model.to(dtype)  # in place: the same Parameter objects, now 16-bit
         self.working = list(model.parameters())
@@ -275,6 +251,26 @@ class MasterWeights:
     def master_to_model(self) -> None:
         """Round the fp32 masters to the nearest 16-bit numbers: the next forward's weights."""
         torch._foreach_copy_(self.working, self.master)
+
+
+def train_step(model, optimizer, scaler, master, autocast_dtype, x, y, grad_clip=1.0) -> float:
+    """One step, the same code for every mode: fp32, autocast (bf16, or fp16 with a scaler) and
+    fp16 by hand (master = MasterWeights). A disabled scaler passes everything through, and
+    torch.amp.GradScaler can stand in for ours."""
+    with autocast_context(autocast_dtype, x.device.type):
+        _, loss = model(x, y)  # fp32 in every mode: 02 computes the loss on fp32 logits
+    scaler.scale(loss).backward()
+    if master:
+        master.grads_to_master()  # 16-bit grads of S·L -> fp32
+    scaler.unscale_(optimizer)  # /S and the inf/NaN check, before clipping
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)  # on the true gradients
+    scaler.step(optimizer)  # skipped on inf/NaN
+    scaler.update()
+    if master:
+        master.master_to_model()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()  # a sync: on a GPU the step's time is now real
 
 
 # --------------------------------------------------------------------------- gradient accumulation
@@ -298,20 +294,15 @@ def global_token_count(microbatches, group=None) -> int:
 def accumulate_gradients(
     model, microbatches, global_tokens: int, dp_size: int = 1, scaler=None, dtype=torch.float32
 ) -> float:
-    """Backward over k microbatches so that .grad = d/dθ [(1/N) Σ_all tokens ℓ_t], exactly the
-    gradient of one batch holding all of them, on all DP ranks. global_tokens: N from
-    global_token_count. dp_size: DP wrappers average gradients (SUM, then /dp: DDP and 03's
-    DataParallel), so each rank's loss is multiplied by dp to make that average a sum. no_sync(),
-    where the model has it, covers all but the last microbatch: one all-reduce round, not k.
-    Returns this rank's share of the step's mean loss (the DP ranks' shares add up to it)."""
+    """Backward over k microbatches so that .grad = d/dθ [(1/N) Σ_all tokens ℓ_t], exactly one
+    batch's gradient, on all DP ranks. global_tokens: N from global_token_count. dp_size: DP
+    wrappers average gradients (SUM, /dp), so each rank's loss is multiplied by dp to make that a
+    sum. Returns this rank's share of the step's mean loss (the DP ranks' shares add up to it)."""
     assert global_tokens > 0, f"global_tokens must be > 0, got {global_tokens}"
     total = 0.0
     for i, (x, y) in enumerate(microbatches):  # x, y: (b, T)
-        last = i == len(microbatches) - 1
-        sync = (
-            contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-        )
-        with sync:
+        local = i < len(microbatches) - 1 and hasattr(model, "no_sync")  # no all-reduce yet
+        with model.no_sync() if local else contextlib.nullcontext():
             with autocast_context(dtype, x.device.type):
                 _, loss_sum = model(x, y, reduction="sum")  # Σ_t ℓ_t over this microbatch
             # subtle: divide by the WHOLE step's N, not by this microbatch's own count
@@ -329,7 +320,7 @@ def accumulate_mean_of_means(model, microbatches) -> None:
         (loss / len(microbatches)).backward()
 
 
-# --------------------------------------------------------------------------- the demo: memory
+# --------------------------------------------------------------------------- activation memory
 
 
 def tensor_bytes(tensors) -> int:
@@ -354,289 +345,154 @@ def saved_activation_bytes(model, fn):
 
 
 def activation_formula(config, B: int, T: int, mode: str) -> int:
-    """Bytes saved for the backward of 02's GPT. Per token and layer: the two LayerNorms' inputs
-    2C (the residual stream) with mean and rstd; matmul operands 14C: c_attn input C, q|k|v 3C,
-    attention output C (= c_proj's input), c_fc input C, GELU input 4C and output 4C; attention's
-    fp32 log-sum-exp per head. Then ln_f (C + stats), lm_head's input C, the fp32 log-softmax V,
-    the int64 ids and targets. autocast also keeps a 16-bit copy of every Linear weight."""
+    """Bytes saved for the backward of 02's GPT in `mode` ("fp32", "bf16 autocast", "fp16
+    autocast + scaler" or "fp16 by hand", as train_step runs them). Per token and layer: the
+    LayerNorms' inputs 2C (the residual stream) with mean and rstd; matmul operands 14C: c_attn
+    input C, q|k|v 3C, attention output C (= c_proj's input), c_fc input C, GELU input 4C and
+    output 4C; attention's fp32 log-sum-exp per head. Then ln_f (C + stats), lm_head's input C,
+    the fp32 log-softmax V, the int64 ids and targets; once per batch the T int64 positions
+    (wpe's backward) and the loss's fp32 token count. autocast keeps 16-bit weight copies too."""
     C, L, V, nh = config.n_embd, config.n_layer, config.padded_vocab_size, config.n_head
     a = 4 if mode == "fp32" else 2  # matmul operands: 16-bit under autocast and by hand
     r = 2 if mode == "fp16 by hand" else 4  # residual stream: fp32 unless the model is 16-bit
     per_token = L * (2 * (C + 2) * r + 14 * C * a + 4 * nh) + (C + 2) * r + C * a + 4 * V + 16
     weight_copies = 2 * (L * 12 * C * C + V * C) if "autocast" in mode else 0
-    return B * T * per_token + weight_copies
+    return B * T * per_token + 8 * T + 4 + weight_copies
 
 
-def memory_table(model, optimizer, master, autocast_dtype, x, y, mode) -> dict:
-    """{component: (measured bytes, formula bytes)} after training: one more forward/backward
-    (no step) measures the parameters, gradients, AdamW state and saved activations."""
-    with autocast_context(autocast_dtype, x.device.type):
-        (_, loss), activations = saved_activation_bytes(model, lambda: model(x, y))
-    loss.backward()
-    if master:
-        master.grads_to_master()
-    params = master.working + master.master if master else list(model.parameters())
-    N = sum(p.numel() for p in (master.master if master else params))
-    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    measured = [tensor_bytes(params), tensor_bytes(p.grad for p in params if p.grad is not None),
-                tensor_bytes(state), activations]  # fmt: skip
-    optimizer.zero_grad(set_to_none=True)
-    formulas = [(2 + 4) * N if master else 4 * N,  # by hand: 16-bit working + fp32 master
-                4 * N,  # fp32 grads (by hand: the 16-bit ones are freed once copied up)
-                8 * N,  # AdamW's m and v, fp32
-                activation_formula(model.config, *x.shape, mode)]  # fmt: skip
-    return dict(zip(("params", "grads", "AdamW m,v", "activations"), zip(measured, formulas)))
+# --------------------------------------------------------------------------- the demo
 
 
-# --------------------------------------------------------------------------- the demo: training
-
-MODES = ("fp32", "bf16 autocast", "fp16 autocast + scaler", "fp16 by hand")
-
-
-def text_batches(config, steps: int, batch_size: int, seed: int) -> list:
-    """Random windows of this file's own bytes (V = 256): `steps` (x, y) pairs, each (B, T)."""
-    data = torch.tensor(list(Path(__file__).read_bytes()), dtype=torch.long)
-    g, T = torch.Generator().manual_seed(seed), config.block_size
-    starts = torch.randint(len(data) - T - 1, (steps, batch_size), generator=g)
-    rows = data[starts[..., None] + torch.arange(T + 1)]  # (steps, B, T+1)
-    # (B, T), (B, T): y is x shifted by one; own storage each, so memory counts only the batch
-    return [(r[:, :-1].contiguous(), r[:, 1:].contiguous()) for r in rows]
-
-
-def build(mode: str, config, args, device):
-    """Model, AdamW, scaler, MasterWeights (by hand only) and autocast dtype; the same init."""
+def underflow_demo(config, batches, args):
+    """fp32-train on all but the last batch, then take |grad| of every Linear's output (the
+    activation gradients) and of every parameter in one more backward: what does rounding them
+    to 16 bits make 0, subnormal or inf, without and with the loss scale S?"""
     torch.manual_seed(args.seed)
-    model = model_lib.GPT(config).to(device)
-    dtype = {"fp32": torch.float32, "bf16 autocast": torch.bfloat16}.get(mode, torch.float16)
-    master = MasterWeights(model, dtype) if mode == "fp16 by hand" else None
-    optimizer = torch.optim.AdamW(master.parameters() if master else model.parameters(), lr=args.lr)
-    scaler = make_scaler(dtype, init_scale=args.init_scale, growth_interval=args.growth_interval)
-    return model, optimizer, scaler, master, dtype if "autocast" in mode else torch.float32
-
-
-def train_step(model, optimizer, scaler, master, autocast_dtype, x, y, grad_clip=1.0) -> float:
-    """One step, the same code for every mode (a disabled scaler passes everything through)."""
-    with autocast_context(autocast_dtype, x.device.type):
-        _, loss = model(x, y)  # fp32 in every mode: 02 computes the loss on fp32 logits
-    scaler.scale(loss).backward()
-    if master:
-        master.grads_to_master()  # 16-bit grads of S·L -> fp32
-    scaler.unscale_(optimizer)  # /S and the inf/NaN check, before clipping
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    torch.nn.utils.clip_grad_norm_(params, grad_clip)  # on the true gradients
-    scaler.step(optimizer)  # skipped on inf/NaN
-    scaler.update()
-    if master:
-        master.master_to_model()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.item()  # a sync: on a GPU the step's time is now real
-
-
-def train_all(config, batches, args, device) -> dict:
-    """Every mode in lockstep (one step of each in turn, so a busy machine slows all of them
-    alike): losses, median step time, scaler statistics, memory measured and by formula."""
-    runs = {mode: build(mode, config, args, device) for mode in MODES}
-    losses, times = ({mode: [] for mode in MODES} for _ in range(2))
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        for mode, run in runs.items():
-            t0 = time.perf_counter()
-            losses[mode].append(train_step(*run, x, y))
-            times[mode].append(time.perf_counter() - t0)
-    results = {}
-    for mode, (model, optimizer, scaler, master, ac) in runs.items():
-        ms = 1e3 * statistics.median(times[mode][5:] or times[mode])
-        memory = memory_table(model, optimizer, master, ac, x, y, mode)
-        results[mode] = dict(losses=losses[mode], ms=ms, skipped=scaler.skipped_steps,
-                             scale=scaler.get_scale(), memory=memory)  # fmt: skip
-    return results
-
-
-def print_results(results: dict, config, B: int):
-    print(f"{'mode':<23} {'ms/step':>8} {'vs fp32':>8} {'last loss':>9} {'skipped':>8} {'scale'}")
-    for mode, r in results.items():
-        scale = f"2^{math.log2(r['scale']):.0f}" if r["scale"] != 1.0 else "-"
-        ratio, loss = r["ms"] / results["fp32"]["ms"], r["losses"][-1]
-        print(f"{mode:<23} {r['ms']:>8.2f} {ratio:>7.2f}x {loss:>9.3f} {r['skipped']:>8} {scale}")
-    columns = "".join(f"{k:>16}" for k in results["fp32"]["memory"])
-    print(f"\n{'KB: measured / formula':<23}{columns}{'sum':>8}")
-    for mode, r in results.items():
-        cells = "".join(f"{m / 1024:>9.0f} / {f / 1024:<4.0f}" for m, f in r["memory"].values())
-        print(f"{mode:<23}{cells}{sum(m for m, _ in r['memory'].values()) / 1024:>8.0f}")
-    C, L, V, T = config.n_embd, config.n_layer, config.padded_vocab_size, config.block_size
-    N = results["fp32"]["memory"]["params"][0] // 4
-    print(f"N = {N:,}: params 4N (by hand 2N working + 4N master), grads 4N, AdamW 8N;\n"
-          f"activations ≈ B·T·(L·(2C·r + 14C·a) + C·r + C·a + 4V) + 2·(12LC² + VC) under autocast"
-          f" (its weight copies),\na and r = bytes per matmul operand and per residual value, "
-          f"B·T = {B}·{T}, C = {C}, L = {L}, V = {V}. The sum is about the peak.")  # fmt: skip
-
-
-# --------------------------------------------------------------------------- the demo: gradients
-
-
-def grad_magnitudes(config, batches, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32-train the GPT on all but the last batch, then record |grad| of every Linear's output
-    (activation gradients) and of every parameter in one more backward. Non-zeros only."""
-    model, optimizer, scaler, _, _ = build("fp32", config, args, torch.device("cpu"))
+    model = model_lib.GPT(config).to(batches[0][0].device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     for x, y in batches[:-1]:
-        train_step(model, optimizer, scaler, None, torch.float32, x, y)
-    acts = []
-
-    def record(module, inputs, output):
-        output.register_hook(lambda g: acts.append(g.detach().abs().flatten()))
-
-    handles = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, nn.Linear)]
-    model(*batches[-1])[1].backward()
-    for h in handles:
-        h.remove()
-    acts, params = torch.cat(acts), torch.cat([p.grad.abs().flatten() for p in model.parameters()])
-    return acts[acts > 0], params[params > 0]
-
-
-def underflow_report(acts, params, scale: float):
-    """What really becomes 0, subnormal or inf when fp32 gradients are rounded to 16 bits."""
-    print(f"{'gradients':<18} {'rounded to':<14} {'-> 0':>7} {'subnormal':>10} {'-> inf':>7}")
-    cases = (("fp16", torch.float16, 1.0), (f"fp16 x 2^{math.log2(scale):.0f}", torch.float16,
-             scale), ("bf16", torch.bfloat16, 1.0))  # fmt: skip
-    for name, g in (("activation grads", acts), ("parameter grads", params)):
+        train_step(model, optimizer, make_scaler(torch.float32), None, torch.float32, x, y)
+    outputs = []  # every Linear's output: their gradients are the activation gradients
+    for linear in (m for m in model.modules() if isinstance(m, nn.Linear)):
+        linear.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+    loss, params = model(*batches[-1])[1], list(model.parameters())
+    g, n = torch.autograd.grad(loss, outputs + params), len(outputs)
+    grads = {"activation grads": g[:n], "parameter grads": g[n:]}
+    grads = {k: torch.cat([t.abs().flatten() for t in ts]).cpu() for k, ts in grads.items()}
+    grads = {name: g[g > 0] for name, g in grads.items()}  # the non-zeros
+    S, fp16 = args.init_scale, torch.float16
+    scaled = f"fp16 x 2^{math.log2(S):.0f}"
+    cases = (("fp16", fp16, 1.0), (scaled, fp16, S), ("bf16", torch.bfloat16, 1.0))
+    print(f"gradients after {len(batches) - 1} fp32 steps, rounded   -> 0  subnormal  -> inf")
+    for name, g in grads.items():
         for label, dtype, s in cases:
             q = (g * s).to(dtype)
             zero, inf = (q == 0).float().mean(), q.isinf().float().mean()
             sub = ((q != 0) & (q.abs() < torch.finfo(dtype).tiny)).float().mean()
-            print(f"{name:<18} {label:<14} {zero:>7.2%} {sub:>10.2%} {inf:>7.2%}")
-    fp16 = torch.finfo(torch.float16)
-    print(f"(median |activation grad| {acts.median():.1e}; fp16: smallest subnormal "
-          f"{smallest_subnormal(torch.float16):.1e}, smallest normal {fp16.tiny:.1e})")  # fmt: skip
+            print(f"{name:<17} to {label:<12} {zero:>8.2%} {sub:>10.2%} {inf:>7.2%}")
+    median, normal = grads["activation grads"].median(), torch.finfo(fp16).tiny
+    flush = smallest_subnormal(fp16) / 2  # below half the smallest subnormal: rounds to 0
+    print(f"(median activation |g| {median:.1e}; fp16: subnormal < {normal:.1e}, 0 < {flush:.1e})")
+    plot_grad_histogram(grads, S, args.figure)
 
 
-def _plot(nrows, title, paths, draw, **kwargs):
-    """A matplotlib figure of nrows shared-x axes, drawn by draw(axes), saved to every path."""
-    import matplotlib.pyplot as plt
+def plot_grad_histogram(grads: dict, scale: float, path):
+    """The lesson's picture: log2 |gradient| as computed and times S, against fp16's range."""
+    from matplotlib.figure import Figure  # no pyplot: a file, never a window
 
-    plt.switch_backend("Agg")  # files only, no window
-    fig, axes = plt.subplots(nrows, 1, figsize=(9, 6), sharex=True, **kwargs)
-    draw(axes)
-    axes[0].set_title(title)
-    for path in paths:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=120, bbox_inches="tight")
-        print(f"wrote {path}")
-    plt.close(fig)
-
-
-def plot_grad_histogram(acts, params, scale: float, paths):
-    bins, k = torch.arange(-50.0, 20.0, 0.5).numpy(), math.log2(scale)
+    fig = Figure(figsize=(9, 6))
+    axes = fig.subplots(2, 1, sharex=True)
+    bins, k = torch.arange(-50.0, 20.0, 0.5).numpy(), math.log2(scale)  # log2 |g| bins; S = 2^k
     fp16 = torch.finfo(torch.float16)
     lines = {"fp16 smallest subnormal (below: 0)": smallest_subnormal(torch.float16),
              "fp16 smallest normal": fp16.tiny, "fp16 max": fp16.max}  # fmt: skip
-
-    def draw(axes):
-        for ax, (name, g) in zip(axes, (("activation grads", acts), ("parameter grads", params))):
-            log2 = g.double().log2().numpy()
-            ax.hist(log2, bins=bins, alpha=0.6, label=f"{name}, as computed (fp32)")
-            ax.hist(log2 + k, bins=bins, histtype="step", linewidth=1.5, label=f"x S = 2^{k:.0f}")
-            for text, x in lines.items():
-                ax.axvline(math.log2(x), color="k", linestyle="--", linewidth=1)
-                top = ax.get_ylim()[1] * 0.97
-                ax.text(math.log2(x) + 0.3, top, text, rotation=90, va="top", fontsize=7)
-            ax.set(ylabel="count")
-            ax.legend(loc="upper left", fontsize=8)
-        axes[-1].set(xlabel="log2 |gradient|")
-
-    _plot(2, "Tiny GPT gradients against fp16's range: loss scaling shifts them right", paths, draw)
+    for ax, (name, g) in zip(axes, grads.items()):
+        log2 = g.double().log2().numpy()
+        ax.hist(log2, bins=bins, alpha=0.6, label=f"{name}, as computed (fp32)")
+        ax.hist(log2 + k, bins=bins, histtype="step", linewidth=1.5, label=f"x S = 2^{k:.0f}")
+        for (text, x), style in zip(lines.items(), (":", "--", "-")):
+            ax.axvline(math.log2(x), color="k", linestyle=style, linewidth=1, label=text)
+        ax.set(ylabel="count")
+        ax.legend(loc="upper left", fontsize=8)
+    axes[0].set_title("Tiny GPT gradients against fp16's range: loss scaling shifts them right")
+    axes[1].set(xlabel="log2 |gradient|")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"wrote {path}\n")
 
 
-def plot_losses(results: dict, paths):
-    base = torch.tensor(results["fp32"]["losses"])
-
-    def draw(axes):
-        for mode, r in results.items():
-            axes[0].plot(r["losses"], label=f"{mode} ({r['ms']:.1f} ms/step)", linewidth=1)
-            axes[1].plot((torch.tensor(r["losses"]) - base).numpy(), linewidth=1)
-        axes[0].set(ylabel="training loss")
-        axes[1].set(xlabel="step", ylabel="loss - fp32 loss")
-        axes[0].legend()
-
-    title = "Tiny GPT: fp32 vs bf16 vs fp16, the same init and batches"
-    _plot(2, title, paths, draw, height_ratios=(2, 1))
-
-
-# --------------------------------------------------------------------------- the demo: accumulation
+def scaler_demo(config, batches, args):
+    """DynamicLossScaler against torch.amp.GradScaler on the same fp16 autocast run, from S = 2^28,
+    so large that fp16's backward overflows by itself: the same scales (an overflow skips the step
+    and halves S) and the same losses, to the last bit."""
+    settings, device, runs = dict(init_scale=2.0**28, growth_interval=2), batches[0][0].device, []
+    print("fp16 autocast from S = 2^28, growth every 2 clean steps; log2 S after each step:")
+    for scaler in (DynamicLossScaler(**settings), torch.amp.GradScaler(device.type, **settings)):
+        torch.manual_seed(args.seed)  # the same init for both
+        model = model_lib.GPT(config).to(device)
+        optimizer, log2_scale = torch.optim.AdamW(model.parameters(), lr=args.lr), []
+        for x, y in batches:
+            loss = train_step(model, optimizer, scaler, None, torch.float16, x, y)
+            log2_scale.append(int(math.log2(scaler.get_scale())))
+        runs.append((log2_scale, loss))
+        print(f"{type(scaler).__name__:<18} {log2_scale}, last loss {loss!r}")
+    print(f"the same scales and losses, to the last bit: {runs[0] == runs[1]}\n")
 
 
 def accumulation_demo(config, args):
     """k microbatches of b rows against one batch of k·b rows, with equal and with unequal
     numbers of real target tokens per microbatch (microbatch i keeps T/(i+1) per row)."""
-    k, b = args.accum, args.batch_size // args.accum
-    model = build("fp32", config, args, torch.device("cpu"))[0]
-    x, y = text_batches(config, 1, k * b, args.seed + 1)[0]  # (k·b, T)
+    k, b, T = args.accum, args.batch_size // args.accum, config.block_size
+    torch.manual_seed(args.seed)
+    model = model_lib.GPT(config).to(args.device)
+    [(x, y)] = model_lib.byte_batches(T, k * b, seed=args.seed + 1, device=args.device)  # (k·b, T)
     padded = y.clone()
     for i in range(k):
-        padded[i * b : (i + 1) * b, config.block_size // (i + 1) :] = IGNORE
+        padded[i * b : (i + 1) * b, T // (i + 1) :] = IGNORE
 
     def grads(fn) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
         fn()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    print(f"accumulation: k = {k} microbatches of {b} rows vs one batch of {k * b} rows, max "
-          f"|g_accumulated - g_batch| / max |g_batch| (fp32 rounding: ~1e-7)")  # fmt: skip
-    print(f"{'':<18} {'token-normalised':>17} {'mean of means':>14}   tokens per microbatch")
-    for label, t in (("equal tokens", y), ("unequal tokens", padded)):
-        micro = list(zip(x.split(b), t.split(b)))
-        big = grads(lambda t=t: model(x, t)[1].backward())  # one batch: mean over all real tokens
+    print(f"{k} microbatches of {b} rows vs one batch of {k * b}: max |g_accumulated - g_batch|")
+    print("/ max |g_batch|     token-normalised  mean of means   tokens per microbatch")
+    for label, targets in (("equal tokens", y), ("unequal tokens", padded)):
+        micro = list(zip(x.split(b), targets.split(b)))
+        one_batch = grads(lambda t=targets: model(x, t)[1].backward())  # mean over all tokens
         n = global_token_count(micro)
-        tok = grads(lambda m=micro, n=n: accumulate_gradients(model, m, n))
-        mom = grads(lambda m=micro: accumulate_mean_of_means(model, m))
-        tok, mom = ((g - big).abs().max().item() / big.abs().max().item() for g in (tok, mom))
-        print(f"{label:<18} {tok:>17.1e} {mom:>14.1e}   {[int(count_tokens(y)) for _, y in micro]}")
+        token_normalised = grads(lambda m=micro, n=n: accumulate_gradients(model, m, n))
+        mean_of_means = grads(lambda m=micro: accumulate_mean_of_means(model, m))
+        top = one_batch.abs().max()
+        err = [(g - one_batch).abs().max() / top for g in (token_normalised, mean_of_means)]
+        counts = [int(count_tokens(t)) for _, t in micro]
+        print(f"{label:<18} {err[0]:>17.1e} {err[1]:>14.1e}   {counts}")
 
 
-# --------------------------------------------------------------------------- main
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=150, help="training steps per mode")
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per step (B)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    parser.add_argument("--preset", default="tiny", choices=("tiny", "small"), help="GPT size")
-    parser.add_argument("--init-scale", type=float, default=2.0**16, help="fp16's first loss scale")
-    # GradScaler's default is 2000; 50 lets a short run show the scale grow and back off
-    parser.add_argument("--growth-interval", type=int, default=50, help="clean steps per growth")
-    parser.add_argument("--accum", type=int, default=4, help="microbatches to accumulate (demo)")
-    parser.add_argument("--out-dir", default="out/mixed_precision", help="where figures go")
-    parser.add_argument("--docs-dir", default="", help="also write the figures here (README: docs)")
-    # 1: the tiny model's ops are too small to share, and spinning OpenMP threads on a busy
-    # machine make timings erratic; 0 keeps torch's default
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (0: torch's default)")
-    parser.add_argument("--seed", type=int, default=1337)
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per step; 2 per microbatch")
+    parser.add_argument("--steps", type=int, default=50, help="fp32 steps before the gradients")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's; high for a short run")
+    parser.add_argument("--init-scale", type=float, default=2.0**16, help="S; GradScaler's")
+    parser.add_argument("--accum", type=int, default=4, help="microbatches; 4 token counts")
+    figure = "out/mixed_precision/grad_underflow.png"  # the README's: docs/grad_underflow.png
+    parser.add_argument("--figure", default=figure, help="the histogram; out/ is git-ignored")
+    parser.add_argument("--seed", type=int, default=1337, help="init and batch seed: runs repeat")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    parser.add_argument("--device", default=device, help="cpu or cuda (default: %(default)s)")
-    args = parser.parse_args()
-    assert args.batch_size % args.accum == 0, f"--batch-size must divide by --accum {args.accum}"
-    device, dirs = torch.device(args.device), [Path(d) for d in (args.out_dir, args.docs_dir) if d]
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = model_lib.GPTConfig.from_preset(args.preset, vocab_size=256)  # bytes are the tokens
+    parser.add_argument("--device", default=device, help="where it runs; a GPU when there is one")
+    args = parser.parse_args(argv)
+    if args.accum < 1 or args.batch_size % args.accum or args.steps < 16:
+        parser.error("--steps must be >= 16 and --batch-size a multiple of --accum")
+    torch.set_num_threads(1)  # the tiny model's ops are too small to share; extra threads only spin
+    config = model_lib.GPTConfig.from_preset("tiny")  # V = 256: bytes are the tokens
+    T, B = config.block_size, args.batch_size
+    batches = model_lib.byte_batches(T, B, args.steps + 1, args.seed, args.device)
 
-    print_formats()
-    batches = text_batches(config, args.steps, args.batch_size, args.seed)
-    acts, params = grad_magnitudes(config, batches[:51], args)
-    print(f"gradients of the {args.preset} GPT after 50 fp32 steps, rounded to 16 bits:")
-    underflow_report(acts, params, args.init_scale)
-    plot_grad_histogram(acts, params, args.init_scale, [d / "grad_underflow.png" for d in dirs])
-
-    print(f"\n{args.steps} steps of {args.batch_size}x{config.block_size} tokens per mode on "
-          f"{device} (CPU threads: {torch.get_num_threads()}), the same init and batches:")  # fmt: skip
-    results = train_all(config, batches, args, device)
-    print_results(results, config, args.batch_size)
-    if device.type == "cpu":
-        print("On this CPU 16-bit is SLOWER than fp32: without 16-bit matmul units its kernels "
-              "convert to and from fp32,\nand autocast adds casts. The speed-up is a GPU property "
-              "(tensor cores): bench/bench_mixed_precision.py.")  # fmt: skip
-    plot_losses(results, [d / "mixed_precision_loss.png" for d in dirs])
-    print()
+    underflow_demo(config, batches, args)
+    scaler_demo(config, batches[:16], args)
     accumulation_demo(config, args)
 
 

@@ -7,7 +7,10 @@ only difference, so the ratio measures it. Before timing, the reference gets our
 must produce our logits: the two compute the same function.
 
 One training step = forward, backward, AdamW step, on a fixed batch. The two models alternate
-step by step, so drift in the machine's speed hits both alike; the median step time is reported.
+step by step, so drift in the machine's speed hits both alike; the median step time is reported,
+with the model FLOP/s it achieves (tokens/s x 02's flops_per_token; MFU divides that by a GPU's
+peak, train.py's peak_flops; a CPU has no entry). First it prints every preset's shape, size and
+FLOPs/token with attention's share of them (02_model.py's demo prints the sizes only).
 Design target (DESIGN.md section 8): ours at least as fast per step as the reference on CPU.
 
 Run:  python bench/bench_model.py            (--help for flags; about a minute on 2 CPU cores)
@@ -99,6 +102,25 @@ class PlainGPT(nn.Module):
         return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def print_presets():
+    """Every preset's shape, parameters (module == count_params), FLOPs/token and the share of
+    those FLOPs in attention's own matmuls, 12·L·nh·hs·T of 6N + 12·L·nh·hs·T."""
+    print(f"{'preset':<12} {'L':>3} {'nh':>3} {'C':>5} {'T':>5} {'V':>6} {'params':>15} "
+          f"{'non-embedding':>15} {'FLOPs/token':>15} {'attention':>9}")  # fmt: skip
+    for name in model_lib.PRESETS:
+        config = GPTConfig.from_preset(name)
+        with torch.device("meta"):  # real modules, no memory
+            model = GPT(config)
+        n, n_ne = model.num_params(), model.num_params(non_embedding=True)
+        assert (n, n_ne) == (model_lib.count_params(config), model_lib.count_params(config, True))
+        f = model_lib.flops_per_token(config)
+        attention = 12 * config.n_layer * config.n_embd * config.block_size / f
+        print(f"{name:<12} {config.n_layer:>3} {config.n_head:>3} {config.n_embd:>5} "
+              f"{config.block_size:>5} {config.vocab_size:>6} {n:>15,} {n_ne:>15,} {f:>15,} "
+              f"{attention:>9.1%}")  # fmt: skip
+    print("'small' is shown with GPT-2's vocabulary; the timings below use --small-vocab\n")
+
+
 def make_pair(config, seed):
     torch.manual_seed(seed)
     ours = GPT(config)
@@ -152,11 +174,12 @@ def bench_preset(name, vocab_size, batch_size, args):
     dt = time_steps(
         {"ours": make_step(ours), "reference": make_step(reference)}, x, y, args.steps, args.warmup
     )
-    tokens = x.numel()
+    tokens, flops = x.numel(), model_lib.flops_per_token(config, x.size(1))
     print(
         f"{name:<6} B={batch_size:<3} T={config.block_size:<4} V={vocab_size:<5} "
         f"params={ours.num_params():>10,}  "
-        f"ours {dt['ours'] * 1e3:8.2f} ms {tokens / dt['ours']:>9,.0f} tok/s   "
+        f"ours {dt['ours'] * 1e3:8.2f} ms {tokens / dt['ours']:>9,.0f} tok/s "
+        f"{tokens / dt['ours'] * flops / 1e9:6.2f} GFLOP/s   "
         f"reference {dt['reference'] * 1e3:8.2f} ms {tokens / dt['reference']:>9,.0f} tok/s   "
         f"speed-up {dt['reference'] / dt['ours']:.2f}x"
     )
@@ -172,25 +195,34 @@ def cpu_name():
     return platform.processor() or platform.machine()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per model")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model first")
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--steps", type=int, default=20, help="timed steps per model; the median is reported"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps per model first (allocator, caches)"
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    parser.add_argument("--small-vocab", type=int, default=4096,
-                        help="vocab for 'small' (a 4,096-token BPE from 01_data.py)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--small-vocab", type=int, default=4096, help="'small's V: a 4,096-token BPE of 01_data.py"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--seed", type=int, default=0, help="init and batch seed; runs repeat")
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    print_presets()
     print(f"torch {torch.__version__}, {cpu_name()}, "
           f"{torch.get_num_threads()} threads; median of {args.steps} training steps "
           f"(forward + backward + AdamW), fp32, CPU")  # fmt: skip
     bench_preset("tiny", 256, args.batch_size, args)
     bench_preset("small", args.small_vocab, args.batch_size, args)
     print("speed-up = reference step time / our step time (> 1: ours is faster)")
+    print("GFLOP/s = our tokens/s x flops_per_token(config, T): the model FLOP/s of our step")
 
 
 if __name__ == "__main__":

@@ -57,10 +57,11 @@ def test_smallest_subnormal_is_the_first_number_after_zero(dtype, known):
 
 
 def test_only_fp16_needs_a_loss_scaler():
-    assert mp.needs_loss_scaling(torch.float16)
-    assert not mp.needs_loss_scaling(torch.bfloat16) and not mp.needs_loss_scaling(torch.float32)
+    """fp16's 5 exponent bits flush small gradients to zero; bf16 has fp32's 8, and fp32 has
+    nothing to scale: their scalers pass everything through."""
     assert mp.make_scaler(torch.float16).is_enabled()
     assert not mp.make_scaler(torch.bfloat16).is_enabled()
+    assert not mp.make_scaler(torch.float32).is_enabled()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,6 +313,31 @@ def test_an_overflowing_step_changes_no_parameter(path):
 
 
 # ---------------------------------------------------------------------------------------------
+# activation memory: measured == formula
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "mode", ["fp32", "bf16 autocast", "fp16 autocast + scaler", "fp16 by hand"]
+)
+def test_saved_activations_equal_the_formula(mode):
+    """What autograd saves for the backward, counted by saved_activation_bytes, equals
+    activation_formula to the byte, for the tiny GPT at B = 3, T = 32 and for a wider one (3
+    layers, 4 heads, C = 64) on a sequence shorter than its context (T = 12 < 16). A term the
+    formula misses or miscounts is off by whole multiples of B·T (the GELU output alone is
+    B·T·L·4C·2 bytes in 16 bits), never by rounding: the counts are exact integers."""
+    wider = model_lib.GPTConfig.from_preset("tiny", n_layer=3, n_head=4, n_embd=64, block_size=16)
+    for config, T in ((TINY, 32), (wider, 12)):
+        torch.manual_seed(0)
+        model = model_lib.GPT(config)
+        if mode == "fp16 by hand":
+            mp.MasterWeights(model, torch.float16)  # the model itself becomes the fp16 copy
+        autocast = {"bf16 autocast": torch.bfloat16, "fp16 autocast + scaler": torch.float16}
+        x, y = random_batches(1, B=3, T=T)[0]
+        with mp.autocast_context(autocast.get(mode, torch.float32), "cpu"):
+            _, saved = mp.saved_activation_bytes(model, lambda m=model, x=x, y=y: m(x, y))
+        assert saved == mp.activation_formula(config, 3, T, mode), (config, saved)
+
+
+# ---------------------------------------------------------------------------------------------
 # gradient accumulation == one bigger batch
 # ---------------------------------------------------------------------------------------------
 def padded_batch(k, b, T=16, seed=0):
@@ -361,22 +387,23 @@ def test_unequal_tokens_token_normalised_equals_big_batch_mean_of_means_does_not
     assert [int(mp.count_tokens(t)) for _, t in micro] == [32, 16, 10, 8]
     big = backward_grads(model, lambda: model(x, y)[1].backward())
     n = mp.global_token_count(micro)
-    tok = backward_grads(model, lambda: mp.accumulate_gradients(model, micro, n))
-    mom = backward_grads(model, lambda: mp.accumulate_mean_of_means(model, micro))
-    for a, g in zip(tok, big):
+    token_normalised = backward_grads(model, lambda: mp.accumulate_gradients(model, micro, n))
+    mean_of_means = backward_grads(model, lambda: mp.accumulate_mean_of_means(model, micro))
+    for a, g in zip(token_normalised, big):
         torch.testing.assert_close(a, g, **EQUAL)
-    err_tok = ((flat(tok) - flat(big)).abs().max() / flat(big).abs().max()).item()
-    err_mom = ((flat(mom) - flat(big)).abs().max() / flat(big).abs().max()).item()
+    scale = flat(big).abs().max()
+    err_tok = ((flat(token_normalised) - flat(big)).abs().max() / scale).item()
+    err_mom = ((flat(mean_of_means) - flat(big)).abs().max() / scale).item()
     print(
-        f"max relative gradient error: token-normalised {err_tok:.1e}, mean-of-means {err_mom:.1e}"
+        f"max relative gradient error: token-normalised {err_tok:.1e}, mean of means {err_mom:.1e}"
     )
     assert err_mom > 1e-2 > 1e3 * err_tok, (err_tok, err_mom)
     # with equal token counts the two normalisations agree: the trap needs unequal counts
     x, y = random_batches(1, B=8)[0]
     micro = list(zip(x.chunk(4), y.chunk(4)))
-    mom = backward_grads(model, lambda: mp.accumulate_mean_of_means(model, micro))
+    mean_of_means = backward_grads(model, lambda: mp.accumulate_mean_of_means(model, micro))
     big = backward_grads(model, lambda: model(x, y)[1].backward())
-    for a, g in zip(mom, big):
+    for a, g in zip(mean_of_means, big):
         torch.testing.assert_close(a, g, **EQUAL)
 
 

@@ -164,9 +164,11 @@ def test_flops_per_token_hand_count():
 
 def test_peak_flops_and_mfu():
     """Dense (not 2:4 sparse) datasheet peaks; unknown devices and dtypes are None, not guesses.
+    The table and mfu() live in train.py, the one file that measures MFU.
 
     MFU by hand: 400,000 tokens/s x 1e9 FLOPs/token on 2 GPUs of 1e15 FLOP/s = 4e14 / 2e15 = 0.2."""
-    peak = model_lib.peak_flops
+    train = importlib.import_module("train")
+    peak = train.peak_flops
     assert peak("NVIDIA H100 80GB HBM3", "bf16") == 989.5e12  # 1979 "with sparsity" / 2
     assert peak("NVIDIA H100 PCIe", "bf16") == 756.5e12  # the more specific key wins
     assert peak("NVIDIA A100-SXM4-40GB", "tf32") == 156e12
@@ -177,11 +179,32 @@ def test_peak_flops_and_mfu():
     assert peak("NVIDIA GeForce RTX 3090 Ti", "bf16") is None
     assert peak("Some Future Accelerator", "bf16") is None
 
-    assert model_lib.mfu(4e5, 1e9, 2, 1e15) == pytest.approx(0.2)
-    assert model_lib.mfu(4e5, 1e9, 2, peak("cpu", "fp32")) is None
+    assert train.mfu(4e5, 1e9, 2, 1e15) == pytest.approx(0.2)
+    assert train.mfu(4e5, 1e9, 2, peak("cpu", "fp32")) is None
 
 
 # --------------------------------------------------------------------------- training
+
+
+def test_byte_batches_are_shifted_windows_of_the_source():
+    """byte_batches(T=16, B=3, steps=2): two (x, y) pairs of (3, 16) int64 byte values, y = x
+    moved one byte on (so x[:, 1:] == y[:, :-1]), each row a window of 02_model.py's own bytes.
+    Every tensor has its own storage of exactly B*T*8 bytes, even at B = 1 (where a slice of
+    the rows would have been contiguous already); the same seed gives the same batches."""
+    batches = model_lib.byte_batches(16, 3, steps=2, seed=5)
+    source = open(model_lib.__file__, "rb").read()
+    assert len(batches) == 2
+    for x, y in batches:
+        assert x.shape == y.shape == (3, 16) and x.dtype == y.dtype == torch.long
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        for row, target in zip(x, y):
+            assert bytes(row.tolist()) + bytes(target[-1:].tolist()) in source
+    again = model_lib.byte_batches(16, 3, steps=2, seed=5)
+    assert all(torch.equal(a, b) for pair, same in zip(batches, again) for a, b in zip(pair, same))
+    assert not torch.equal(model_lib.byte_batches(16, 3, seed=6)[0][0], batches[0][0])
+    one = model_lib.byte_batches(16, 1, steps=2)
+    storages = {t.untyped_storage().data_ptr() for pair in one for t in pair}
+    assert len(storages) == 4 and all(t.untyped_storage().nbytes() == 16 * 8 for t in one[0])
 
 
 def test_tiny_model_overfits_one_batch():
@@ -217,6 +240,21 @@ def test_init_statistics():
 
 
 # --------------------------------------------------------------------------- Hugging Face
+
+
+def to_hf_state_dict(model) -> dict:
+    """The inverse of GPT.from_hf_state_dict, for writing GPT-2-layout checkpoints in tests:
+    GPT2LMHeadModel keys, Conv1D weights back to (in, out), wte/lm_head padding rows dropped.
+    No attn.bias mask buffers (transformers versions that still save them load with strict=False)."""
+    V, sd = model.config.vocab_size, {}
+    for key, value in model.state_dict().items():
+        value = value.detach()
+        if key.endswith(GPT._CONV1D):
+            value = value.t()
+        if key in ("transformer.wte.weight", "lm_head.weight"):
+            value = value[:V]
+        sd[key] = value.contiguous().clone()
+    return sd
 
 
 def hf_state_dict(C=32, L=2, V=61, T=16, prefix="transformer.", seed=0):
@@ -308,14 +346,14 @@ def test_hf_state_dict_round_trips_exactly():
     """to_hf_state_dict inverts from_hf_state_dict bit for bit (transposing twice is exact),
     minus the mask buffers, which are not weights; and a model survives the trip both ways."""
     sd = hf_state_dict()
-    back = GPT.from_hf_state_dict(sd, n_head=4).double().to_hf_state_dict()
+    back = to_hf_state_dict(GPT.from_hf_state_dict(sd, n_head=4).double())
     weights = {k: v for k, v in sd.items() if not k.endswith((".attn.bias", ".attn.masked_bias"))}
     assert back.keys() == weights.keys()
     for key, value in weights.items():
         torch.testing.assert_close(back[key], value, rtol=0, atol=0, msg=key)
 
     model = make_model(tiny(vocab_size=250, pad_vocab_multiple=64))
-    hf = model.to_hf_state_dict()
+    hf = to_hf_state_dict(model)
     assert hf["transformer.wte.weight"].shape == (250, 32)  # padding rows are not HF's
     assert hf["transformer.h.0.mlp.c_fc.weight"].shape == (32, 128)  # Conv1D: (in, out)
     again = GPT.from_hf_state_dict(hf, n_head=2)
