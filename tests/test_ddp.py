@@ -111,8 +111,10 @@ def make_optimizer(name, params, zero=False, group=None):
 
 
 def train(model, opt, micro_batches, steps, start=0, schedule=True, set_to_none=True):
-    """micro_batches(step) -> [(x, y), ...]: all but the last backward run under no_sync().
-    The LR schedule is there to prove ZeroOptimizer's param_groups reach the real update."""
+    """micro_batches(step) -> [(x, y), ...]: all but the last backward run under no_sync(); the
+    naive wrapper all-reduces once, after the last (its no_sync() is a no-op: not calling
+    all_reduce_gradients() is what skips communication). The LR schedule is there to prove
+    ZeroOptimizer's param_groups reach the real update."""
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)) if schedule else None
     for step in range(start, start + steps):
         opt.zero_grad(set_to_none=set_to_none)
@@ -122,6 +124,8 @@ def train(model, opt, micro_batches, steps, start=0, schedule=True, set_to_none=
             with contextlib.nullcontext() if last else model.no_sync():
                 _, loss = model(x, y)
                 (loss / len(pieces)).backward()  # mean over micro-batches, as one big batch
+        if isinstance(model, ddp.NaiveDataParallel):
+            model.all_reduce_gradients()
         opt.step()
         if sched:
             sched.step()
@@ -246,24 +250,19 @@ def case_dp_subgroups(rank, world):
 
 
 def case_missing_grad(rank, world):
-    """Every rank leaves `unused` out of the loss: every rank must raise, naming it."""
-    out = {}
-    for name, wrapper, bucket_mb in [
-        ("naive", ddp.NaiveDataParallel, None),
-        ("bucketed", ddp.DataParallel, 1e-7),  # the other buckets are launched first
-    ]:
-        model = wrap(wrapper, WithUnused(), bucket_mb)
-        _, loss = model(*batch("toy", 0, rank))
-        try:
-            loss.backward()
-            out[name] = None
-        except RuntimeError as e:
-            out[name] = str(e)
-        model.module.zero_grad(set_to_none=True)
-        _, loss = model(*batch("toy", 1, rank), use_unused=True)
-        loss.backward()  # the wrapper recovers: a complete backward synchronises again
-        out[name + "-after"] = model.stats["syncs"]
-    return out
+    """Every rank leaves `unused` out of the loss: every rank must raise, naming it. (The naive
+    wrapper does not check: it asks that every trainable parameter have a gradient.)"""
+    model = ddp.DataParallel(WithUnused(), bucket_mb=1e-7)  # the other buckets launch first
+    _, loss = model(*batch("toy", 0, rank))
+    try:
+        loss.backward()
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    model.module.zero_grad(set_to_none=True)
+    _, loss = model(*batch("toy", 1, rank), use_unused=True)
+    loss.backward()  # the wrapper recovers: a complete backward synchronises again
+    return {"message": message, "syncs_after": model.stats["syncs"]}
 
 
 def case_zero(rank, world):
@@ -317,22 +316,21 @@ def _calls_in_one_backward(stats: dict, model, rank) -> dict:
 def case_lifecycle(rank, world):
     """Wrap a module, wrap it again and drop the first wrapper: it must be freed and silent.
     Wrap a third time and close() the second, still referenced: it must fall silent too.
-    And ZeroOptimizer.add_param_group after construction must be refused, not ignored."""
-    out = {}
-    for name, wrapper in [("naive", ddp.NaiveDataParallel), ("bucketed", ddp.DataParallel)]:
-        toy = build("toy")
-        first = wrapper(toy)
-        stats, first_ref = {"first": first.stats}, weakref.ref(first)
-        second = wrapper(toy)  # as in `model = wrapper(model.module)`: both exist for a moment
-        del first
-        gc.collect()
-        stats["second"] = second.stats
-        rewrap = _calls_in_one_backward(stats, second, rank)
-        third = wrapper(toy)
-        second.close()
-        stats["third"] = third.stats
-        close = _calls_in_one_backward(stats, third, rank)
-        out[name] = {"freed": first_ref() is None, "rewrap": rewrap, "close": close}
+    And ZeroOptimizer.add_param_group after construction must be refused, not ignored.
+    (Only DataParallel: the naive wrapper has no hooks; it communicates when called.)"""
+    toy = build("toy")
+    first = ddp.DataParallel(toy)
+    stats, first_ref = {"first": first.stats}, weakref.ref(first)
+    second = ddp.DataParallel(toy)  # as in `model = DataParallel(model.module)`: two, briefly
+    del first
+    gc.collect()
+    stats["second"] = second.stats
+    rewrap = _calls_in_one_backward(stats, second, rank)
+    third = ddp.DataParallel(toy)
+    second.close()
+    stats["third"] = third.stats
+    close = _calls_in_one_backward(stats, third, rank)
+    out = {"freed": first_ref() is None, "rewrap": rewrap, "close": close}
     toy = build("toy")
     groups = [{"params": [toy.emb.weight]}, {"params": [toy.hidden.weight], "lr": 0.0}]
     opt = ddp.ZeroOptimizer(groups, torch.optim.SGD, lr=0.1)  # groups given up front: fine
@@ -438,10 +436,25 @@ def test_the_comparison_can_fail(world):
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("kind", ["toy", "gpt"])
-def test_bucketed_equals_torch_ddp(world, kind):
+@pytest.mark.parametrize("variant", ["naive", "bucket-half", "bucket-max"])
+def test_naive_and_bucketed_equal_torch_ddp(world, kind, variant):
     for ddp_state, ours in zip(results(world, f"ddp-{kind}"), results(world, kind)):
-        assert_states_close(ours["bucket-half"]["state"], ddp_state)
-        assert_states_close(ours["bucket-max"]["state"], ddp_state)
+        assert_states_close(ours[variant]["state"], ddp_state)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("kind", ["toy", "gpt"])
+def test_naive_equals_bucketed(world, kind):
+    """The simple version and the real one, each rank against itself. Naive computes
+    (g_0 + ... + g_N-1) / N, bucketed g_0/N + ... + g_N-1/N. With N = 2 that is bit for bit the
+    same: x/2 is exact in binary floating point and a sum of two numbers has one order. With
+    N = 4 the ring adds four numbers in an order that depends on where a chunk boundary falls
+    (per tensor for naive, per flat bucket for bucketed): equal up to fp32 rounding. (Bit for
+    bit holds away from subnormals, where x/2 rounds; these gradients are far from them.)"""
+    for ours in results(world, kind):
+        for bucketed in ("bucket-min", "bucket-half", "bucket-max"):
+            tol = dict(rtol=0, atol=0) if world == 2 else TOL
+            assert_states_close(ours["naive"]["state"], ours[bucketed]["state"], **tol)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -489,11 +502,10 @@ def test_dp_subgroups_train_independently():
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_a_parameter_without_gradient_raises_a_clear_error(world):
     for res in results(world, "missing"):
-        for variant in ("naive", "bucketed"):
-            msg = res[variant]
-            assert msg is not None, f"{variant}: backward with an unused parameter did not raise"
-            assert "unused.weight" in msg and "unused.bias" in msg and "no gradient" in msg
-            assert res[variant + "-after"] == 1  # and the next complete backward synchronised
+        msg = res["message"]
+        assert msg is not None, "backward with an unused parameter did not raise"
+        assert "unused.weight" in msg and "unused.bias" in msg and "no gradient" in msg
+        assert res["syncs_after"] == 1  # and the next complete backward synchronised
 
 
 def _one_rank_skips(rank, world):
@@ -548,19 +560,15 @@ def test_zero_state_dict_round_trips(world):
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("variant", ["naive", "bucketed"])
-def test_a_dropped_wrapper_is_freed_and_silent(world, variant):
+def test_a_dropped_wrapper_is_freed_and_silent(world):
     """The bug: the gradient hooks held the wrapper, so wrapping a module again left both
     wrappers all-reducing every backward (twice the traffic) and the old buckets in memory.
-    One backward after re-wrapping must launch exactly one wrapper's collectives (naive: one
-    per trainable tensor, 4; bucketed at 25 MB: one bucket), and close() must silence a wrapper
-    that is still referenced."""
-    per_pass = {"naive": len(trainable(build("toy"))), "bucketed": 1}[variant]
+    One backward after re-wrapping must launch exactly one wrapper's collectives (one bucket at
+    25 MB), and close() must silence a wrapper that is still referenced."""
     for res in results(world, "lifecycle"):
-        res = res[variant]
         assert res["freed"], "the first wrapper is still alive after del + gc.collect()"
-        assert res["rewrap"] == {"first": 0, "second": per_pass}, res["rewrap"]
-        assert res["close"] == {"first": 0, "second": 0, "third": per_pass}, res["close"]
+        assert res["rewrap"] == {"first": 0, "second": 1}, res["rewrap"]
+        assert res["close"] == {"first": 0, "second": 0, "third": 1}, res["close"]
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -573,6 +581,43 @@ def test_zero_refuses_add_param_group_after_construction(world):
         assert "add_param_group" in msg and "ZeroOptimizer(" in msg, msg
 
 
+def test_the_demo_runs_as_a_script_and_prints_its_headline(tmp_path):
+    """`python 03_ddp.py` relaunches itself under torchrun (2 ranks) and prints the three
+    headlines with numbers that hold: every variant's averaged gradient within fp32 rounding of
+    one process's (a rank's data missing or a wrong / N is ~1e-1 away: the demo's 'for scale'
+    line), the gradient bytes all-reduced = S for both wrappers, and the optimizer state per
+    rank equal to its formula, with and without ZeRO-1."""
+    args = ["--preset", "tiny", "--block-size", "16", "--batch-size", "2", "--check-steps", "1"]
+    args += ["--bucket-mb", "0.01", "--data-dir", str(tmp_path / "data")]
+    script = Path(__file__).parents[1] / "03_ddp.py"
+    run = [sys.executable, str(script), *args]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert "running: torchrun --standalone --nproc_per_node=2" in out, out
+    assert "naive == bucketed == torch DDP == one process" in out, out
+    table = out.split("one process on the global batch")[1].split("For scale")[0]
+    rows = table.strip().splitlines()[1:]  # below the column titles
+    names = [row.strip().split("  ")[0] for row in rows]
+    assert names == ["naive", "bucketed", "bucketed + ZeRO-1", "torch DDP"], out
+    for name, row in zip(names, rows):  # fp32 rounding of O(1e-1) gradients: ~1e-8
+        grad_error = float(row.split()[-2])
+        assert grad_error < 1e-6, f"{name}: gradient {grad_error} away from one process"
+    assert out.count("in all (= S:") == 2, out  # naive and bucketed: every gradient byte once
+    memory = [line.split() for line in out.splitlines() if " B | " in line]
+    assert len(memory) == 3, out  # without ZeRO, then ZeRO-1 on ranks 0 and 1
+    for words in memory:  # bytes, exactly
+        measured, formula = words[words.index("|") - 2], words[words.index("|") + 1]
+        assert measured == formula, f"measured {measured} B != formula {formula} B: {words}"
+
+
+def test_the_demo_refuses_bad_flags_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ddp.main(["--ranks", "0"])
+    assert exit_info.value.code == 2
+    assert "error: --ranks and --check-steps must be >= 1" in capsys.readouterr().err
+
+
 EXIT_JOBS = 30  # ~30-60 s on 2 cores shared with two busy processes
 
 
@@ -580,14 +625,23 @@ def test_ranks_exit_cleanly_after_backward():
     """The bug: a rank that had finished its work aborted at interpreter exit (SIGABRT,
     "terminate called without an active exception") when a gloo thread freed a collective
     launched in backward while Python was finalising; tests/ddp_exit_job.py explains. It runs
-    fresh 2-rank jobs, naive and bucketed in turn, each ending as a torchrun script does, while
-    two busy processes compete for the cores (contention is what makes the thread lose the
-    race); every rank must exit with 0. Measured on the code before the fix with this setting
-    (SWITCH_S=1.0, two busy processes): 3 and 4 of 30 jobs aborted with this script, 2, 9 and
-    11 of 40 with an earlier version of it (one fewer backward), about 12% a job, so 30 jobs
-    miss the bug with probability about 0.88^30 = 2%; without the busy processes it almost never
-    showed (0 of 80). After the fix: 0 of 150. Removing only the kept handles (weak hooks left)
-    aborted 1 to 7 of 30 in the helper's runs: caught less surely."""
+    fresh 2-rank jobs of DataParallel (a bucket per parameter), each ending as a torchrun
+    script does, while two busy processes compete for the cores (contention is what makes the
+    thread lose the race); every rank must exit with 0.
+    Measured on the code before the fix with this setting (SWITCH_S=1.0, two busy processes),
+    when the script alternated the naive and bucketed wrappers and both launched collectives in
+    backward: 3 and 4 of 30 jobs aborted, 2, 9 and 11 of 40 with an earlier version of it,
+    about 12% a job; without the busy processes it almost never showed (0 of 80). After the
+    fix: 0 of 150. Removing only the kept handles (weak hooks left) aborted 1 to 7 of 30.
+    The naive wrapper now all-reduces after backward, outside it, and cannot have the bug (30
+    naive-only jobs: 0 aborted), so every job runs DataParallel, launching all-reduces both
+    from hooks and from the end-of-backward callback. With its handles dropped the moment they
+    are waited (broken on purpose), on 2 cores other work already loaded (load average 4 to
+    6): 3, 1, 5 and 0 of 30 jobs aborted, about 7.5% a job, so 30 jobs miss the bug with
+    probability about 0.925^30 = 10%; the fixed code: 0 of 90. Launched from hooks alone
+    (no callback launch), it almost never showed: 1 of 165 jobs. The old script on the old
+    code, broken alike, in the same hour: 2 and 4 of 30, every one a naive job (the naive
+    wrapper then all-reduced from the callback)."""
     helper = Path(__file__).with_name("ddp_exit_job.py")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
