@@ -1,8 +1,8 @@
-"""04_tensor_parallel.py: Megatron-style tensor parallelism (TP). Every matrix of every layer is
-split over tp ranks; the ranks see the same batch and talk inside every layer.
+"""04_tensor_parallel.py: Megatron-style tensor parallelism (TP), every matrix split over tp ranks.
 
 The idea in one sentence: cut a layer's first matrix by columns and its second by rows, and each
-rank computes its share with no communication in between; one all-reduce sums the shares.
+rank computes its share with no communication in between; one all-reduce sums the shares. The
+ranks see the same batch and talk inside every layer.
 
 The math (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053, section 3), an MLP Z = GELU(X A) B:
     column split  A = [A1 | A2]:  Y = GELU(X [A1 | A2]) = [GELU(X A1) | GELU(X A2)] = [Y1 | Y2]
@@ -11,17 +11,17 @@ The math (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053, section 3), an MLP
     row split     B = [B1 ; B2]:  Z = [Y1 | Y2] [B1 ; B2] = Y1 B1 + Y2 B2
 Forward needs one all-reduce, the sum Z = sum_i Yi Bi (operator g); backward one more, because X
 feeds every rank's X Ai, so dL/dX = sum_i (dL/dX through rank i) (operator f, g's conjugate).
-Attention is the same with heads for columns: heads are independent, so a rank holds whole heads
-(its slice of q, k and v in c_attn) and the output projection c_proj is row-parallel.
+Attention is the same with heads for columns: a rank holds whole heads (its slice of q, k and v
+in c_attn), and c_proj is row-parallel. The embedding and the tied head are split by vocabulary:
+a rank computes (B, T, V/tp) logits and the loss needs three all-reduces of (B, T) numbers:
+the full (B, T, V) logits never exist (gather_logits builds them for tests and sampling).
 
-    operator    forward                   backward                  where
-    f           identity                  all-reduce                before a column-parallel linear
-    g           all-reduce                identity                  after a row-parallel linear
-    g_sp        all-gather along T        reduce-scatter along T    f, with sequence parallelism
-    g_bar_sp    reduce-scatter along T    all-gather along T        g, with sequence parallelism
-    split_last  keep own chunk of dim -1  all-gather along dim -1   (tests)
-    gather_last all-gather along dim -1   keep own chunk            full logits (tests, sampling)
-(f and g are Megatron-LM's names; the sequence-parallel paper calls its pair g and g-bar.)
+    operator (the paper's name)              forward               backward              stands
+    CopyToTensorParallel (f)                 identity              all-reduce            entering
+    ReduceFromTensorParallel (g)             all-reduce            identity              leaving
+    GatherFromSequenceParallel (SP's g)      all-gather along T    reduce-scatter on T   where f was
+    ReduceScatterToSequenceParallel (g-bar)  reduce-scatter on T   all-gather along T    where g was
+(Named after Megatron's _CopyToModelParallelRegion and kin; SP's paper calls f's successor g.)
 
 Who holds what at tp = 2 (rows of an nn.Linear weight are its output features):
     c_attn (3C x C)  [q heads 0..nh/2-1 | k same | v same]: rank 0, the other heads: rank 1
@@ -32,18 +32,12 @@ Who holds what at tp = 2 (rows of an nn.Linear weight are its output features):
 
     X (B,T,C) ─f─▶ X A_i (B,T,4C/tp) ─GELU─▶ Y_i ─▶ Y_i B_i (B,T,C), partial ─g─▶ Z (B,T,C)
 
-The embedding looks up only the ids in the rank's vocabulary range (zeros elsewhere) and g sums
-the lookups. The tied head reuses that shard, so a rank computes (B, T, V/tp) logits, and the
-cross-entropy needs three all-reduces of (B, T) numbers (max, sum of exp, the target's logit):
-the full (B, T, V) logits never exist anywhere.
-
 Sequence parallelism (SP, Korthikanti et al. 2022, arXiv 2205.05198): between g and the next f
 every rank repeats the same LayerNorm, dropout and residual add on the whole (B, T, C) and stores
-it. An all-reduce is a reduce-scatter then an all-gather, so g becomes g_bar_sp (each rank gets
-the complete sums of T/tp tokens), that work runs on (B, T/tp, C), and g_sp gathers the tokens
-before the next column-parallel linear: the same bytes, tp x less memory there. Shapes: model.embed
-returns (B, T/tp, C), each block maps (B, T/tp, C) -> (B, T/tp, C) (what a pipeline stage of 05
-sends), model.head gathers to (B, T, V/tp) logits. T must be a multiple of tp.
+it. An all-reduce is a reduce-scatter then an all-gather, so g becomes a reduce-scatter along T
+(each rank gets the complete sums of T/tp tokens), that work runs on (B, T/tp, C), and f becomes
+an all-gather of the tokens before the next column-parallel linear: the same bytes, tp x less
+memory there. Blocks then map (B, T/tp, C) -> (B, T/tp, C); T must be a multiple of tp.
 
 Communication per layer per training step, per rank, E = B*T*C elements (ring algorithms):
     TP:      4 all-reduces of E (2 forward g, 2 backward f), each sending 2(tp-1)/tp * E
@@ -51,17 +45,11 @@ Communication per layer per training step, per rank, E = B*T*C elements (ring al
 plus 2 more for the embedding and head, 3 all-reduces of B*T for the loss and, with SP, small
 ones for replicated gradients. It sits on every layer's critical path: TP stays inside a node.
 
-Randomness: the default generator is seeded alike on every TP rank, so dropout on replicated
-activations draws the same mask everywhere (they are copies). Sharded regions (attention heads;
-with SP, token shards) hold different data and need different masks: RNGStateTracker.fork().
-
-For train.py: sharded parameters carry `param.tensor_parallel = True` (a global grad norm sums
-their squares over the TP group and adds the replicated ones once: their gradients are identical
-on every TP rank); consolidate_state_dict / merge_shards rebuild 02's full state dict.
-
-Run it:  torchrun --standalone --nproc_per_node=2 04_tensor_parallel.py     (or 4; ~30 s on CPU)
-It checks the sharded model against the whole one and prints parameter and activation memory per
-rank, the bytes every collective moved next to the formula, and the time per step.
+Run it:  python 04_tensor_parallel.py [--ranks N]      (starts torchrun with N = 2 ranks, or 4)
+    or:  torchrun --standalone --nproc_per_node=2 04_tensor_parallel.py
+It checks the sharded model, with and without SP, against the whole one and prints parameter
+memory per rank. bench/bench_tensor_parallel.py counts every collective's bytes against the
+formula above, and measures activation memory per rank and the time per step.
 
 What changed from 03_ddp.py: DP copies the model and splits the batch, sending gradients once per
 step; TP splits every matrix, keeps the whole batch and sends activations in every layer.
@@ -80,9 +68,7 @@ import functools
 import importlib
 import math
 import os
-import time
-from dataclasses import dataclass, fields
-from pathlib import Path
+import sys
 
 import torch
 import torch.distributed as dist
@@ -90,119 +76,109 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 model_lib = importlib.import_module("02_model")
-ddp_lib = importlib.import_module("03_ddp")  # init_distributed, print0
+ddp_lib = importlib.import_module("03_ddp")  # init_distributed, print0, relaunch_with_torchrun
 
 SEQ_DIM = 1  # T in (B, T, C). Megatron keeps (T, B, C) so its gathers are contiguous; we keep 02's
 TP_RNG = "tensor_parallel"  # the tracker's per-rank dropout stream
 
+
 # --------------------------------------------------------------------------- raw collectives
-_COMM_LOG = None  # while count_comm() runs: one (op, payload bytes) per collective call
-
-
-@contextlib.contextmanager
-def count_comm():
-    """`with count_comm() as log: step()` records [(op, payload bytes)] of every collective."""
-    global _COMM_LOG
-    _COMM_LOG, outer = [], _COMM_LOG
-    try:
-        yield _COMM_LOG
-    finally:
-        _COMM_LOG = outer
-
-
-def _log(op: str, tensor: torch.Tensor, copies: int = 1):
-    if _COMM_LOG is not None:
-        _COMM_LOG.append((op, tensor.numel() * tensor.element_size() * copies))
-
-
-def _tp(group) -> int:
-    return dist.get_world_size(group)
-
-
-def _check_divisible(x: torch.Tensor, dim: int, tp: int):
+def _chunks(x: torch.Tensor, group, dim: int):  # x cut into tp equal chunks along dim
+    tp = dist.get_world_size(group)
     if x.size(dim) % tp:
         raise ValueError(
             f"dim {dim} of a {tuple(x.shape)} tensor is not divisible by tp={tp}: with sequence "
             f"parallelism T must be a multiple of tp (each rank holds T/tp tokens)"
         )
+    return x.chunk(tp, dim=dim)
 
 
 def _all_reduce(x, group, op=dist.ReduceOp.SUM):
-    _log("all_reduce", x)  # payload S: a ring sends 2(tp-1)/tp * S per rank
-    dist.all_reduce(x, op=op, group=group)
+    dist.all_reduce(x, op=op, group=group)  # in place; a ring sends 2(tp-1)/tp of x per rank
     return x
 
 
-def _all_gather(x, group, dim):
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(_tp(group))]
-    _log("all_gather", x, len(parts))  # payload: the gathered S; (tp-1)/tp * S per rank
-    dist.all_gather(parts, x, group=group)
+def _all_gather(x, group, dim):  # every rank's x, concatenated along dim in rank order
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)  # (tp-1)/tp of the result sent per rank
     return torch.cat(parts, dim=dim)
 
 
-def _reduce_scatter(x, group, dim):
-    _check_divisible(x, dim, _tp(group))
-    parts = [p.contiguous() for p in x.chunk(_tp(group), dim=dim)]
+def _reduce_scatter(x, group, dim):  # the sum of every rank's x; this rank keeps its chunk
+    parts = [p.contiguous() for p in _chunks(x, group, dim)]
     out = torch.empty_like(parts[0])
-    _log("reduce_scatter", x)  # payload: the input S; (tp-1)/tp * S per rank
-    dist.reduce_scatter(out, parts, group=group)
+    dist.reduce_scatter(out, parts, group=group)  # (tp-1)/tp of x sent per rank
     return out
 
 
-def _split(x, group, dim):
-    _check_divisible(x, dim, _tp(group))
-    return x.chunk(_tp(group), dim=dim)[dist.get_rank(group)].contiguous()
-
-
 # --------------------------------------------------------------------------- the operators
-def _identity(x, group, dim):
-    return x
+# One autograd.Function per collective: the backward is the forward's conjugate.
+class CopyToTensorParallel(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce backward (entering the TP region)."""
 
-
-def _sum(x, group, dim):
-    # subtle: reduce a copy. A backward must never modify its incoming gradient in place: autograd
-    # may share that tensor with other consumers (torch 2.13 happens to hand over a private one).
-    return _all_reduce(x.clone(), group)
-
-
-def _operator(name: str, forward, backward, dim, what: str):
-    """One autograd.Function per collective: forward(x, group, dim), backward(grad, group, dim)."""
-
-    def fwd(ctx, x, group):
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T, C), the same on every rank
         ctx.group = group
-        return forward(x, group, dim)
+        return x
 
-    def bwd(ctx, grad):
-        return backward(grad, ctx.group, dim), None
+    @staticmethod
+    def backward(ctx, grad):  # this rank's share of dL/dX -> the sum over ranks
+        # subtle: reduce a copy. A backward must never modify its incoming gradient in place:
+        # autograd may share that tensor with other consumers (torch 2.13 hands over a private one)
+        return _all_reduce(grad.clone(), ctx.group), None
 
-    doc = f"{name}: {what}."
-    methods = dict(forward=staticmethod(fwd), backward=staticmethod(bwd), __doc__=doc)
-    return type(name, (torch.autograd.Function,), methods).apply
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """Megatron's g: all-reduce forward, identity backward (leaving the TP region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T, C): this rank's partial sum Y_i B_i
+        return _all_reduce(x.clone(), group)  # a copy: x is the caller's tensor
+
+    @staticmethod
+    def backward(ctx, grad):  # every term of a sum gets the sum's gradient
+        return grad, None
 
 
-# the lesson's table: name -> (forward, backward, dim, what it does); each is called as op(x, group)
-# fmt: off
-OPERATORS = {
-    "f":           (_identity,       _sum,            None,    "identity fwd, all-reduce bwd"),
-    "g":           (_sum,            _identity,       None,    "all-reduce fwd, identity bwd"),
-    "g_sp":        (_all_gather,     _reduce_scatter, SEQ_DIM, "all-gather T, reduce-scatter bwd"),
-    "g_bar_sp":    (_reduce_scatter, _all_gather,     SEQ_DIM, "reduce-scatter T, all-gather bwd"),
-    "split_last":  (_split,          _all_gather,     -1,      "own chunk of dim -1, gather bwd"),
-    "gather_last": (_all_gather,     _split,          -1,      "all-gather dim -1, own chunk bwd"),
-}
-# fmt: on
-f, g, g_sp, g_bar_sp, split_last, gather_last = (_operator(n, *op) for n, op in OPERATORS.items())
-gather_logits = gather_last  # (B, T, V/tp) logit shards -> full (B, T, V_padded) (tests, sampling)
+class GatherFromSequenceParallel(torch.autograd.Function):
+    """SP's g, where f stood: all-gather along T forward, reduce-scatter along T backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T/tp, C): this rank's tokens -> (B, T, C)
+        ctx.group = group
+        return _all_gather(x, group, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T, C), this rank's share -> (B, T/tp, C), summed
+        return _reduce_scatter(grad, ctx.group, SEQ_DIM), None
+
+
+class ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """SP's g-bar, where g stood: reduce-scatter along T forward, all-gather along T backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T, C) partial sums -> (B, T/tp, C) complete, own tokens
+        ctx.group = group
+        return _reduce_scatter(x, group, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T/tp, C) -> (B, T, C)
+        return _all_gather(grad, ctx.group, SEQ_DIM), None
+
+
+def gather_logits(logits, group):
+    """(B, T, V/tp) logit shards -> the full (B, T, V) logits, outside autograd (tests, sampling:
+    training never needs them, the loss works on the shards)."""
+    return _all_gather(logits.detach(), group, -1)
 
 
 # --------------------------------------------------------------------------- randomness
 class RNGStateTracker:
     """Named RNG streams that dropout can borrow (Megatron's CudaRNGStatesTracker, smaller).
-
-    `with tracker.fork():` swaps this rank's TP stream into the device's default generator and
-    swaps it back out, advanced, afterwards: the default stream, identical on every TP rank, is
-    not consumed."""
+    The default stream is alike on every TP rank, so dropout on replicated activations (copies)
+    draws the same mask everywhere. Sharded regions (heads; with SP, token shards) need their own
+    masks: `with tracker.fork():` swaps this rank's stream into the device's default generator
+    and back out, advanced, afterwards; the default stream is not consumed."""
 
     def __init__(self, device):
         self.device, self.states = torch.device(device), {}
@@ -278,7 +254,8 @@ def merge_tensors(shards, dim: int, chunks: int) -> torch.Tensor:
 
 def _shard_param(t, dim, chunks, group):
     """A new Parameter holding this rank's slice, marked as sharded (train.py's grad norm)."""
-    p = nn.Parameter(shard_tensor(t.detach(), dim, chunks, dist.get_rank(group), _tp(group)))
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    p = nn.Parameter(shard_tensor(t.detach(), dim, chunks, rank, tp))
     p.tensor_parallel = True
     return p
 
@@ -286,26 +263,28 @@ def _shard_param(t, dim, chunks, group):
 # --------------------------------------------------------------------------- the layers
 class ColumnParallelLinear(nn.Module):
     """Y_i = X A_i, built from a full nn.Linear: this rank's out/tp output features. Input
-    (B, T, in), replicated, through f; with sequence parallelism (B, T/tp, in) through g_sp.
-    Output (B, T, out/tp), or all-gathered (B, T, out) with gather_output=True."""
+    (B, T, in), replicated, through f, or with sequence parallelism (B, T/tp, in), all-gathered
+    along T. Output (B, T, out/tp)."""
 
     def __init__(self, linear: nn.Linear, group, sequence_parallel=False, chunks=1):
         super().__init__()
         self.weight = _shard_param(linear.weight, 0, chunks, group)  # (out/tp, in)
         bias = linear.bias
         self.bias = None if bias is None else _shard_param(bias, 0, chunks, group)  # (out/tp,)
-        self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, False
+        self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, x):  # (B, T, in) or (B, T/tp, in)
-        x = g_sp(x, self.group) if self.sequence_parallel else f(x, self.group)  # (B, T, in)
-        y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
-        return gather_last(y, self.group) if self.gather_output else y
+        if self.sequence_parallel:  # SP's g, where f stood
+            x = GatherFromSequenceParallel.apply(x, self.group)  # (B, T, in)
+        else:
+            x = CopyToTensorParallel.apply(x, self.group)  # f
+        return F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
 
 
 class RowParallelLinear(nn.Module):
     """Z = sum_i Y_i B_i, built from a full nn.Linear: this rank's in/tp input features. Input
-    (B, T, in/tp); output (B, T, out) through g, or (B, T/tp, out) through g_bar_sp. The bias is
-    replicated and added once, after the sum."""
+    (B, T, in/tp); output (B, T, out) through g, or (B, T/tp, out) reduce-scattered along T.
+    The bias is replicated and added once, after the sum."""
 
     def __init__(self, linear: nn.Linear, group, sequence_parallel=False):
         super().__init__()
@@ -318,19 +297,19 @@ class RowParallelLinear(nn.Module):
         y = F.linear(x, self.weight)  # (B, T, out): this rank's partial sum Y_i B_i
         bias = self.bias
         if self.sequence_parallel:
-            y = g_bar_sp(y, self.group)  # (B, T/tp, out)
+            y = ReduceScatterToSequenceParallel.apply(y, self.group)  # (B, T/tp, out), g-bar
             # subtle: this rank adds the bias to its T/tp tokens only, so its gradient is partial:
             # f sums it over the group (without this, replicated biases silently drift apart).
-            bias = None if bias is None else f(bias, self.group)
+            bias = None if bias is None else CopyToTensorParallel.apply(bias, self.group)
         else:
-            y = g(y, self.group)  # (B, T, out)
+            y = ReduceFromTensorParallel.apply(y, self.group)  # (B, T, out), g
         return y if bias is None else y + bias
 
 
 class VocabParallelEmbedding(nn.Module):
     """wte split by vocabulary: rank r holds ids [r V/tp, (r+1) V/tp). It looks up the ids it owns,
     writes zeros for the others, and g sums over ranks: (B, T) ids -> (B, T, C), or with
-    sequence parallelism g_bar_sp -> (B, T/tp, C)."""
+    sequence parallelism a reduce-scatter along T (g-bar) -> (B, T/tp, C)."""
 
     def __init__(self, emb: nn.Embedding, group, sequence_parallel=False):
         super().__init__()
@@ -338,14 +317,16 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, idx):  # (B, T)
-        if self.sequence_parallel:  # fail before the collective, on every rank alike
-            _check_divisible(idx, SEQ_DIM, _tp(self.group))
+        if self.sequence_parallel:  # T % tp: fail before any collective, on every rank alike
+            _chunks(idx, self.group, SEQ_DIM)
         rows = self.weight.size(0)  # V/tp
         local = idx - dist.get_rank(self.group) * rows
         outside = (local < 0) | (local >= rows)  # ids another rank owns
         x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # zeros (and zero gradient) there
-        return g_bar_sp(x, self.group) if self.sequence_parallel else g(x, self.group)
+        if self.sequence_parallel:
+            return ReduceScatterToSequenceParallel.apply(x, self.group)  # (B, T/tp, C)
+        return ReduceFromTensorParallel.apply(x, self.group)  # (B, T, C)
 
 
 class SequenceParallelLayerNorm(nn.Module):
@@ -359,8 +340,9 @@ class SequenceParallelLayerNorm(nn.Module):
         self.shape, self.eps, self.group = ln.normalized_shape, ln.eps, group
 
     def forward(self, x):  # (B, T/tp, C)
-        b = None if self.bias is None else f(self.bias, self.group)
-        return F.layer_norm(x, self.shape, f(self.weight, self.group), b, self.eps)
+        w = CopyToTensorParallel.apply(self.weight, self.group)  # f: dw summed over ranks
+        b = None if self.bias is None else CopyToTensorParallel.apply(self.bias, self.group)
+        return F.layer_norm(x, self.shape, w, b, self.eps)
 
 
 class SequenceParallelPositionEmbedding(nn.Module):
@@ -371,7 +353,8 @@ class SequenceParallelPositionEmbedding(nn.Module):
         self.weight, self.group = emb.weight, group  # the same Parameter
 
     def forward(self, pos):  # (T,)
-        return _split(f(F.embedding(pos, self.weight), self.group), self.group, 0)  # (T/tp, C)
+        pos_emb = CopyToTensorParallel.apply(F.embedding(pos, self.weight), self.group)  # (T, C)
+        return _chunks(pos_emb, self.group, 0)[dist.get_rank(self.group)]  # (T/tp, C)
 
 
 class ParallelSelfAttention(nn.Module):
@@ -440,22 +423,19 @@ def vocab_parallel_cross_entropy(logits, targets, reduction="mean", *, group):
 
 # --------------------------------------------------------------------------- the model
 def check_tp_config(config, tp: int):
-    """Every reason this GPTConfig cannot be split tp ways, in one ValueError (no collectives)."""
-    C, V, problems = config.n_embd, config.padded_vocab_size, []
+    """Every reason this GPTConfig cannot be split tp ways, in one ValueError (no collectives).
+    n_head % tp == 0 is enough for the widths: C = nh * hs and 4C then split evenly too."""
+    V, m, problems = config.padded_vocab_size, math.lcm(64, tp), []
     if config.n_head % tp:
         problems.append(
             f"n_head={config.n_head} is not divisible by tp={tp}: a rank holds whole heads"
         )
     if V % tp:
-        m = math.lcm(64, tp)
         problems.append(
             f"the vocabulary has {V} rows (vocab_size={config.vocab_size}, pad_vocab_multiple="
             f"{config.pad_vocab_multiple}), not divisible by tp={tp}: pad it with GPTConfig("
             f"pad_vocab_multiple={m}) -> {-(-config.vocab_size // m) * m} rows"
         )
-    for what, size in (("attention width n_embd", C), ("MLP hidden size 4*n_embd", 4 * C)):
-        if size % tp:
-            problems.append(f"the {what}={size} is not divisible by tp={tp}")
     if problems:
         raise ValueError(f"cannot split this GPT over tp={tp} ranks: " + "; ".join(problems))
 
@@ -484,21 +464,18 @@ def _parallelize_block(block, group, sp, rng):
 def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
     """Shard a 02_model.GPT over the TP `group` in place, by slicing its full weights; returns it.
 
-    Build the model identically on every rank first (same seed). Afterwards model(idx, targets)
-    returns (this rank's (B, T, V/tp) logits, the full mean loss, the same on every TP rank);
-    gather_logits() gives the full logits. State-dict keys stay 02's. 05 may call model.embed,
-    the blocks, model.head and model.loss_fn separately (shapes: the docstring at the top).
-    `seed` (default: torch.initial_seed()) is the run's, the same on every rank. The per-rank
-    dropout stream is seed + 1 + world_size + global rank: one per (stage, replica, TP rank), as
-    the global rank is (pp_rank * dp + dp_rank) * tp + tp_rank. (Megatron's seed + 2718 +
-    tp_rank on a seed offset per stage is a sum of ranks, which can collide.) Keep the default
-    stream below seed + 1 + world_size (train.py: seed + 1 + pp_rank * dp + dp_rank), and no
-    two streams share a seed."""
+    Build the model identically on every rank first (same seed). Then model(idx, targets) returns
+    (this rank's (B, T, V/tp) logits, the full mean loss, alike on every TP rank); state-dict keys
+    stay 02's; 05 may call model.embed, the blocks, model.head and model.loss_fn apart. The
+    per-rank dropout stream's seed is seed (the run's; default torch.initial_seed()) + 1 +
+    world_size + global rank: one per (stage, replica, TP rank), never a sum of ranks that could
+    collide (as Megatron's seed + 2718 + tp_rank, offset per stage). Keep the default stream below
+    seed + 1 + world_size (train.py: seed + 1 + pp_rank * dp + dp_rank)."""
     if group is None:
         raise ValueError("pass the TP process group explicitly (dist.new_group(ranks))")
     if getattr(model, "tp_group", None) is not None:
         raise ValueError("this model is already tensor-parallel")
-    check_tp_config(model.config, _tp(group))  # before any collective
+    check_tp_config(model.config, dist.get_world_size(group))  # before any collective
     _check_same_weights(model, group)
     t, sp = model.transformer, sequence_parallel
     rng = RNGStateTracker(t.wte.weight.device)
@@ -533,125 +510,36 @@ def grad_norm_squared(params, group, device) -> torch.Tensor:
     return _all_reduce(sharded, group) + replicated
 
 
-def merge_shards(state_dicts) -> dict:
-    """Export: the TP ranks' state dicts, in tp_rank order -> 02's full state dict."""
-    full = {}
-    for k, v in state_dicts[0].items():
-        layout = tp_layout(k)
-        full[k] = merge_tensors([sd[k] for sd in state_dicts], *layout) if layout else v
-    return full
-
-
-def consolidate_state_dict(model, group) -> dict:
-    """The full state dict of a TP model on every rank (gathers every rank's state dict on the
-    CPU: simple, not fast); loads into 02's GPT(config) with strict=True."""
-    mine = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    state_dicts = [None] * _tp(group)
-    dist.all_gather_object(state_dicts, mine, group=group)
-    return merge_shards(state_dicts)
-
-
-# --------------------------------------------------------------------------- measuring
-def comm_formula(config, B: int, T: int, sp: bool) -> dict:
-    """Payload bytes per fwd+bwd step, by collective (fp32), from the lesson's counting."""
-    C, L, b = config.n_embd, config.n_layer, int(config.bias)
-    E, loss = 4 * B * T * C, 3 * 4 * B * T  # the loss: max, sum of exp, target logit
-    if not sp:  # embedding g, per layer 2 g + 2 f, head f
-        return {"all_reduce": (4 * L + 2) * E + loss}
-    # f on replicated gradients: wpe (T, C); per layer 2 LayerNorms (+ biases), 2 row biases; ln_f
-    params = 4 * (T * C + L * (2 * C + b * 4 * C) + (1 + b) * C)
-    return dict(
-        all_gather=(4 * L + 2) * E, reduce_scatter=(4 * L + 2) * E, all_reduce=loss + params
-    )
-
-
-def saved_activation_bytes(fn, params):
-    """Run fn(); return (bytes of the tensors autograd saved for backward, parameters excluded,
-    each storage once; fn's result)."""
-    skip, seen = {p.untyped_storage().data_ptr() for p in params}, {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return sum(seen.values()), out
-
-
 # --------------------------------------------------------------------------- the demo
-@dataclass
-class DemoConfig:
-    n_layer: int = 4  # deep enough that the per-layer traffic dominates embedding and loss
-    n_head: int = 8  # divisible by tp = 1, 2, 4, 8
-    n_embd: int = 128
-    block_size: int = 128  # T; a multiple of tp for sequence parallelism
-    batch_size: int = 8
-    steps: int = 5  # timed steps per variant, after one warm-up step
-    seed: int = 1337
-
-
-def _batch(cfg, device):
-    """(B, T) windows of this file's own bytes, the same on every rank."""
-    data = torch.tensor(list(Path(__file__).read_bytes()), dtype=torch.long)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    starts = torch.randint(len(data) - cfg.block_size - 1, (cfg.batch_size,), generator=gen)
-    rows = torch.stack([data[s : s + cfg.block_size + 1] for s in starts.tolist()])
-    return rows[:, :-1].to(device), rows[:, 1:].to(device)
-
-
-def _step(model, x, y):
-    """One forward + backward; returns (logits, loss)."""
-    model.zero_grad(set_to_none=True)
-    logits, loss = model(x, y)
-    loss.backward()
-    return logits, loss
-
-
-def _ms_per_step(model, x, y, steps):
-    _step(model, x, y)  # warm-up
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        _step(model, x, y)
-    return (time.perf_counter() - t0) / steps * 1e3
-
-
-def check_against_full(full, tp_model, x, y, group):
+def check_against_full(full, tp_model, x, y, group) -> list[float]:
     """Max |difference| (over all ranks) of logits, loss and every gradient vs the full model."""
-    logits_full, loss_full = _step(full, x, y)
-    logits, loss = _step(tp_model, x, y)
+    full.zero_grad(set_to_none=True)  # one full model checks every variant
+    (logits_full, loss_full), (logits, loss) = full(x, y), tp_model(x, y)
+    loss_full.backward()
+    loss.backward()
     grads, d_grad = dict(full.named_parameters()), torch.zeros((), device=x.device)
     for name, p in tp_model.named_parameters():
         expect, layout = grads[name].grad, tp_layout(name)
         if layout is not None:
-            expect = shard_tensor(expect, *layout, dist.get_rank(group), _tp(group))
+            expect = shard_tensor(expect, *layout, dist.get_rank(group), dist.get_world_size(group))
         d_grad = torch.maximum(d_grad, (p.grad - expect).abs().max())
     d_logits = (gather_logits(logits.detach(), group) - logits_full).abs().max()
     diffs = torch.stack([d_logits, (loss - loss_full).abs().detach(), d_grad])
-    dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=group)
-    return diffs.tolist()
+    return _all_reduce(diffs, group, dist.ReduceOp.MAX).tolist()
 
 
-def demo(cfg: DemoConfig, group, device):
-    tp, print0, MB = _tp(group), ddp_lib.print0, 2**20
-    config = model_lib.GPTConfig(
-        n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size,
-        vocab_size=256, pad_vocab_multiple=math.lcm(64, tp), dropout=0.0,
-    )  # fmt: skip
-    check_tp_config(config, tp)  # every rank raises the same error before any collective
-    torch.manual_seed(cfg.seed)
-    full, (x, y) = model_lib.GPT(config).to(device), _batch(cfg, device)
+def demo(args, config, group, device):
+    tp, print0, MB = dist.get_world_size(group), ddp_lib.print0, 2**20
+    torch.manual_seed(args.seed)  # the same whole model on every rank, sliced afterwards
+    full = model_lib.GPT(config).to(device)
+    B, T = args.batch_size, config.block_size
+    [(x, y)] = model_lib.byte_batches(T, B, seed=args.seed, device=device)  # same on every rank
     p_full = sum(p.numel() * p.element_size() for p in full.parameters())
-    act_full, _ = saved_activation_bytes(lambda: full(x, y), full.parameters())
-    ms_full = _ms_per_step(full, x, y, cfg.steps) if dist.get_rank(group) == 0 else 0.0
-    dist.barrier(group)  # the others wait while rank 0 times the whole model alone
-    c = config
-    print0(f"GPT L={c.n_layer} nh={c.n_head} C={c.n_embd} V={c.padded_vocab_size}"
-           f", batch (B, T) = {tuple(x.shape)}, fp32, {dist.get_backend(group)} on {device.type}\n"
-           f"tp=1, one process, the whole model: parameters {p_full / MB:.3f} MB, activations "
-           f"(saved for backward) {act_full / MB:.2f} MB, {ms_full:.1f} ms per step "
-           "(fwd+bwd)")  # fmt: skip
+    print0(
+        f"GPT '{args.preset}' L={config.n_layer} nh={config.n_head} C={config.n_embd} "
+        f"V={config.padded_vocab_size}, (B, T) = ({B}, {T}), fp32, {dist.get_backend(group)} "
+        f"on {device.type}; the whole model's parameters: {p_full / MB:.3f} MB"
+    )
     for sp in (False, True):
         model = apply_tensor_parallel(copy.deepcopy(full), group, sequence_parallel=sp)
         diffs = check_against_full(full, model, x, y, group)
@@ -659,41 +547,47 @@ def demo(cfg: DemoConfig, group, device):
         # round differently, ~1e-7 relative per term: 1e-4 is far above that, far below a bug
         assert max(diffs) < 1e-4, f"TP differs from the unsharded model: {diffs}"
         p = sum(q.numel() * q.element_size() for q in model.parameters())
-        act, _ = saved_activation_bytes(lambda m=model: m(x, y), model.parameters())
-        with count_comm() as log:
-            _step(model, x, y)
-        ms = _ms_per_step(model, x, y, cfg.steps)
-        print0(f"\ntp={tp}{' + sequence parallel' if sp else ''}: equals the unsharded model, max "
-               f"|diff| logits {diffs[0]:.1e}, loss {diffs[1]:.1e}, every gradient {diffs[2]:.1e}\n"
-               f"  per rank: parameters {p / MB:.3f} MB ({p / p_full:.0%} of the whole; 1/tp = "
-               f"{1 / tp:.0%}), activations {act / MB:.2f} MB ({act / act_full:.0%}), {ms:.1f} ms "
-               f"per step")  # fmt: skip
-        for op, formula in comm_formula(config, *x.shape, sp).items():
-            sizes = [n for o, n in log if o == op]
-            ring = (2 if op == "all_reduce" else 1) * (tp - 1) / tp * sum(sizes)
-            print0(f"  {op:<15}{len(sizes):>3} calls, payload {sum(sizes) / MB:7.3f} MB (formula "
-                   f"{formula / MB:7.3f} MB), sent per rank by a ring {ring / MB:7.3f} MB"
-                   )  # fmt: skip
-    print0("\nring: an all-reduce sends 2(tp-1)/tp x payload per rank, all-gather/reduce-scatter "
-           f"(tp-1)/tp.\n{tp} ranks share this machine's cores over gloo: the times show the "
-           "cost of the communication, not a speed-up (that needs one GPU per rank on NVLink)."
-           )  # fmt: skip
+        print0(
+            f"tp={tp}{' + sequence parallel' if sp else ''} equals the unsharded model: max "
+            f"|diff| logits {diffs[0]:.1e}, loss {diffs[1]:.1e}, any gradient {diffs[2]:.1e}"
+            f"\n  parameters per rank {p / MB:.3f} MB, {p / p_full:.1%} of the whole (1/tp = "
+            f"{1 / tp:.1%}; LayerNorms, wpe and row biases are replicated)"
+        )
+    print0("bytes per collective, activations and time per step: bench/bench_tensor_parallel.py")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for fld in fields(DemoConfig):
-        parser.add_argument("--" + fld.name.replace("_", "-"), type=int, default=fld.default)
-    cfg = DemoConfig(**vars(parser.parse_args()))
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--ranks", type=int, default=2, help="ranks to start without torchrun; 2: the least split"
+    )
+    parser.add_argument(
+        "--preset", default="small", help="02's GPTConfig preset; small (4 heads) splits 2, 4 ways"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, help="B; a few sequences reach every gradient"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=1337, help="the model's and the batch's, alike on every rank"
+    )
+    args = parser.parse_args(argv)
+    tp = int(os.environ.get("WORLD_SIZE", args.ranks))
+    try:  # bytes as tokens: 256 rows, padded to a multiple of 64 and of tp
+        config = model_lib.GPTConfig.from_preset(
+            args.preset, vocab_size=256, pad_vocab_multiple=math.lcm(64, tp), dropout=0.0
+        )
+        check_tp_config(config, tp)  # a bad --ranks fails here, before any process starts
+    except ValueError as e:
+        parser.error(str(e))
     if "WORLD_SIZE" not in os.environ:
-        print("Tensor parallelism needs several processes. Launch it with torchrun:\n"
-              "    torchrun --standalone --nproc_per_node=2 04_tensor_parallel.py   (or 4)"
-              )  # fmt: skip
-        return
+        return ddp_lib.relaunch_with_torchrun(args.ranks, argv, __file__)
     _, _, world_size, device = ddp_lib.init_distributed()
     try:
         group = dist.new_group(list(range(world_size)))  # here the TP group is the whole world
-        demo(cfg, group, device)
+        demo(args, config, group, device)
         dist.barrier()  # subtle: no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()

@@ -21,6 +21,7 @@ from tests.distributed import run_ranks
 
 tp_lib = importlib.import_module("04_tensor_parallel")
 model_lib = importlib.import_module("02_model")
+bench_lib = importlib.import_module("bench.bench_tensor_parallel")  # count_comm, comm_formula
 GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
 
 B, T = 2, 16
@@ -98,6 +99,20 @@ def gather(t, group):
     return parts
 
 
+def merge_shards(state_dicts):
+    """train.py's export: the TP ranks' state dicts, in tp_rank order -> 02's full state dict."""
+    return importlib.import_module("train").merge_shards(state_dicts)
+
+
+def consolidate_state_dict(model, group) -> dict:
+    """The full state dict of a TP model on every rank: every rank's state dict, gathered on the
+    CPU, merged as train.py's export merges saved ones. Loads into GPT(config), strict=True."""
+    mine = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    state_dicts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(state_dicts, mine, group=group)
+    return merge_shards(state_dicts)
+
+
 # ---------------------------------------------------------------------------------------------
 # the cases, run inside each world
 # ---------------------------------------------------------------------------------------------
@@ -117,8 +132,7 @@ def case_column_linear(rank, tp, group):
         close(x_local.grad, seq(x.grad, rank, tp, sp), f"column sp={sp}: input grad")
         close(col.weight.grad, full.weight.grad.chunk(tp, 0)[rank], f"column sp={sp}: dW")
         close(col.bias.grad, full.bias.grad.chunk(tp, 0)[rank], f"column sp={sp}: db")
-        col.gather_output = True
-        close(col(x_local), full(x).detach(), f"column sp={sp}: gathered output")
+        close(tp_lib.gather_logits(y, group), full(x).detach(), f"column sp={sp}: all of Y")
 
 
 def case_row_linear(rank, tp, group):
@@ -131,10 +145,11 @@ def case_row_linear(rank, tp, group):
         (full(x) * upstream).sum().backward()
         row = tp_lib.RowParallelLinear(full, group, sequence_parallel=sp)
         x_in = x.detach().clone().requires_grad_()
-        z = row(tp_lib.split_last(x_in, group))  # split's backward all-gathers dX
+        z = row(x_in.chunk(tp, -1)[rank])  # (B, T, in/tp): this rank's input columns
         close(z, seq(full(x).detach(), rank, tp, sp), f"row sp={sp}: output")
         (z * seq(upstream, rank, tp, sp)).sum().backward()
-        close(x_in.grad, x.grad, f"row sp={sp}: input grad")
+        x_grad = torch.cat(gather(x_in.grad.chunk(tp, -1)[rank], group), -1)  # every rank's slice
+        close(x_grad, x.grad, f"row sp={sp}: input grad")
         close(row.weight.grad, full.weight.grad.chunk(tp, 1)[rank], f"row sp={sp}: dW")
         close(row.bias.grad, full.bias.grad, f"row sp={sp}: db (replicated)")
 
@@ -224,7 +239,7 @@ def case_gpt(rank, tp, group):
             torch.testing.assert_close(again, loss, rtol=0, atol=0)  # the same ops, in order
             if sp == tied:  # two of the four variants suffice for the all-gather export
                 continue
-            sd = tp_lib.consolidate_state_dict(tpm, group)
+            sd = consolidate_state_dict(tpm, group)
             rebuilt = GPT(tiny(tie_embeddings=tied))
             rebuilt.load_state_dict(sd, strict=True)
             for k, v in full.state_dict().items():  # slicing and concatenation: exact
@@ -261,7 +276,7 @@ def case_training(rank, tp, group):
                 losses.append(loss.detach())
             curves.append(torch.stack(losses))
         close(curves[1], curves[0], f"training sp={sp}: loss curve")
-        trained = tp_lib.consolidate_state_dict(tpm, group)
+        trained = consolidate_state_dict(tpm, group)
         for k, v in full.state_dict().items():
             got = trained[k]
             if k.endswith("c_attn.bias"):  # q and v thirds only: the key bias, see below
@@ -374,7 +389,8 @@ def case_bad_config(rank, tp, group):
 
 
 def case_comm_volume(rank, tp, group):
-    """The collectives of one training step, counted, against the lesson's formula, derived here:
+    """The collectives of one training step, counted (bench's count_comm wraps torch.distributed's
+    functions), against the lesson's formula (bench's comm_formula), derived here:
     E = B*T*C fp32 elements. Without SP: the embedding's g, per layer 2 g (forward) + 2 f
     (backward), the head's f = 4L+2 all-reduces of E, plus the loss's 3 of B*T. With SP each of
     those becomes an all-gather and a reduce-scatter of E, and f sums the replicated gradients:
@@ -390,14 +406,14 @@ def case_comm_volume(rank, tp, group):
     }
     for sp in (False, True):
         _, tpm = gpt_pair(group, sp)
-        with tp_lib.count_comm() as log:
+        with bench_lib.count_comm() as log:
             _, loss = tpm(*batch(3))
             loss.backward()
         counted = {op: (sum(1 for o, _ in log if o == op), sum(n for o, n in log if o == op))
                    for op in {o for o, _ in log}}  # fmt: skip
         assert counted == expected[sp], f"sp={sp}: counted {counted}, expected {expected[sp]}"
-        formula = tp_lib.comm_formula(tpm.config, B, T, sp)
-        assert formula == {op: n for op, (_, n) in expected[sp].items()}, "the demo's formula"
+        formula = bench_lib.comm_formula(tpm.config, B, T, sp)
+        assert formula == {op: n for op, (_, n) in expected[sp].items()}, "the bench's formula"
 
 
 def case_grad_norm(rank, tp, group):
@@ -514,7 +530,7 @@ def test_offline_merge_of_rank_state_dicts(world):
     shards = verdict(world, case_gpt)
     torch.manual_seed(0)
     full = GPT(tiny(tie_embeddings=False))
-    merged = tp_lib.merge_shards(shards)
+    merged = merge_shards(shards)
     assert merged.keys() == full.state_dict().keys()
     for k, v in full.state_dict().items():
         torch.testing.assert_close(merged[k], v, rtol=0, atol=0)

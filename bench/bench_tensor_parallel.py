@@ -1,0 +1,179 @@
+"""bench/bench_tensor_parallel.py: what tensor parallelism costs, measured next to its formula.
+
+04_tensor_parallel.py's demo GPT (02's "small" preset, V = 256 bytes) and one batch, on tp ranks:
+- communication: every collective of one training step (forward + backward), counted by wrapping
+  torch.distributed's all_reduce, all_gather and reduce_scatter, next to comm_formula (derived in
+  04's docstring) and the bytes a ring algorithm sends per rank;
+- memory: parameters and activations saved for backward (06's saved_activation_bytes) per rank,
+  as a share of the whole model's;
+- time: the median forward + backward step of the whole model (rank 0 alone), TP, and TP + SP.
+tests/test_tensor_parallel.py checks count_comm and comm_formula against a count derived by hand.
+
+Run:  python bench/bench_tensor_parallel.py [--ranks 2]      (starts torchrun for you; ~30 s)
+      torchrun --standalone --nproc_per_node=4 bench/bench_tensor_parallel.py
+"""
+
+import argparse
+import contextlib
+import copy
+import importlib
+import inspect
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
+model_lib = importlib.import_module("02_model")
+ddp = importlib.import_module("03_ddp")  # init_distributed, print0, relaunch_with_torchrun
+tp_lib = importlib.import_module("04_tensor_parallel")
+mp_lib = importlib.import_module("06_mixed_precision")  # saved_activation_bytes
+
+# collective -> the argument holding its payload S. A ring all-reduce sends 2(tp-1)/tp * S per
+# rank; all-gather (S: the gathered list) and reduce-scatter (S: the input list) (tp-1)/tp * S.
+PAYLOAD = {"all_reduce": "tensor", "all_gather": "tensor_list", "reduce_scatter": "input_list"}
+RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (tp-1)/tp of the payload
+
+
+@contextlib.contextmanager
+def count_comm():
+    """`with count_comm() as log: step()` records (op, payload bytes) of every all_reduce,
+    all_gather and reduce_scatter called through torch.distributed meanwhile (04 calls them
+    as dist.<op>, so the wrappers see every one; the collectives still run)."""
+    log, saved = [], {op: getattr(dist, op) for op in PAYLOAD}
+
+    def counting(op):
+        def collective(*args, **kwargs):
+            payload = inspect.signature(saved[op]).bind(*args, **kwargs).arguments[PAYLOAD[op]]
+            tensors = payload if isinstance(payload, list) else [payload]
+            log.append((op, sum(t.numel() * t.element_size() for t in tensors)))
+            return saved[op](*args, **kwargs)
+
+        return collective
+
+    try:
+        for op in PAYLOAD:
+            setattr(dist, op, counting(op))
+        yield log
+    finally:
+        for op, fn in saved.items():
+            setattr(dist, op, fn)
+
+
+def comm_formula(config, B: int, T: int, sp: bool) -> dict:
+    """Payload bytes per forward + backward step, by collective (fp32), from 04's counting."""
+    C, L, b = config.n_embd, config.n_layer, int(config.bias)
+    E, loss = 4 * B * T * C, 3 * 4 * B * T  # the loss: max, sum of exp, target logit
+    if not sp:  # embedding g, per layer 2 g + 2 f, head f
+        return {"all_reduce": (4 * L + 2) * E + loss}
+    # f on replicated gradients: wpe (T, C); per layer 2 LayerNorms (+ biases), 2 row biases; ln_f
+    params = 4 * (T * C + L * (2 * C + b * 4 * C) + (1 + b) * C)
+    return dict(
+        all_gather=(4 * L + 2) * E, reduce_scatter=(4 * L + 2) * E, all_reduce=loss + params
+    )
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def ms_per_step(model, x, y, args) -> float:
+    """Median milliseconds of a forward + backward, after args.warmup untimed ones."""
+    times = []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def bench(args, group, device):
+    tp, print0, MB = dist.get_world_size(group), ddp.print0, 2**20
+    config = model_lib.GPTConfig.from_preset(
+        args.preset, vocab_size=256, pad_vocab_multiple=math.lcm(64, tp), dropout=0.0
+    )
+    torch.manual_seed(args.seed)  # the same whole model on every rank, sliced afterwards
+    full = model_lib.GPT(config).to(device)
+    [(x, y)] = model_lib.byte_batches(
+        config.block_size, args.batch_size, seed=args.seed, device=device
+    )
+    B, T = x.shape
+    variants = {
+        sp: tp_lib.apply_tensor_parallel(copy.deepcopy(full), group, sp) for sp in (False, True)
+    }
+    p_full = param_bytes(full)
+    _, act_full = mp_lib.saved_activation_bytes(full, lambda: full(x, y))
+    ms_full = ms_per_step(full, x, y, args) if dist.get_rank(group) == 0 else 0.0
+    dist.barrier(group)  # the others wait while rank 0 times the whole model alone
+    print0(
+        f"GPT '{args.preset}' L={config.n_layer} nh={config.n_head} C={config.n_embd} "
+        f"V={config.padded_vocab_size}, (B, T) = ({B}, {T}), fp32, {dist.get_backend(group)} "
+        f"on {device.type}, {torch.get_num_threads()} thread(s) per rank, median of "
+        f"{args.steps} steps\ntp=1, one process, the whole model: parameters "
+        f"{p_full / MB:.3f} MB, activations (saved for backward) {act_full / MB:.2f} MB, "
+        f"{ms_full:.1f} ms per step (fwd+bwd)"
+    )
+    for sp, model in variants.items():
+        p = param_bytes(model)
+        _, act = mp_lib.saved_activation_bytes(model, lambda m=model: m(x, y))
+        with count_comm() as log:
+            _, loss = model(x, y)
+            loss.backward()
+        ms = torch.tensor(ms_per_step(model, x, y, args))
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
+        print0(
+            f"\ntp={tp}{' + sequence parallel' if sp else ''}, per rank: parameters "
+            f"{p / MB:.3f} MB ({p / p_full:.0%} of the whole; 1/tp = {1 / tp:.0%}), "
+            f"activations {act / MB:.2f} MB ({act / act_full:.0%}), {ms:.1f} ms per step"
+        )
+        for op, formula in comm_formula(config, B, T, sp).items():
+            sizes = [n for o, n in log if o == op]
+            ring = RING[op] * (tp - 1) / tp * sum(sizes)
+            print0(
+                f"  {op:<15}{len(sizes):>3} calls, payload {sum(sizes) / MB:7.3f} MB (formula "
+                f"{formula / MB:7.3f} MB), sent per rank by a ring {ring / MB:7.3f} MB"
+            )
+    print0(
+        f"\n{tp} ranks share this machine over {dist.get_backend(group)}: on CPU the times "
+        "show the cost of the communication, not a speed-up (that needs one GPU per rank, "
+        "on NVLink)."
+    )
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--ranks", type=int, default=2, help="ranks to start without torchrun; 2, as 04's demo"
+    )
+    parser.add_argument("--preset", default="small", help="02's GPTConfig preset; 04's demo's")
+    parser.add_argument("--batch-size", type=int, default=8, help="B; 04's demo's batch")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (median)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
+    parser.add_argument("--seed", type=int, default=1337, help="the model's and the batch's")
+    args = parser.parse_args(argv)
+    if "WORLD_SIZE" not in os.environ:
+        return ddp.relaunch_with_torchrun(args.ranks, argv, __file__)
+    _, _, world_size, device = ddp.init_distributed()
+    try:
+        group = dist.new_group(list(range(world_size)))  # here the TP group is the whole world
+        bench(args, group, device)
+        dist.barrier()  # subtle: no rank tears gloo down while a peer still uses it
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
