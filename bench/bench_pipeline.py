@@ -17,12 +17,17 @@ p / cores when p ranks share fewer cores, which stretches every action and disto
 Design target (DESIGN.md section 8): within 10% of the formula for GPipe and 1F1B, and the
 interleaved bubble smaller by about v.
 
+Besides the table: the simulator's ideal timelines (05's `simulate`, t_f = t_b = 1) as text, and
+for every (p, m) a Gantt PNG (05's `plot_timelines`) and a Chrome trace (`write_chrome_trace`,
+open it in ui.perfetto.dev) of the median step, under --out-dir.
+
 Run:  python bench/bench_pipeline.py                 (about 8 minutes on 2 CPU cores)
       python bench/bench_pipeline.py --figure docs/pipeline_p4_m8.png   (the README's figure)
 """
 
 import argparse
 import importlib
+import json
 import os
 import platform
 import statistics
@@ -44,15 +49,48 @@ def config(args):
     # b·T = 512 tokens make one block's forward about 0.1 s of matmuls on one core, so the fixed
     # cost of each action (a 1 MB message over loopback, waking the rank, Python) is a few
     # percent of it; at C = 256 the interleaved schedule's 2x more actions visibly eat its gain.
-    return model_lib.GPTConfig(n_layer=8, n_head=4, n_embd=args.n_embd, block_size=args.T,
-                               vocab_size=256)  # fmt: skip
+    return model_lib.GPTConfig(
+        n_layer=8, n_head=4, n_embd=args.n_embd, block_size=args.T, vocab_size=256
+    )
+
+
+def write_chrome_trace(timelines: dict, path) -> None:
+    """{name: per-rank Events} -> Chrome-trace JSON (open in ui.perfetto.dev): a process per
+    schedule, a thread per pipeline rank, a slice per forward or backward."""
+    trace = []
+    for pid, (name, timeline) in enumerate(timelines.items()):
+        trace.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
+        for r, events in enumerate(timeline):
+            trace.append(
+                dict(ph="M", name="thread_name", pid=pid, tid=r, args={"name": f"rank {r}"})
+            )
+            for e in events:
+                slice_ = dict(ph="X", name=f"{e.op}{e.mb} chunk {e.chunk}", pid=pid, tid=r)
+                slice_.update(cat="forward" if e.op == "F" else "backward", ts=e.start * 1e6)
+                trace.append({**slice_, "dur": (e.end - e.start) * 1e6})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+
+
+def ascii_timeline(timeline, unit: float = 1.0, chunks: bool = False) -> str:
+    """One row per rank, one column per `unit` of time: Fi/Bi (+ the chunk's letter), . idle.
+    (How 05_pipeline.py's docstring pictures were drawn.)"""
+    w, lines = 3 if chunks else 2, []
+    for r, events in enumerate(timeline):
+        row, t = f"r{r} ", 0.0
+        for e in events:
+            row += ".".rjust(w) * round((e.start - t) / unit)
+            label = f"{e.op}{e.mb}" + ("abcdefgh"[e.chunk] if chunks else "")
+            row, t = row + label.ljust(w * round((e.end - e.start) / unit)), e.end
+        lines.append(row.rstrip())
+    return "\n".join(lines)
 
 
 def isolated_cost(chunks, rank, p, args, reps=3):
     """Seconds for one microbatch's forward + backward through this rank's chunks, measured with
     the other ranks parked in a barrier (one rank at a time): the cost with a core to itself."""
     C, best = chunks[0].config.n_embd, float("inf")
-    ids = torch.randint(0, 256, (args.b, args.T))
+    ((ids, _),) = model_lib.byte_batches(args.T, args.b)  # (b, T)
     for turn in range(p):
         torch.distributed.barrier()
         for _ in range(reps if turn == rank else 0):
@@ -76,9 +114,7 @@ def rank_main(rank, p, args):
         chunks = pp.split_model(model, rank, p, v)
         out[schedule] = isolated_cost(chunks, rank, p, args)
         for m in args.m:
-            g = torch.Generator().manual_seed(m)
-            rows = torch.randint(0, 256, (args.b * m, args.T + 1), generator=g)
-            batch = rows[:, :-1], rows[:, 1:]
+            (batch,) = model_lib.byte_batches(args.T, args.b * m, seed=m)  # (B, T) each
             steps = []
             for _ in range(args.steps + 1):  # the first is a warm-up
                 model.zero_grad(set_to_none=True)
@@ -123,32 +159,59 @@ def report(p, rows, load):
     print("cost and the formula. slowdown: busy time per rank / (m x its isolated F+B); 1 = none.")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--p", type=int, nargs="+", default=[4, 2], help="pipeline sizes")
-    parser.add_argument("--m", type=int, nargs="+", default=[4, 8, 16], help="microbatch counts")
+def print_ideal(p, m):
+    """The simulator's timelines for this p and m: what the measured ones should look like."""
+    for schedule in pp.SCHEDULES:
+        v = 2 if schedule == "interleaved" else 1
+        _, timeline = pp.simulate(schedule, p, m, v, 1.0, 1.0)
+        print(
+            f"\nsimulated {schedule} p={p} m={m} v={v} (t_f = t_b = 1; a column is 1/v): "
+            f"bubble {pp.bubble_fraction(timeline):.1%} = {pp.bubble_formula(p, m, v):.1%}"
+        )
+        print(ascii_timeline(timeline, 1.0 / v, chunks=v > 1))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--p", type=int, nargs="+", default=[4, 2], help="pipeline sizes to run")
+    parser.add_argument(
+        "--m", type=int, nargs="+", default=[4, 8, 16], help="microbatch counts: bubble shrinks"
+    )
     parser.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up)")
     parser.add_argument("--b", type=int, default=8, help="sequences per microbatch")
     parser.add_argument("--T", type=int, default=64, help="sequence length")
-    parser.add_argument("--n-embd", type=int, default=512, help="model width C")
+    parser.add_argument(
+        "--n-embd", type=int, default=512, help="model width C: matmuls outweigh per-action costs"
+    )
     parser.add_argument("--figure", default="", help="also write the p=4, m=8 Gantt PNG here")
-    parser.add_argument("--out-dir", default="out/bench_pipeline")
-    args = parser.parse_args()
+    parser.add_argument("--out-dir", default="out/bench_pipeline", help="Gantt PNGs, traces")
+    args = parser.parse_args(argv)
+    if any(m % p for p in args.p for m in args.m):
+        parser.error("interleaved needs every --m divisible by every --p")
     cores = os.cpu_count()
-    print(f"{platform.machine()} {platform.processor() or ''} {cores} logical cores, "
-          f"torch {torch.__version__}, gloo over loopback, 1 thread per rank")  # fmt: skip
+    print(
+        f"{platform.machine()} {platform.processor() or ''} {cores} logical cores, "
+        f"torch {torch.__version__}, gloo over loopback, 1 thread per rank"
+    )
     for p in args.p:
+        print_ideal(p, min(args.m))
         rows, timelines, load = measure(p, args)
         report(p, rows, load)
         if p > cores:
             print(f"note: {p} ranks on {cores} cores: ranks time-share the CPU")
         for m in args.m:
-            named = {f"{s}: measured bubble {timelines[(s, m)][1]:.1%}, formula "
-                     f"{pp.bubble_formula(p, m, 2 if s == 'interleaved' else 1):.1%}":
-                     timelines[(s, m)][0] for s in pp.SCHEDULES}  # fmt: skip
+            named = {
+                f"{s}: measured bubble {timelines[(s, m)][1]:.1%}, formula "
+                f"{pp.bubble_formula(p, m, 2 if s == 'interleaved' else 1):.1%}": timelines[(s, m)][
+                    0
+                ]
+                for s in pp.SCHEDULES
+            }
             path = Path(args.out_dir) / f"pipeline_p{p}_m{m}"
             pp.plot_timelines(named, path.with_suffix(".png"))
-            pp.write_chrome_trace(named, path.with_suffix(".json"))
+            write_chrome_trace(named, path.with_suffix(".json"))
             if args.figure and (p, m) == (4, 8):
                 pp.plot_timelines(named, args.figure)
                 print(f"wrote {args.figure}")

@@ -1,5 +1,6 @@
-"""05_pipeline.py: schedules against hand-worked timelines; every schedule, p and m against one
-process (loss and every gradient); DP x PP composition; torch.distributed.pipelining; bad configs.
+"""05_pipeline.py: schedules against hand-worked timelines; the naive GPipe loop and every
+schedule, p and m against one process (loss and every gradient); DP x PP composition;
+torch.distributed.pipelining; bad configs.
 
 Starting a rank costs 1-2 s, so each world size is spawned ONCE (`_world`) and runs every case;
 the tests below only read its results. Models are tiny: 8 blocks (so p·v = 4·2 works), C = 16."""
@@ -84,7 +85,8 @@ def _step(model, rank, p, schedule, m, v, group, embed_group, batch, wrap=None, 
 
 def _all_schedules(rank, p):
     """Every case on the whole world as one pipeline, p2p blocking as NCCL's does (gloo alone
-    buffers sends and would forgive a grouping that hangs on GPUs)."""
+    buffers sends and would forgive a grouping that hangs on GPUs); then the naive GPipe loop,
+    m = 1..8, under the same rules."""
     embed_group, out = pp.embedding_group([list(range(p))]), {}
     with nccl_p2p_rules():
         for schedule, m, v in cases(p):
@@ -95,6 +97,13 @@ def _all_schedules(rank, p):
             out[(schedule, m)] = dict(
                 loss=res.loss, grads=_grads(chunks), peak=res.peak_in_flight, events=res.events
             )
+        for m in range(1, 9):
+            model = make_model()
+            (chunk,) = pp.split_model(model, rank, p)
+            res = pp.gpipe_naive(chunk, make_batch(MICRO * m), m, embed_group=embed_group)
+            out[("naive", m)] = dict(
+                loss=res.loss, grads=_grads([chunk]), peak=res.peak_in_flight, events=res.events
+            )
     return out
 
 
@@ -104,8 +113,17 @@ def _ignored_targets(rank, p, m=4):
     with nccl_p2p_rules():
         for schedule in pp.SCHEDULES:
             v = 2 if schedule == "interleaved" else 1
-            chunks, res = _step(make_model(), rank, p, schedule, m, v, None, embed_group,
-                                make_batch(MICRO * m, ignore=True))  # fmt: skip
+            chunks, res = _step(
+                make_model(),
+                rank,
+                p,
+                schedule,
+                m,
+                v,
+                None,
+                embed_group,
+                make_batch(MICRO * m, ignore=True),
+            )
             out[schedule] = dict(loss=res.loss, grads=_grads(chunks))
     return out
 
@@ -118,8 +136,12 @@ def _p2p_blocking(rank, p, wait_s=1.0):
     peer, seen = 1 - rank, []
     for emulate in (False, True):
         with nccl_p2p_rules() if emulate else contextlib.nullcontext():
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(4), peer),
-                                            dist.P2POp(dist.isend, torch.ones(4), peer)])  # fmt: skip
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, torch.ones(4), peer),
+                    dist.P2POp(dist.isend, torch.ones(4), peer),
+                ]
+            )
             deadline = time.monotonic() + wait_s
             while not all(w.is_completed() for w in works) and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -142,8 +164,9 @@ def _optimizer_curve(rank, p, steps=4):
     opt = torch.optim.AdamW(params, lr=1e-2)
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        res = pp.pipeline_step(chunks, make_batch(MICRO * 4), 4, "1f1b", None,
-                               embed_group=embed_group)  # fmt: skip
+        res = pp.pipeline_step(
+            chunks, make_batch(MICRO * 4), 4, "1f1b", None, embed_group=embed_group
+        )
         loss = res.loss.clone()
         dist.all_reduce(loss)  # SUM: the last stage's loss, 0 elsewhere
         losses.append(loss.item())
@@ -183,17 +206,35 @@ def _bad_configs(rank, p):
     model, embed_group, errors = make_model(), pp.embedding_group([list(range(p))]), {}
     chunks = pp.split_model(model, rank, p)
     bad = {
-        "batch": lambda: pp.pipeline_step(chunks, make_batch(5), 2, "1f1b", None, embed_group=embed_group),
+        "batch": lambda: pp.pipeline_step(
+            chunks, make_batch(5), 2, "1f1b", None, embed_group=embed_group
+        ),
         "interleaved_m": lambda: pp.pipeline_step(
-            pp.split_model(model, rank, p, 2), make_batch(6), 3, "interleaved", None,
-            embed_group=embed_group),
+            pp.split_model(model, rank, p, 2),
+            make_batch(6),
+            3,
+            "interleaved",
+            None,
+            embed_group=embed_group,
+        ),
         "virtual_1f1b": lambda: pp.pipeline_step(
-            pp.split_model(model, rank, p, 2), make_batch(4), 2, "1f1b", None, embed_group=embed_group),
+            pp.split_model(model, rank, p, 2),
+            make_batch(4),
+            2,
+            "1f1b",
+            None,
+            embed_group=embed_group,
+        ),
         "no_embed_group": lambda: pp.pipeline_step(chunks, make_batch(4), 2, "1f1b", None),
         "wrong_rank": lambda: pp.pipeline_step(
-            pp.split_model(model, (rank + 1) % p, p), make_batch(4), 2, "1f1b", None,
-            embed_group=embed_group),
-    }  # fmt: skip
+            pp.split_model(model, (rank + 1) % p, p),
+            make_batch(4),
+            2,
+            "1f1b",
+            None,
+            embed_group=embed_group,
+        ),
+    }
     for name, call in bad.items():
         try:
             call()
@@ -223,10 +264,20 @@ def _dp_times_pp(rank, world):
         half = slice(dp_rank * MICRO * m, (dp_rank + 1) * MICRO * m)
         n_tokens = mp_lib.global_token_count([(x[half], y[half])], dp_groups[pp_rank])
         with nccl_p2p_rules():
-            chunks, res = _step(make_model(), pp_rank, 2, schedule, m, v, pp_groups[dp_rank],
-                                embed_group, (x[half], y[half]),
-                                wrap=lambda c: ddp_lib.DataParallel(c, 1e-3, dp_groups[pp_rank]),
-                                n_tokens=n_tokens, dp_size=dp)  # fmt: skip
+            chunks, res = _step(
+                make_model(),
+                pp_rank,
+                2,
+                schedule,
+                m,
+                v,
+                pp_groups[dp_rank],
+                embed_group,
+                (x[half], y[half]),
+                wrap=lambda c: ddp_lib.DataParallel(c, 1e-3, dp_groups[pp_rank]),
+                n_tokens=n_tokens,
+                dp_size=dp,
+            )
         loss = res.loss.clone()
         dist.all_reduce(loss, group=dp_groups[pp_rank])  # SUM of the replicas' shares
         syncs = [c.stats["syncs"] for c in chunks]  # gradient all-reduce rounds, per chunk
@@ -253,8 +304,15 @@ def _tp_times_pp(rank, world):
             T, C = CFG["block_size"], CFG["n_embd"]
             chunks = pp.split_model(model, pp_rank, 2, v)
             with nccl_p2p_rules():
-                res = pp.pipeline_step(chunks, make_batch(MICRO * 2), 2, schedule, pp_groups[rank % tp],
-                                       act_shape=(MICRO, T // tp if sp else T, C), embed_group=embed_group)  # fmt: skip
+                res = pp.pipeline_step(
+                    chunks,
+                    make_batch(MICRO * 2),
+                    2,
+                    schedule,
+                    pp_groups[rank % tp],
+                    act_shape=(MICRO, T // tp if sp else T, C),
+                    embed_group=embed_group,
+                )
             out[(sp, schedule)] = dict(loss=res.loss, grads=_grads(chunks))
     return out
 
@@ -311,8 +369,9 @@ def assert_matches_reference(per_rank, ref_loss, ref_grads, what):
     for r in per_rank:
         for name, grad in r["grads"].items():
             key = name if name in ref_grads else "transformer.wte.weight"
-            torch.testing.assert_close(grad, ref_grads[key], **TOL,
-                                       msg=lambda s, n=name: f"{what} grad {n}: {s}")  # fmt: skip
+            torch.testing.assert_close(
+                grad, ref_grads[key], **TOL, msg=lambda s, n=name: f"{what} grad {n}: {s}"
+            )
             seen.add(key)
     assert seen == set(ref_grads), f"{what}: no rank holds {sorted(set(ref_grads) - seen)}"
 
@@ -322,8 +381,9 @@ def test_loss_scale_and_forward_only():
     loss is unscaled. forward_only: the same loss, and no gradient anywhere."""
     results = _world(2)
     ref_loss, ref_grads = reference(4)
-    assert_matches_reference([r["scaled"]["scaled"] for r in results], ref_loss, ref_grads,
-                             "loss_scale=1024")  # fmt: skip
+    assert_matches_reference(
+        [r["scaled"]["scaled"] for r in results], ref_loss, ref_grads, "loss_scale=1024"
+    )
     torch.testing.assert_close(sum(r["scaled"]["eval_loss"] for r in results), ref_loss, **TOL)
     assert all(r["scaled"]["no_grads"] for r in results)
 
@@ -336,6 +396,23 @@ def test_every_schedule_equals_one_process(p):
         ref_loss, ref_grads = reference(m)
         per_rank = [r["all"][(schedule, m)] for r in results]
         assert_matches_reference(per_rank, ref_loss, ref_grads, f"{schedule} p={p} m={m}")
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_naive_gpipe_equals_one_process(p):
+    """The plain loop (all forwards, then all backwards, blocking sends under NCCL's rule): loss
+    and every gradient equal one process, m = 1..8; it runs GPipe's order, holds all m
+    microbatches on every stage, and gives the same gradients as the scheduled GPipe."""
+    for m in range(1, 9):
+        ref_loss, ref_grads = reference(m)
+        per_rank = [r["all"][("naive", m)] for r in _world(p)]
+        assert_matches_reference(per_rank, ref_loss, ref_grads, f"naive gpipe p={p} m={m}")
+        ran = [[pp.Action(*e[:3]) for e in r["events"]] for r in per_rank]
+        assert ran == pp.simulate("gpipe", p, m)[0], f"naive p={p} m={m}: not GPipe's order"
+        assert [r["peak"] for r in per_rank] == [m] * p
+        for naive, scheduled in zip(per_rank, (r["all"][("gpipe", m)] for r in _world(p))):
+            for n, g in naive["grads"].items():
+                torch.testing.assert_close(g, scheduled["grads"][n], **TOL)
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -582,13 +659,19 @@ def test_simulated_bubble_is_the_formula_and_nothing_deadlocks():
 
 def old_grouping(schedule, p, m, v):
     """The executor before NCCL's rule was modelled: before each action one group = {send the
-    previous action's output, receive this action's input}, waited as a whole."""
+    previous action's output, receive this action's input}, waited as a whole.
+    Interleaved p=2, m=4, v=2 then hangs on GPUs: after B0 of chunk b, rank 0 posts {send B0's
+    gradient, receive F2's input}; rank 1 receives that gradient only in the group it posts
+    after F2 of chunk a, which comes after the group it posts after B1 of chunk b, {send B1's
+    gradient, receive F2's input}, and rank 0 receives B1's gradient only after its F3 of chunk
+    a, which it cannot reach while its own group waits. Each waits on the other's later group."""
     plan = []
     for r in range(p):
         ticks, prev = [], None
-        for a in pp.schedule_order(schedule, p, m, v, r) + [None]:
-            dst = prev and pp._destination(prev, r, p, v)
-            need = a and pp._needs(a, a.chunk * p + r, p * v)  # made on rank need[2] % p
+        order = [a for step in pp.schedule_steps(schedule, p, m, v, r) for a in step]
+        for a in order + [None]:
+            dst = prev and pp.consumer_rank(prev, r, p, v)
+            need = a and pp.input_message(a, a.chunk * p + r, p * v)  # made on rank need[2] % p
             sends = ((dst, (prev.op, prev.mb, prev.chunk * p + r)),) if dst not in (None, r) else ()
             recvs = ((need[2] % p, need),) if need and need[2] % p != r else ()  # p=1: local
             ticks.append(pp.Tick((prev,) if prev else (), sends, recvs))
@@ -620,11 +703,54 @@ def test_the_executors_groups_complete_under_nccls_rule():
     assert len(hung) == sum(1 for v in (2, 3) for p in range(2, 9) for m in range(2 * p, 17, p))
 
 
+def naive_plan(p, m):
+    """gpipe_naive's calls as a comm plan: each blocking receive, and each forward or backward
+    with its blocking send, is a group of its own. Stage r: receive F_i from r-1, compute F_i,
+    send it to r+1, for every i; then receive B_i from r+1, compute B_i, send it to r-1."""
+    plan = []
+    for r in range(p):
+        ticks = []
+        for op, src, dst in (("F", r - 1, r + 1), ("B", r + 1, r - 1)):
+            for i in range(m):
+                if 0 <= src < p:  # not the first stage's forward, nor the last's backward
+                    ticks.append(pp.Tick((), (), ((src, (op, i, src)),)))
+                send = ((dst, (op, i, r)),) if 0 <= dst < p else ()
+                ticks.append(pp.Tick((pp.Action(op, i, 0),), send, ()))
+        plan.append(ticks)
+    return plan
+
+
+def test_naive_gpipe_cannot_hang_under_nccls_rule():
+    """gpipe_naive's docstring argues its blocking calls never hang on NCCL; here the simulator
+    checks it for p <= 8, m <= 16: the plan completes, in GPipe's order, with GPipe's ideal
+    bubble (p-1)/(m+p-1). The checker is not blind to such loops: if rank 0 waits for its first
+    gradient before sending its last forward, every rank hangs."""
+    for p in range(1, 9):
+        for m in range(1, 17):
+            timeline = pp.nccl_timeline(naive_plan(p, m), 1)  # raises if it would hang
+            order = [[pp.Action(*e[:3]) for e in events] for events in timeline]
+            assert order == pp.simulate("gpipe", p, m)[0], (p, m)
+            assert pp.bubble_fraction(timeline) == pytest.approx(pp.bubble_formula(p, m))
+    plan = naive_plan(2, 3)  # rank 0: F0+send, F1+send, F2+send, receive B0, B0, ...
+    plan[0][2], plan[0][3] = plan[0][3], plan[0][2]  # receive B0 before F2 and its send
+    with pytest.raises(RuntimeError, match="deadlock under NCCL's rule"):
+        pp.nccl_timeline(plan, 1)
+
+
 def _groups(plan):
     """A plan as [(computed, sent, received)] per rank, messages named like F0 or B1."""
     name = lambda op, mb, *_: f"{op}{mb}"  # noqa: E731
-    return [[(" ".join(name(*a) for a in t.actions), [name(*m) for _, m in t.sends],
-              [name(*m) for _, m in t.recvs]) for t in ticks] for ticks in plan]  # fmt: skip
+    return [
+        [
+            (
+                " ".join(name(*a) for a in t.actions),
+                [name(*m) for _, m in t.sends],
+                [name(*m) for _, m in t.recvs],
+            )
+            for t in ticks
+        ]
+        for ticks in plan
+    ]
 
 
 def test_1f1b_p2_m4_groups_pair_like_megatron():
@@ -685,13 +811,25 @@ def test_simulator_catches_a_deadlock():
 
 
 def test_figures_are_written(tmp_path):
-    """The Gantt PNG and the Chrome trace (one X slice per action, a thread per rank)."""
-    timelines = {s: pp.simulate(s, 2, 4, 2 if s == "interleaved" else 1, 0.01, 0.02)[1]
-                 for s in pp.SCHEDULES}  # fmt: skip
+    """The lesson's Gantt PNG, and bench/bench_pipeline.py's Chrome trace (one X slice per
+    action, a thread per rank)."""
+    bench = importlib.import_module("bench.bench_pipeline")
+    timelines = {
+        s: pp.simulate(s, 2, 4, 2 if s == "interleaved" else 1, 0.01, 0.02)[1] for s in pp.SCHEDULES
+    }
     pp.plot_timelines(timelines, tmp_path / "gantt.png")
-    pp.write_chrome_trace(timelines, tmp_path / "trace.json")
+    bench.write_chrome_trace(timelines, tmp_path / "trace.json")
     assert (tmp_path / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     slices = [e for e in trace if e["ph"] == "X"]
     assert len(slices) == sum(len(ev) for tl in timelines.values() for ev in tl)
     assert {e["tid"] for e in slices} == {0, 1} and all(e["dur"] > 0 for e in slices)
+
+
+def test_demo_refuses_a_bad_configuration_before_launching(monkeypatch, capsys):
+    """`python 05_pipeline.py --microbatches 6` at the default 4 ranks: interleaved needs m % p
+    == 0, so the parser says why in one line and exits 2, before any torchrun is started."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        pp.main(["--microbatches", "6"])
+    assert exit_info.value.code == 2 and "divisible by pp_size" in capsys.readouterr().err
