@@ -18,10 +18,9 @@ NVLink; PP is slowest, so only pipeline sends cross nodes. For --dp 2 --tp 2 --p
     PP groups: {0,4} {1,5} {2,6} {3,7}.
 
 Batch semantics (as Megatron): --batch-size B is the global batch in sequences per optimizer step;
-each step runs m = B / (micro_batch_size * dp) microbatches per DP rank, which are gradient
-accumulation steps without PP and the pipeline's microbatches with it. Any (dp, tp, pp, micro)
-with the same B gives the same loss curve as one process (fp32, up to rounding): the tests prove
-it.
+each step runs m = B / (micro_batch_size * dp) microbatches per DP rank: gradient accumulation
+steps without PP, the pipeline's microbatches with it. Any (dp, tp, pp, micro) with the same B
+gives the same loss curve as one process (fp32, up to rounding), as the tests prove.
 
 Launch:
     python train.py                                          # laptop: prepares data, ~5 min CPU
@@ -32,7 +31,8 @@ Launch:
     python train.py --sample out/run/model.pt                # sample from an exported model
 
 What changed from 06: nothing new is taught; it composes 01-06 and adds what a real run needs
-(an LR schedule, clipping by the true global norm, evaluation, checkpoints, logging, plots).
+(an LR schedule, clipping by the true global norm, evaluation, checkpoints, logging, plots), and
+the machinery only it uses: the GPUs' peak FLOP/s behind MFU, and export's merge of TP shards.
 """
 
 import argparse
@@ -41,6 +41,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -62,111 +63,74 @@ mp_lib = importlib.import_module("06_mixed_precision")
 # what `python 01_data.py --tokenizer T` writes, per T; the default --data-dir, prepared if missing
 DEFAULT_DATA = {"bpe": "data/stdlib-bpe4096", "gpt2": "data/stdlib-gpt2",
                 "char": "data/stdlib-char"}  # fmt: skip
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# ---------------------------------------------------------------------------------------------
-# Config: one dataclass, filled by argparse, validated before any process group exists
-# ---------------------------------------------------------------------------------------------
-def opt(default, help: str):
+# ----------------------------------------------------------- config: a dataclass filled by argparse
+def flag(default, help: str):
     """A config field whose help text (what it does, and why its default) feeds --help."""
     return field(default=default, metadata={"help": help})
 
 
+# fmt: off
 @dataclass
 class TrainConfig:
     # parallelism (world_size must equal dp * tp * pp)
-    dp: int = opt(1, "data-parallel size: replicas, each on its share of the batch (03)")
-    tp: int = opt(
-        1,
-        "tensor-parallel size: every matrix split over this many ranks; keep it inside a node (04)",
-    )
-    pp: int = opt(
-        1,
-        "pipeline-parallel size: blocks cut into this many stages; the only "
-        "dimension that should cross nodes (05)",
-    )
-    schedule: str = opt(
-        "1f1b",
-        "pipeline schedule: gpipe, 1f1b (at most pp microbatches of "
-        "activations alive) or interleaved",
-    )
-    virtual_stages: int = opt(1, "model chunks per pipeline rank; > 1 needs interleaved")
-    sequence_parallel: bool = opt(
-        False, "with --tp: also shard LayerNorm/dropout activations along the sequence (04)"
-    )
-    zero: bool = opt(False, "ZeRO-1: shard the AdamW state over the data-parallel group (03)")
+    dp: int = flag(1, "data-parallel size: replicas, each on its share of the batch (03)")
+    tp: int = flag(1, "tensor-parallel size: every matrix split over this many ranks; keep it inside a node (04)")
+    pp: int = flag(1, "pipeline-parallel size: blocks cut into this many stages; the only dimension that "
+                      "should cross nodes (05)")
+    schedule: str = flag("1f1b", "pipeline schedule: gpipe, 1f1b (at most pp microbatches of activations alive) "
+                                 "or interleaved")
+    virtual_stages: int = flag(1, "model chunks per pipeline rank; > 1 needs interleaved")
+    sequence_parallel: bool = flag(False, "with --tp: also shard LayerNorm/dropout activations along the sequence (04)")
+    zero: bool = flag(False, "ZeRO-1: shard the AdamW state over the data-parallel group (03)")
     # batch (DESIGN §4)
-    batch_size: int = opt(
-        32,
-        "global batch in sequences per optimizer step, all DP ranks "
-        "together (32 x 128 = 4,096 tokens on the CPU job)",
-    )
-    micro_batch_size: int = opt(8, "sequences per microbatch per DP rank")
-    block_size: int = opt(
-        0,
-        "sequence length in tokens, and the model's context (it has no other positions: "
-        "untrained ones would be garbage); 0 = the preset's context",
-    )
+    batch_size: int = flag(32, "global batch in sequences per optimizer step, all DP ranks together "
+                               "(32 x 128 = 4,096 tokens on the CPU job)")
+    micro_batch_size: int = flag(8, "sequences per microbatch per DP rank")
+    block_size: int = flag(0, "sequence length in tokens, and the model's context (it has no other positions: "
+                              "untrained ones would be garbage); 0 = the preset's context")
     # model
-    model: str = opt(
-        "small",
-        "02_model.py preset: "
-        + ", ".join(model_lib.PRESETS)
-        + " (small = 4 layers x 128 wide, for a CPU)",
-    )
-    n_layer: int = opt(0, "number of blocks; 0 = the preset's")
-    dropout: float = opt(0.0, "dropout probability (pretraining on plenty of data needs none)")
-    dtype: str = opt(
-        "auto",
-        "fp32, bf16 or fp16 (fp16 adds 06's dynamic loss scaler); auto = "
-        "bf16 on a bf16-capable GPU, else fp32",
-    )
-    compile: bool = opt(False, "torch.compile each model chunk (GPU speed; slow first steps)")
+    model: str = flag("small", f"02_model.py preset: {', '.join(model_lib.PRESETS)} (small = 4 layers x 128 wide, "
+                               "for a CPU)")
+    n_layer: int = flag(0, "number of blocks; 0 = the preset's")
+    dropout: float = flag(0.0, "dropout probability (pretraining on plenty of data needs none)")
+    dtype: str = flag("auto", "fp32, bf16 or fp16 (fp16 adds 06's dynamic loss scaler); auto = bf16 on a "
+                              "bf16-capable GPU, else fp32")
+    compile: bool = flag(False, "torch.compile each model chunk (GPU speed; slow first steps)")
     # optimizer: AdamW, linear warm-up, cosine decay
-    max_steps: int = opt(
-        500,
-        "optimizer steps in the whole run, the LR schedule's length "
-        "(500 x 4,096 tokens: the CPU job in about 5 minutes)",
-    )
-    lr: float = opt(3e-3, "peak learning rate (small models take large ones; GPT-2 used 6e-4)")
-    warmup_steps: int = opt(50, "steps of linear warm-up from 0 to --lr")
-    min_lr: float = opt(
-        3e-4, "learning rate at the end of the cosine decay (a tenth, as Chinchilla)"
-    )
-    weight_decay: float = opt(
-        0.1,
-        "AdamW decay on matrices (embeddings too, as nanoGPT), not on biases or LayerNorm gains",
-    )
-    grad_clip: float = opt(1.0, "clip to this global L2 norm over all shards; 0 = off")
+    max_steps: int = flag(500, "optimizer steps in the whole run, the LR schedule's length (500 x 4,096 tokens: "
+                               "the CPU job in about 5 minutes)")
+    lr: float = flag(3e-3, "peak learning rate (small models take large ones; GPT-2 used 6e-4)")
+    warmup_steps: int = flag(50, "steps of linear warm-up from 0 to --lr")
+    min_lr: float = flag(3e-4, "learning rate at the end of the cosine decay (a tenth, as Chinchilla)")
+    weight_decay: float = flag(0.1, "AdamW decay on matrices (embeddings too, as nanoGPT), not on biases or "
+                                    "LayerNorm gains")
+    grad_clip: float = flag(1.0, "clip to this global L2 norm over all shards; 0 = off")
     # evaluation and logging
-    eval_interval: int = opt(100, "steps between validation losses (and one at the end)")
-    eval_steps: int = opt(10, "validation batches per evaluation (the same ones every time)")
-    log_interval: int = opt(10, "steps between log lines and rows of metrics.jsonl")
-    sample_tokens: int = opt(200, "tokens sampled at the end; 0 = no sample")
+    eval_interval: int = flag(100, "steps between validation losses (and one at the end)")
+    eval_steps: int = flag(10, "validation batches per evaluation (the same ones every time)")
+    log_interval: int = flag(10, "steps between log lines and rows of metrics.jsonl")
+    sample_tokens: int = flag(200, "tokens sampled at the end; 0 = no sample")
     # files
-    out_dir: str = opt("out/run", "where metrics.jsonl, loss.png, checkpoints/, model.pt go")
-    data_dir: str = opt(
-        "",
-        "train.bin/val.bin/meta.json from 01_data.py; empty = data/stdlib-bpe4096, -gpt2 or "
-        "-char by --tokenizer, prepared automatically when missing",
-    )
-    tokenizer: str = opt(
-        "",
-        "the tokenizer of the data: bpe (4,096 tokens, trained on the corpus by 01_data.py), "
-        "gpt2 or char; empty = bpe for the default data, else whatever --data-dir was made with",
-    )
-    ckpt_interval: int = opt(
-        250, "steps between checkpoints; 0 = only at the end and on SIGTERM/SIGUSR1"
-    )
-    keep_checkpoints: int = opt(3, "how many complete checkpoints to keep")
-    resume: bool = opt(False, "continue from the newest complete checkpoint in --out-dir")
-    steps_this_run: int = opt(
-        0,
-        "stop after this many steps with a checkpoint, for "
-        "time-limited jobs (the LR schedule still follows --max-steps)",
-    )
-    seed: int = opt(1337, "seed for the model init, the data order and dropout")
+    out_dir: str = flag("out/run", "where metrics.jsonl, loss.png, checkpoints/, model.pt go")
+    data_dir: str = flag("", "train.bin/val.bin/meta.json from 01_data.py; empty = data/stdlib-bpe4096, -gpt2 "
+                             "or -char by --tokenizer, prepared automatically when missing")
+    tokenizer: str = flag("", "the tokenizer of the data: bpe (4,096 tokens, trained on the corpus by 01_data.py), "
+                              "gpt2 or char; empty = bpe for the default data, else whatever --data-dir was made with")
+    ckpt_interval: int = flag(250, "steps between checkpoints; 0 = only at the end and on SIGTERM/SIGUSR1")
+    keep_checkpoints: int = flag(3, "how many complete checkpoints to keep")
+    resume: bool = flag(False, "continue from the newest complete checkpoint in --out-dir")
+    steps_this_run: int = flag(0, "stop after this many steps with a checkpoint, for time-limited jobs (the LR "
+                                  "schedule still follows --max-steps)")
+    seed: int = flag(1337, "seed for the model init, the data order and dropout")
+# fmt: on
+
+# which numeric flags must be > 0 and which >= 0 (check_flags)
+POSITIVE = ("dp", "tp", "pp", "virtual_stages", "batch_size", "micro_batch_size", "max_steps",
+            "lr", "eval_steps", "log_interval", "keep_checkpoints")  # fmt: skip
+NOT_NEGATIVE = ("block_size", "n_layer", "warmup_steps", "min_lr", "weight_decay", "grad_clip",
+                "eval_interval", "sample_tokens", "ckpt_interval", "steps_this_run")  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -174,25 +138,23 @@ class ConfigError(ValueError):
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(
-        description="Train a GPT with DP x TP x PP, mixed precision, checkpoints and exact resume.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    """TrainConfig's fields as flags (help: their metadata), plus the one-shot --export, --sample."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool:
-            ap.add_argument(flag, action="store_true", help=f.metadata["help"])
-        else:
-            ap.add_argument(flag, type=f.type, default=f.default, help=f.metadata["help"])
-    ap.add_argument(
-        "--export",
-        metavar="RUN_DIR",
-        help="consolidate the newest checkpoint of "
-        "RUN_DIR into RUN_DIR/model.pt (one file, for 02_model.GPT), then exit",
+        kind = {"action": "store_true"} if f.type is bool else {"type": f.type}
+        name = "--" + f.name.replace("_", "-")
+        parser.add_argument(name, default=f.default, help=f.metadata["help"], **kind)
+    export = (
+        "consolidate RUN_DIR's newest checkpoint into one file for 02_model.GPT, RUN_DIR/model.pt"
     )
-    ap.add_argument("--sample", metavar="MODEL_PT", help="sample from an exported model.pt, exit")
-    ap.add_argument("--prompt", default="def ", help="prompt for --sample")
-    args = ap.parse_args(argv)
+    parser.add_argument("--export", metavar="RUN_DIR", help=export + ", then exit")
+    parser.add_argument(
+        "--sample", metavar="MODEL_PT", help="sample from an exported model.pt, exit"
+    )
+    parser.add_argument("--prompt", default="def ", help="prompt for --sample")
+    args = parser.parse_args(argv)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     cfg.data_dir = cfg.data_dir or DEFAULT_DATA.get(cfg.tokenizer or "bpe", "")  # "": validate
     return cfg, args
@@ -202,7 +164,7 @@ def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
     if cfg.dtype == "auto":
         bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
         return torch.bfloat16 if bf16 else torch.float32
-    return DTYPES[cfg.dtype]
+    return mp_lib.DTYPES[cfg.dtype]
 
 
 def model_config(cfg: TrainConfig, vocab_size: int):
@@ -216,53 +178,60 @@ def model_config(cfg: TrainConfig, vocab_size: int):
     return model_lib.GPTConfig.from_preset(cfg.model, **overrides)
 
 
-POSITIVE = ("dp", "tp", "pp", "virtual_stages", "batch_size", "micro_batch_size", "max_steps",
-            "lr", "eval_steps", "log_interval", "keep_checkpoints")  # fmt: skip
-NOT_NEGATIVE = ("block_size", "n_layer", "warmup_steps", "min_lr", "weight_decay", "grad_clip",
-                "eval_interval", "sample_tokens", "ckpt_interval", "steps_this_run")  # fmt: skip
-
-
+# -------------------------------------- validation: one line per bad flag, before any process group
 def check_flags(cfg: TrainConfig, world_size: int) -> None:
     """The checks that need no file: they run before anything is read, prepared or written."""
     for name in POSITIVE + NOT_NEGATIVE:
-        value, positive = getattr(cfg, name), name in POSITIVE
-        if not (value > 0 if positive else value >= 0):  # `not`: NaN fails too
-            sign = ">" if positive else ">="
+        value, sign = getattr(cfg, name), ">" if name in POSITIVE else ">="
+        if not (value > 0 if sign == ">" else value >= 0):  # `not`: NaN fails too
             raise ConfigError(f"--{name.replace('_', '-')} must be {sign} 0, got {value}")
-    n = cfg.dp * cfg.tp * cfg.pp
-    if n != world_size:
+    if (n := cfg.dp * cfg.tp * cfg.pp) != world_size:
+        sizes = f"--dp {cfg.dp} x --tp {cfg.tp} x --pp {cfg.pp} = {n}"
         raise ConfigError(
-            f"world_size={world_size} but --dp {cfg.dp} x --tp {cfg.tp} x "
-            f"--pp {cfg.pp} = {n}: launch {n} processes or change the sizes"
+            f"world_size={world_size} but {sizes}: launch {n} processes or change the sizes"
         )
     if not 0 <= cfg.dropout < 1:
         raise ConfigError(f"--dropout {cfg.dropout}: a probability, in [0, 1)")
-    for flag, value, choices in (
-        ("dtype", cfg.dtype, ("auto", *DTYPES)),
+    for name, value, choices in (
+        ("dtype", cfg.dtype, ("auto", *mp_lib.DTYPES)),
         ("model", cfg.model, tuple(model_lib.PRESETS)),
-        ("schedule", cfg.schedule, ("gpipe", "1f1b", "interleaved")),
         ("tokenizer", cfg.tokenizer, ("", *DEFAULT_DATA)),
     ):
         if value not in choices:
-            raise ConfigError(f"--{flag} {value}: use one of {', '.join(filter(None, choices))}")
-    for flag, on, dim, size, what in (  # a flag that would silently do nothing is a mistake
+            raise ConfigError(f"--{name} {value}: use one of {', '.join(filter(None, choices))}")
+    for name, on, dim, size, what in (  # a flag that would silently do nothing is a mistake
         ("--zero", cfg.zero, "--dp", cfg.dp, "shards AdamW's state over the DP replicas"),
         ("--sequence-parallel", cfg.sequence_parallel, "--tp", cfg.tp, "shards over TP ranks"),
         ("--virtual-stages", cfg.virtual_stages > 1, "--pp", cfg.pp, "cuts pipeline ranks"),
     ):
         if on and size == 1:
-            raise ConfigError(f"{flag} {what}, but {dim} is 1: it would do nothing")
-    if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
-        raise ConfigError(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
+            raise ConfigError(f"{name} {what}, but {dim} is 1: it would do nothing")
+    check_microbatches(cfg)
     out = Path(cfg.out_dir)
     if (found := next(p for p in (out, *out.parents) if p.exists())).is_file():
         raise ConfigError(f"--out-dir {cfg.out_dir}: {found} is a file, not a folder")
 
 
+def check_microbatches(cfg: TrainConfig) -> None:
+    """The batch splits into m whole microbatches per DP rank, and 05 accepts the pipeline: a
+    known schedule, virtual stages only interleaved, m divisible by pp there, a block per stage."""
+    if cfg.batch_size % (per_step := cfg.micro_batch_size * cfg.dp):
+        split = f"--micro-batch-size {cfg.micro_batch_size} x --dp {cfg.dp} = {per_step}"
+        raise ConfigError(
+            f"--batch-size {cfg.batch_size} is not divisible into microbatches of {split}"
+        )
+    n_layer, v = cfg.n_layer or model_lib.PRESETS[cfg.model]["n_layer"], cfg.virtual_stages
+    try:
+        pp_lib.check_config(cfg.schedule, cfg.pp, cfg.batch_size // per_step, v, n_layer)
+    except ValueError as e:
+        where = f"--schedule {cfg.schedule} --pp {cfg.pp} --virtual-stages {v} --n-layer {n_layer}"
+        raise ConfigError(f"{where}: {e}") from None
+
+
 def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
-    """Every check that needs no process group; each failure is one line naming the flag. The
-    flags come first, so bad input writes nothing; then the default data is prepared if missing
-    and the data, the model and the loader are checked."""
+    """Every check that needs no process group, in one line naming the flag; returns the
+    GPTConfig. The flags come first, so bad input writes nothing; then the default data is
+    prepared if missing, and the data, the model and the loader are checked."""
     check_flags(cfg, world_size)
     prepare_default_data(cfg, rank)
     meta = data_meta(cfg)
@@ -272,50 +241,20 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
             f"--tokenizer {cfg.tokenizer}, but --data-dir {cfg.data_dir} was prepared with "
             f"{meta['tokenizer']}: pass --tokenizer {made_with}, or another --data-dir"
         )
-    context = model_lib.PRESETS[cfg.model]["block_size"]
-    if cfg.block_size > context:
-        raise ConfigError(
-            f"--block-size {cfg.block_size} exceeds the context of --model "
-            f"{cfg.model} ({context} positions)"
-        )
-    try:  # GPTConfig's own checks (n_embd % n_head, ...): one line too
-        gcfg = model_config(cfg, meta["vocab_size"])
+    if cfg.block_size > (context := model_lib.PRESETS[cfg.model]["block_size"]):
+        preset = f"--model {cfg.model} ({context} positions)"
+        raise ConfigError(f"--block-size {cfg.block_size} exceeds the context of {preset}")
+    try:  # GPTConfig's own checks (n_embd % n_head, ...), then 04's (whole heads per TP rank, ...)
+        gpt_config = model_config(cfg, meta["vocab_size"])
+        tp_lib.check_tp_config(gpt_config, cfg.tp)
     except ValueError as e:
-        raise ConfigError(f"--model {cfg.model}: {e}") from None
-    if gcfg.n_head % cfg.tp:
-        raise ConfigError(
-            f"--tp {cfg.tp} does not divide n_head={gcfg.n_head} of --model "
-            f"{cfg.model}: each TP rank must hold whole attention heads"
-        )
-    stages = cfg.pp * cfg.virtual_stages
-    if gcfg.n_layer < stages:
-        raise ConfigError(
-            f"n_layer={gcfg.n_layer} is fewer than --pp {cfg.pp} x "
-            f"--virtual-stages {cfg.virtual_stages} = {stages} pipeline stages"
-        )
-    per_step = cfg.micro_batch_size * cfg.dp
-    if cfg.batch_size % per_step:
-        raise ConfigError(
-            f"--batch-size {cfg.batch_size} is not divisible into microbatches of "
-            f"--micro-batch-size {cfg.micro_batch_size} x --dp {cfg.dp} = {per_step}"
-        )
-    m = cfg.batch_size // per_step
-    if cfg.schedule == "interleaved" and cfg.pp > 1 and m % cfg.pp:
-        raise ConfigError(
-            f"the interleaved schedule needs microbatches m={m} divisible by "
-            f"--pp {cfg.pp}: change --batch-size or --micro-batch-size"
-        )
-    T = gcfg.block_size
+        raise ConfigError(f"--model {cfg.model} --tp {cfg.tp}: {e}") from None
+    T = gpt_config.block_size
     if cfg.sequence_parallel and T % cfg.tp:
         raise ConfigError(
-            f"--sequence-parallel shards the {T} tokens of a sequence over "
-            f"--tp {cfg.tp} ranks: use a --block-size divisible by {cfg.tp}"
+            f"--sequence-parallel shards the {T} tokens of a sequence over --tp {cfg.tp} ranks: "
+            f"use a --block-size divisible by {cfg.tp}"
         )
-    try:  # what 04 and 05 check themselves, before any collective: one line each
-        tp_lib.check_tp_config(gcfg, cfg.tp)
-        pp_lib.check_config(cfg.schedule, cfg.pp, m, cfg.virtual_stages, gcfg.n_layer)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
     for split in ("train", "val"):  # the loader's own checks: a batch larger than the data, ...
         try:
             data_lib.DataLoader(cfg.data_dir, split, cfg.batch_size // cfg.dp, T, dp_size=cfg.dp)
@@ -324,21 +263,18 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
     if cfg.resume:
         check_resume_layout(cfg)
     elif ckpts := complete_checkpoints(cfg.out_dir):  # never mix two runs in one folder
+        fix = "pass --resume to continue that run, or use another --out-dir"
         raise ConfigError(
-            f"--out-dir {cfg.out_dir} already holds checkpoints (newest: "
-            f"{ckpts[0].name}): pass --resume to continue that run, or use "
-            "another --out-dir"
+            f"--out-dir {cfg.out_dir} already holds checkpoints (newest: {ckpts[0].name}): {fix}"
         )
-    return gcfg
+    return gpt_config
 
 
 def data_meta(cfg: TrainConfig) -> dict:
     path = Path(cfg.data_dir) / "meta.json"
     if not path.is_file():
-        raise ConfigError(
-            f"--data-dir {cfg.data_dir} has no prepared data (meta.json): run "
-            f"`python 01_data.py --out {cfg.data_dir}` (see --help there)"
-        )
+        fix = f"run `python 01_data.py --out {cfg.data_dir}` (see --help there)"
+        raise ConfigError(f"--data-dir {cfg.data_dir} has no prepared data (meta.json): {fix}")
     return json.loads(path.read_text())
 
 
@@ -361,9 +297,7 @@ def prepare_default_data(cfg: TrainConfig, rank: int) -> None:
         time.sleep(1)
 
 
-# ---------------------------------------------------------------------------------------------
-# The process grid (DESIGN §4): torch.arange(world).view(pp, dp, tp)
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------- the process grid (DESIGN §4): arange(world).view(pp, dp, tp)
 @dataclass
 class Grid:
     rank: int = 0
@@ -394,19 +328,19 @@ def build_grid(cfg: TrainConfig, rank: int, world: int) -> Grid:
     grid = Grid(rank=rank, world=world, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp)
     if world == 1:
         return grid
-    g = torch.arange(world).view(cfg.pp, cfg.dp, cfg.tp)
-    grid.pp_rank, grid.dp_rank, grid.tp_rank = (int(i) for i in (g == rank).nonzero()[0])
+    ranks = torch.arange(world).view(cfg.pp, cfg.dp, cfg.tp)  # ranks[pp_rank, dp_rank, tp_rank]
+    grid.pp_rank, grid.dp_rank, grid.tp_rank = (int(i) for i in (ranks == rank).nonzero()[0])
 
     def mine(rank_lists):
         found = None
-        for ranks in rank_lists:
-            group = dist.new_group(ranks)
-            found = group if rank in ranks else found
+        for members in rank_lists:
+            group = dist.new_group(members)
+            found = group if rank in members else found
         return found
 
-    grid.tp_group = mine([g[p, d, :].tolist() for p in range(cfg.pp) for d in range(cfg.dp)])
-    grid.dp_group = mine([g[p, :, t].tolist() for p in range(cfg.pp) for t in range(cfg.tp)])
-    pp_lists = [g[:, d, t].tolist() for d in range(cfg.dp) for t in range(cfg.tp)]
+    grid.tp_group = mine([ranks[p, d, :].tolist() for p in range(cfg.pp) for d in range(cfg.dp)])
+    grid.dp_group = mine([ranks[p, :, t].tolist() for p in range(cfg.pp) for t in range(cfg.tp)])
+    pp_lists = [ranks[:, d, t].tolist() for d in range(cfg.dp) for t in range(cfg.tp)]
     grid.pp_group = mine(pp_lists)
     if cfg.pp > 1:
         grid.embed_group = pp_lib.embedding_group(pp_lists)
@@ -420,16 +354,14 @@ def all_reduce_sum(t: torch.Tensor, group, size: int) -> torch.Tensor:
     return t
 
 
-# ---------------------------------------------------------------------------------------------
-# Building: model (02) -> TP shards (04) -> pipeline chunks (05) -> DP wrappers (03)
-# ---------------------------------------------------------------------------------------------
+# --------------- building: model (02) -> TP shards (04) -> pipeline chunks (05) -> DP wrappers (03)
 @dataclass
 class Run:
     """Everything one training step needs, built once."""
 
     cfg: TrainConfig
     grid: Grid
-    gcfg: object  # 02_model.GPTConfig
+    gpt_config: object  # 02_model.GPTConfig
     device: torch.device
     dtype: torch.dtype
     chunks: list  # this rank's model chunk(s), DP-wrapped when dp > 1
@@ -444,9 +376,9 @@ class Run:
         return [getattr(c, "module", c) for c in self.chunks]
 
 
-def build_chunks(cfg: TrainConfig, gcfg, grid: Grid, device: torch.device) -> list:
+def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device: torch.device) -> list:
     torch.manual_seed(cfg.seed)  # the same full model on every rank, before any sharding
-    model = model_lib.GPT(gcfg).to(device)
+    model = model_lib.GPT(gpt_config).to(device)
     if grid.tp > 1:
         tp_lib.apply_tensor_parallel(model, grid.tp_group, cfg.sequence_parallel, seed=cfg.seed)
     chunks = [model]
@@ -472,7 +404,7 @@ def unique_params(params) -> list:
 
 def build_optimizer(cfg: TrainConfig, modules, grid: Grid, device: torch.device):
     """AdamW, decay on matrices only; fused on CUDA; ZeRO-1 over the DP group with --zero."""
-    params = unique_params(p for m in modules for p in m.parameters())
+    params = unique_params(p for mod in modules for p in mod.parameters())
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -483,27 +415,19 @@ def build_optimizer(cfg: TrainConfig, modules, grid: Grid, device: torch.device)
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def build_run(cfg: TrainConfig, gcfg, grid: Grid, device: torch.device) -> Run:
-    T = gcfg.block_size  # the model's context is --block-size (model_config)
-    dtype = resolve_dtype(cfg, device)
-    chunks = build_chunks(cfg, gcfg, grid, device)
-    modules = [getattr(c, "module", c) for c in chunks]
-    optimizer = build_optimizer(cfg, modules, grid, device)
+def build_run(cfg: TrainConfig, gpt_config, grid: Grid, device: torch.device) -> Run:
+    T, dtype = gpt_config.block_size, resolve_dtype(cfg, device)  # context = --block-size
+    chunks = build_chunks(cfg, gpt_config, grid, device)
+    optimizer = build_optimizer(cfg, [getattr(c, "module", c) for c in chunks], grid, device)
     scaler = mp_lib.make_scaler(dtype)  # group None: every rank of the world skips together
-    per_rank = cfg.batch_size // cfg.dp
-    loaders = [
-        data_lib.DataLoader(
-            cfg.data_dir, split, per_rank, T, cfg.seed, grid.dp_rank, cfg.dp, device
-        )
-        for split in ("train", "val")
-    ]
+    per_rank = cfg.batch_size // cfg.dp  # this DP rank's share of every batch
+    loader_args = (per_rank, T, cfg.seed, grid.dp_rank, cfg.dp, device)
+    loaders = [data_lib.DataLoader(cfg.data_dir, split, *loader_args) for split in ("train", "val")]
     m = per_rank // cfg.micro_batch_size
-    return Run(cfg, grid, gcfg, device, dtype, chunks, optimizer, scaler, *loaders, T, m)
+    return Run(cfg, grid, gpt_config, device, dtype, chunks, optimizer, scaler, *loaders, T, m)
 
 
-# ---------------------------------------------------------------------------------------------
-# One step
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------- one step
 def lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up to lr, then cosine decay to min_lr at max_steps."""
     if step < cfg.warmup_steps:
@@ -512,39 +436,32 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def act_shape(run: Run) -> tuple:
-    """One microbatch's activation between pipeline stages (sequence parallel: T/tp rows)."""
+def pipeline(run: Run, x: torch.Tensor, y: torch.Tensor, **kwargs):
+    """05's pipeline_step on this rank's chunks (training and evaluation); only the last stage's
+    result holds the loss. Stages pass one microbatch's activation: (b, T, C), T/tp rows with SP."""
     T = run.T // run.grid.tp if run.cfg.sequence_parallel else run.T
-    return (run.cfg.micro_batch_size, T, run.gcfg.n_embd)
+    kwargs["act_shape"] = (run.cfg.micro_batch_size, T, run.gpt_config.n_embd)
+    return pp_lib.pipeline_step(
+        run.chunks, (x, y), run.m, run.cfg.schedule, run.grid.pp_group, **kwargs
+    )
 
 
 def forward_backward(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Gradients of the step's mean loss in .grad; returns that loss (all ranks agree)."""
-    g = run.grid
+    grid, b = run.grid, run.cfg.micro_batch_size
     # Every microbatch's token losses are SUMmed and divided by the step's token count over all
     # DP replicas (06), with PP or without, so ignored (-1) targets weigh as in one big batch.
-    mbs = list(zip(x.split(run.cfg.micro_batch_size), y.split(run.cfg.micro_batch_size)))
-    n_tokens = mp_lib.global_token_count(mbs, group=g.dp_group)
-    if g.pp == 1:  # accumulation over m microbatches (06)
-        share = mp_lib.accumulate_gradients(
-            run.chunks[0], mbs, n_tokens, dp_size=g.dp, scaler=run.scaler, dtype=run.dtype
-        )
-        return all_reduce_sum(torch.tensor(share, device=run.device), g.dp_group, g.dp)
+    microbatches = list(zip(x.split(b), y.split(b)))
+    n_tokens = mp_lib.global_token_count(microbatches, group=grid.dp_group)
+    if grid.pp == 1:  # accumulation over m microbatches (06)
+        kwargs = dict(dp_size=grid.dp, scaler=run.scaler, dtype=run.dtype)
+        share = mp_lib.accumulate_gradients(run.chunks[0], microbatches, n_tokens, **kwargs)
+        return all_reduce_sum(torch.tensor(share, device=run.device), grid.dp_group, grid.dp)
+    kwargs = dict(embed_group=grid.embed_group, loss_scale=run.scaler.get_scale(), dp_size=grid.dp)
     with mp_lib.autocast_context(run.dtype, run.device.type):  # the pipeline's microbatches (05)
-        result = pp_lib.pipeline_step(
-            run.chunks,
-            (x, y),
-            run.m,
-            run.cfg.schedule,
-            g.pp_group,
-            act_shape=act_shape(run),
-            embed_group=g.embed_group,
-            loss_scale=run.scaler.get_scale(),
-            n_tokens=n_tokens,
-            dp_size=g.dp,
-        )
-    loss = all_reduce_sum(result.loss.clone(), g.pp_group, g.pp)  # only the last stage has it
-    return all_reduce_sum(loss, g.dp_group, g.dp)  # the replicas' shares add up to the loss
+        loss = pipeline(run, x, y, n_tokens=n_tokens, **kwargs).loss.clone()
+    loss = all_reduce_sum(loss, grid.pp_group, grid.pp)  # only the last stage had it
+    return all_reduce_sum(loss, grid.dp_group, grid.dp)  # the replicas' shares add up to the loss
 
 
 def global_grad_norm(run: Run) -> torch.Tensor:
@@ -557,13 +474,11 @@ def global_grad_norm(run: Run) -> torch.Tensor:
         params += [p for p in mod.parameters() if p is not skip]
     params = unique_params(params)
     if run.grid.tp > 1:
-        sq = tp_lib.grad_norm_squared(params, run.grid.tp_group, run.device)
+        squares = tp_lib.grad_norm_squared(params, run.grid.tp_group, run.device)
     else:
-        sq = sum(
-            (p.grad.float().pow(2).sum() for p in params if p.grad is not None),
-            torch.zeros((), device=run.device),
-        )
-    return all_reduce_sum(sq, run.grid.pp_group, run.grid.pp).sqrt()
+        grads = (p.grad for p in params if p.grad is not None)
+        squares = sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=run.device))
+    return all_reduce_sum(squares, run.grid.pp_group, run.grid.pp).sqrt()
 
 
 def train_step(run: Run, step: int) -> dict:
@@ -575,7 +490,7 @@ def train_step(run: Run, step: int) -> dict:
     norm = global_grad_norm(run)
     if cfg.grad_clip > 0:
         coef = torch.clamp(cfg.grad_clip / (norm + 1e-6), max=1.0)  # as clip_grad_norm_
-        for p in unique_params(p for m in run.modules() for p in m.parameters()):
+        for p in unique_params(p for mod in run.modules() for p in mod.parameters()):
             if p.grad is not None:
                 p.grad.mul_(coef)
     lr = lr_at(cfg, step)
@@ -594,27 +509,17 @@ def evaluate(run: Run, stop=lambda: False) -> float | None:
     batch): True ends the evaluation at once and returns None, so a preempted job saves in time."""
     for c in run.chunks:
         c.eval()
-    total, stopped = torch.zeros((), device=run.device), False
+    total, stopped, b = torch.zeros((), device=run.device), False, run.cfg.micro_batch_size
     for i in range(run.cfg.eval_steps):
         if stopped := stop():
             break
         x, y = run.val.get_batch(i)
         with mp_lib.autocast_context(run.dtype, run.device.type):
-            if run.grid.pp == 1:
-                for xb, yb in zip(
-                    x.split(run.cfg.micro_batch_size), y.split(run.cfg.micro_batch_size)
-                ):
-                    total += run.chunks[0](xb, yb)[1].float() / run.m
+            if run.grid.pp > 1:  # the last stage's mean over the m microbatches; 0 elsewhere
+                total += pipeline(run, x, y, forward_only=True).loss
             else:
-                total += pp_lib.pipeline_step(
-                    run.chunks,
-                    (x, y),
-                    run.m,
-                    run.cfg.schedule,
-                    run.grid.pp_group,
-                    act_shape=act_shape(run),
-                    forward_only=True,
-                ).loss
+                for xb, yb in zip(x.split(b), y.split(b)):
+                    total += run.chunks[0](xb, yb)[1].float() / run.m
     for c in run.chunks:
         c.train()
     if stopped:
@@ -624,9 +529,7 @@ def evaluate(run: Run, stop=lambda: False) -> float | None:
     return total.item() / run.cfg.eval_steps
 
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoints (DESIGN §5): a folder per step, one shard per rank, atomic, the last K kept
-# ---------------------------------------------------------------------------------------------
+# ---------- checkpoints (DESIGN §5): a folder per step, one shard per rank, atomic, the last K kept
 def ckpt_root(out_dir) -> Path:
     return Path(out_dir) / "checkpoints"
 
@@ -634,8 +537,7 @@ def ckpt_root(out_dir) -> Path:
 def complete_checkpoints(out_dir) -> list[Path]:
     """Complete checkpoints, newest first: a folder is renamed from .partial only when every
     rank's shard and meta.json are in it, so a crash mid-save leaves only a .partial behind."""
-    root = ckpt_root(out_dir)
-    found = [d for d in root.glob("step_*") if d.is_dir() and not d.name.endswith(".partial")]
+    found = [d for d in ckpt_root(out_dir).glob("step_*") if not d.name.endswith(".partial")]
     return sorted((d for d in found if (d / "meta.json").is_file()), reverse=True)
 
 
@@ -643,37 +545,35 @@ def shard_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+# what a resumed run must share with the checkpoint: shards are found by global rank and shaped
+# by ZeRO and the virtual stages, and the batches are a function of the seed and the batch shape
+RESUME_KEYS = ("dp", "tp", "pp", "virtual_stages", "zero", "seed", "batch_size",
+               "micro_batch_size", "block_size")  # fmt: skip
+
+
 def check_resume_layout(cfg: TrainConfig) -> None:
-    """--resume continues the same run: shards are found by global rank and shaped by ZeRO and
-    the virtual stages, and the batches are a function of the seed and the batch shape."""
+    """--resume continues the same run: RESUME_KEYS as the newest readable checkpoint has them."""
     for ckpt in complete_checkpoints(cfg.out_dir):  # nothing to resume: start fresh (said later)
         try:
             saved = json.loads((ckpt / "meta.json").read_text())["config"]
         except (OSError, ValueError, KeyError):
             continue  # a damaged meta.json: load_checkpoint names it and falls back too
-        for k in ("dp", "tp", "pp", "virtual_stages", "zero", "seed", "batch_size",
-                  "micro_batch_size", "block_size"):  # fmt: skip
+        for k in RESUME_KEYS:
             if saved[k] != getattr(cfg, k):
-                flag = "--" + k.replace("_", "-")
+                name = "--" + k.replace("_", "-")
                 raise ConfigError(
-                    f"--resume: {ckpt} was written with {flag} {saved[k]}, this run has "
-                    f"{flag} {getattr(cfg, k)}; resume with the same {flag} (or a new --out-dir)"
+                    f"--resume: {ckpt} was written with {name} {saved[k]}, this run has "
+                    f"{name} {getattr(cfg, k)}; resume with the same {name} (or a new --out-dir)"
                 )
         return
 
 
 def rng_state(device: torch.device) -> dict:
+    """Every generator a step draws from, as values torch.load(weights_only=True) accepts."""
     _, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        },
-    }
+    keys = torch.from_numpy(keys.astype(np.int64))
+    numpy = {"keys": keys, "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "numpy": numpy}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -682,40 +582,15 @@ def rng_state(device: torch.device) -> dict:
 def set_rng_state(state: dict, device: torch.device) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    npy = state["numpy"]
-    np.random.set_state(
-        (
-            "MT19937",
-            npy["keys"].numpy().astype(np.uint32),
-            npy["pos"],
-            npy["has_gauss"],
-            npy["gauss"],
-        )
-    )
+    numpy = state["numpy"]
+    keys = numpy["keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, numpy["pos"], numpy["has_gauss"], numpy["gauss"]))
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def atomic_write(path: Path, write) -> None:
-    """`write(tmp)`, fsync, rename over `path`: readers see the old file or the new, never half."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def atomic_torch_save(obj, path: Path) -> None:
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
-
-
-def fsync_dir(path: Path) -> None:
-    """A directory's entries (new names, renames) reach the disk only when it is fsynced."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    data_lib.atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def barrier(run: Run) -> None:
@@ -723,49 +598,43 @@ def barrier(run: Run) -> None:
         dist.barrier()
 
 
-def save_checkpoint(run: Run, step: int) -> Path:
+def save_checkpoint(run: Run, step: int) -> None:
     """Every rank writes its shard into step_N.partial/; rank 0 then adds meta.json and renames
     the folder to step_N: the rename is the commit point."""
-    root = ckpt_root(run.cfg.out_dir)
+    cfg, root = run.cfg, ckpt_root(run.cfg.out_dir)
     final, partial = root / f"step_{step:07d}", root / f"step_{step:07d}.partial"
     if run.grid.rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     barrier(run)
-    mods = run.modules()
-    tp_rng = getattr(mods[0], "tp_rng", None)  # 04's per-rank dropout stream
+    modules = run.modules()
+    tp_rng = getattr(modules[0], "tp_rng", None)  # 04's per-rank dropout stream
     shard = {
-        "model": [m.state_dict() for m in mods],
+        "model": [mod.state_dict() for mod in modules],
         "optimizer": run.optimizer.state_dict(),
         "scaler": run.scaler.state_dict(),
         "rng": rng_state(run.device),
         "tp_rng": None if tp_rng is None else tp_rng.state_dict(),
         "step": step,  # the data position too: batches are a pure function of the step
         "data_position": list(run.train.position(step)),
-        "config": asdict(run.cfg),
+        "config": asdict(cfg),
     }
-    atomic_torch_save(shard, partial / shard_name(run.grid.rank))
+    atomic_torch_save(shard, partial / shard_name(run.grid.rank))  # the folder fsynced after it
     barrier(run)
     if run.grid.rank == 0:
-        meta = {
-            "step": step,
-            "world": run.grid.world,
-            "dp": run.cfg.dp,
-            "tp": run.cfg.tp,
-            "pp": run.cfg.pp,
-            "model_config": asdict(run.gcfg),
-            "tokenizer": tokenizer_path(data_meta(run.cfg)["tokenizer"]),
-            "config": asdict(run.cfg),
-        }
-        atomic_write(partial / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
-        fsync_dir(partial)  # every shard's and meta.json's name, before the rename publishes them
+        tokenizer = data_meta(cfg)["tokenizer"]  # a saved BPE's path made absolute: any cwd exports
+        tokenizer = tokenizer if tokenizer in ("gpt2", "char") else str(Path(tokenizer).resolve())
+        meta = {"step": step, "world": run.grid.world, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}
+        meta.update(model_config=asdict(run.gpt_config), tokenizer=tokenizer, config=asdict(cfg))
+        data_lib.atomic_write(
+            partial / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=1))
+        )
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        fsync_dir(final.parent)  # the rename itself
-        for old in complete_checkpoints(run.cfg.out_dir)[run.cfg.keep_checkpoints :]:
+        os.replace(partial, final)  # every shard's and meta.json's name already on disk
+        data_lib.fsync_dir(root)  # the rename itself
+        for old in complete_checkpoints(cfg.out_dir)[cfg.keep_checkpoints :]:
             shutil.rmtree(old, ignore_errors=True)
     barrier(run)
-    return final
 
 
 def load_checkpoint(run: Run) -> int:
@@ -782,30 +651,28 @@ def load_checkpoint(run: Run) -> int:
         box = [names]  # filesystem must not cast a different number of votes (that hangs)
         dist.broadcast_object_list(box, src=0)
         names = box[0]
+    who = f"[rank {run.grid.rank}]"
     for ckpt in (ckpt_root(run.cfg.out_dir) / name for name in names):
         path = ckpt / "meta.json"
         try:
             json.loads(path.read_text())["step"]  # export and the layout check need it too
             path = ckpt / shard_name(run.grid.rank)
-            shard = torch.load(path, map_location="cpu", weights_only=True)
-            ok = 1.0
+            shard, ok = torch.load(path, map_location="cpu", weights_only=True), 1.0
         except Exception as e:  # noqa: BLE001 - any unreadable file: say which, try older
-            print(
-                f"[rank {run.grid.rank}] checkpoint file {path} is unreadable "
-                f"({type(e).__name__}: {str(e)[:120]}); trying the previous checkpoint"
-            )
+            error = f"{type(e).__name__}: {str(e)[:120]}"
+            print(f"{who} checkpoint file {path} is unreadable ({error}); trying the previous one")
             ok = 0.0
-        if agree(run, ok, dist.ReduceOp.MIN) == 1.0:
-            try:  # a shard that reads but does not fit (another model) is no damage: stop
-                restore(run, shard)
-                ok = 1.0
-            except Exception as e:  # noqa: BLE001 - every rank must hear of it, or they hang
-                print(f"[rank {run.grid.rank}] {path} does not fit this run: {str(e)[:200]}")
-                ok = 0.0
-            if agree(run, ok, dist.ReduceOp.MIN) < 1.0:
-                raise SystemExit(f"--resume: {ckpt} does not fit this run on some rank (above)")
-            ddp_lib.print0(f"resumed from {ckpt} (step {shard['step']})")
-            return shard["step"] + 1
+        if agree(run, ok, dist.ReduceOp.MIN) < 1.0:
+            continue
+        try:  # a shard that reads but does not fit (another model) is no damage: stop
+            restore(run, shard)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or they hang
+            print(f"{who} {path} does not fit this run: {str(e)[:200]}")
+            ok = 0.0
+        if agree(run, ok, dist.ReduceOp.MIN) < 1.0:
+            raise SystemExit(f"--resume: {ckpt} does not fit this run on some rank (above)")
+        ddp_lib.print0(f"resumed from {ckpt} (step {shard['step']})")
+        return shard["step"] + 1
     ddp_lib.print0(
         f"--resume: no readable checkpoint in {ckpt_root(run.cfg.out_dir)}; starting from step 0"
     )
@@ -835,42 +702,51 @@ def restore(run: Run, shard: dict) -> None:
     set_rng_state(shard["rng"], run.device)
 
 
-# ---------------------------------------------------------------------------------------------
-# Export and sampling: one file, one process
-# ---------------------------------------------------------------------------------------------
+# ------------------------------------------------------- export and sampling: one file, one process
+def merge_shards(state_dicts) -> dict:
+    """The TP ranks' state dicts, in tp_rank order -> 02's full state dict (04's tp_layout says
+    which entries are split, and along which dimension)."""
+    full = {}
+    for k, v in state_dicts[0].items():
+        layout = tp_lib.tp_layout(k)
+        full[k] = tp_lib.merge_tensors([sd[k] for sd in state_dicts], *layout) if layout else v
+    return full
+
+
+def read_stages(ckpt: Path) -> tuple[dict, list]:
+    """meta.json and, per pipeline stage, its TP ranks' model states at DP rank 0 (the other
+    replicas hold the same weights): stages[pp_rank][tp_rank]."""
+    meta = json.loads((ckpt / "meta.json").read_text())
+    dp, tp = meta["dp"], meta["tp"]
+    stages = []
+    for p in range(meta["pp"]):
+        files = [ckpt / shard_name(p * dp * tp + t) for t in range(tp)]  # grid (p, dp=0, t)
+        stages.append([torch.load(f, "cpu", weights_only=True)["model"] for f in files])
+    return meta, stages
+
+
 def export(run_dir) -> Path:
-    """Merge the newest checkpoint's (tp, pp) shards into RUN_DIR/model.pt for 02_model.GPT.
-    Only DP rank 0's shards are read: the other replicas hold the same weights. A damaged
-    checkpoint (meta.json or a shard) is named and the previous one used, as --resume does."""
+    """Merge the newest checkpoint's (tp, pp) shards into RUN_DIR/model.pt for 02_model.GPT. A
+    damaged checkpoint (meta.json or a shard) is named and the previous one used, as --resume."""
     for ckpt in complete_checkpoints(run_dir):
         try:
-            meta = json.loads((ckpt / "meta.json").read_text())
-            dp, tp, pp = meta["dp"], meta["tp"], meta["pp"]
-            stages = []  # [pp_rank][tp_rank]: the model states of grid position (pp, dp=0, tp)
-            for p in range(pp):
-                files = [ckpt / shard_name(p * dp * tp + t) for t in range(tp)]
-                stages.append([torch.load(f, "cpu", weights_only=True)["model"] for f in files])
+            meta, stages = read_stages(ckpt)
             break
         except Exception as e:  # noqa: BLE001 - any unreadable file: say which, try older
-            print(f"--export: {ckpt} is unreadable ({type(e).__name__}: {str(e)[:120]}); "
-                  "trying the previous checkpoint")  # fmt: skip
+            error = f"{type(e).__name__}: {str(e)[:120]}"
+            print(f"--export: {ckpt} is unreadable ({error}); trying the previous checkpoint")
     else:
         raise SystemExit(f"--export: no complete, readable checkpoint in {ckpt_root(run_dir)}")
     full = {}
     for shards in stages:
         for chunk_states in zip(*shards):  # this stage's chunks, each split over tp ranks
-            full.update(tp_lib.merge_shards(list(chunk_states)) if tp > 1 else chunk_states[0])
+            full.update(merge_shards(chunk_states) if meta["tp"] > 1 else chunk_states[0])
     model = model_lib.GPT(model_lib.GPTConfig(**meta["model_config"]))
     model.load_state_dict(full, strict=True)  # every weight present, none left over
-    out = Path(run_dir) / "model.pt"
     blob = {"model_config": meta["model_config"], "model": model.state_dict(), "step": meta["step"]}
-    atomic_torch_save({**blob, "tokenizer": tokenizer_blob(meta["tokenizer"])}, out)
+    blob["tokenizer"] = tokenizer_blob(meta["tokenizer"])
+    atomic_torch_save(blob, out := Path(run_dir) / "model.pt")
     return out
-
-
-def tokenizer_path(name: str) -> str:
-    """01_data's tokenizer name, with a saved BPE's path made absolute (any cwd can export)."""
-    return name if name in ("gpt2", "char") else str(Path(name).resolve())
 
 
 def tokenizer_blob(name: str):
@@ -895,15 +771,62 @@ def sample(model_pt, prompt: str, n_tokens: int, seed: int = 0) -> str:
     t = blob["tokenizer"]  # a name (an older model.pt: a path), or a BPE's vocab and merges
     tok = data_lib.get_tokenizer(t) if isinstance(t, str) else data_lib.Tokenizer(**t)
     idx = torch.tensor([tok.encode(prompt) or [tok.eot_token]])
-    out = model.generate(
-        idx, n_tokens, temperature=0.8, top_k=50, generator=torch.Generator().manual_seed(seed)
-    )
+    generator = torch.Generator().manual_seed(seed)
+    out = model.generate(idx, n_tokens, temperature=0.8, top_k=50, generator=generator)
     return tok.decode(out[0].tolist())
 
 
-# ---------------------------------------------------------------------------------------------
-# Logging, preemption, plots
-# ---------------------------------------------------------------------------------------------
+# -------------------------------------------------------- MFU: the peak FLOP/s each GPU could reach
+# Dense peak FLOP/s per GPU (tensor cores; without the 2:4 structured-sparsity doubling that
+# datasheets print next to them). Key = a piece of torch.cuda.get_device_name(), e.g.
+# "NVIDIA H100 80GB HBM3". fp16/bf16 are with fp32 accumulation, what PyTorch uses. Sources:
+# NVIDIA datasheets (V100, A100, H100, H200, L4, T4) and architecture whitepapers (GA102 appendix
+# A for the RTX 3090, Ada's for the RTX 4090). subtle: NVIDIA publishes no A10G (AWS G5) datasheet;
+# its entry is the commonly quoted 70/35 TFLOP/s, which public bf16 matmul measurements (~69)
+# support; it is not the A10's 125. Treat it as the least certain row.
+PEAK_FLOPS = {
+    "V100-SXM2": {"fp16": 125e12, "fp32": 15.7e12},  # Volta: no bf16, no tf32
+    "V100-PCIE": {"fp16": 112e12, "fp32": 14e12},
+    "T4": {"fp16": 65e12, "fp32": 8.1e12},  # Turing: no bf16, no tf32
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},  # 40 and 80 GB
+    "A10G": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 35e12},
+    "RTX 3090": {"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12},
+    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
+    "RTX 4090": {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12},
+    "H100": {"bf16": 989.5e12, "fp16": 989.5e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM
+    "H100 PCIe": {"bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378e12, "fp32": 51e12},
+    "H200": {"bf16": 989.5e12, "fp16": 989.5e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM
+}
+# Words that mark a different card with different peaks ("H100 NVL", "RTX 3090 Ti", "RTX 4090 D",
+# a laptop part): a name with one of these only matches a key that names it too.
+_VARIANT_WORDS = {"nvl", "ti", "super", "d", "laptop", "mobile", "max"}
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s of one `device_name` GPU in `dtype` ("bf16", "fp16", "tf32", "fp32"),
+    or None when the card or dtype is not in PEAK_FLOPS: an unknown peak is never guessed."""
+    name_words = set(re.findall(r"[a-z0-9]+", device_name.lower()))
+    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # most specific first: "H100 PCIe"
+        whole_word = rf"(?<![a-z0-9]){re.escape(key.lower())}(?![a-z0-9])"  # "L4" is not "L40S"
+        if not re.search(whole_word, device_name.lower()):
+            continue
+        key_words = set(re.findall(r"[a-z0-9]+", key.lower()))
+        if (name_words - key_words) & _VARIANT_WORDS:
+            return None
+        return PEAK_FLOPS[key].get(dtype)
+    return None
+
+
+def mfu(tokens_per_s, flops_per_token, n_devices, peak_flops_per_device) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices together.
+
+    tokens_per_s is the global throughput (all devices). None when the peak is unknown."""
+    if peak_flops_per_device is None:
+        return None
+    return tokens_per_s * flops_per_token / (n_devices * peak_flops_per_device)
+
+
+# ----------------------------------------------------------------------- logging, preemption, plots
 class Logger:
     """Rank 0 prints one line per --log-interval and appends the same fields to metrics.jsonl."""
 
@@ -912,11 +835,11 @@ class Logger:
         self.tokens_per_step = run.cfg.batch_size * run.T
         self.t_start, self.step_start = time.perf_counter(), start_step
         self.t_last, self.step_last = self.t_start, start_step - 1
-        gpu = run.device.type == "cuda"
-        name = torch.cuda.get_device_name(run.device) if gpu else "cpu"
-        dtype_name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-        self.peak = model_lib.peak_flops(name, dtype_name[run.dtype]) if gpu else None
-        self.flops = model_lib.flops_per_token(run.gcfg, run.T)
+        self.peak = None  # on the CPU: unknown, so MFU is None
+        if run.device.type == "cuda":
+            dtype_name = {v: k for k, v in mp_lib.DTYPES.items()}[run.dtype]
+            self.peak = peak_flops(torch.cuda.get_device_name(run.device), dtype_name)
+        self.flops = model_lib.flops_per_token(run.gpt_config, run.T)
         if run.grid.rank == 0:
             self._truncate_after(start_step - 1)
 
@@ -934,7 +857,7 @@ class Logger:
                     rows.append(line + "\n")
             except ValueError:  # JSONDecodeError: only a torn write makes one
                 print(f"{self.path}: skipping a torn line {line[:60]!r}")
-        atomic_write(self.path, lambda tmp: tmp.write_text("".join(rows)))
+        data_lib.atomic_write(self.path, lambda tmp: tmp.write_text("".join(rows)))
 
     def write(self, row: dict) -> None:
         if self.run.grid.rank == 0:
@@ -942,48 +865,28 @@ class Logger:
                 f.write(json.dumps(row) + "\n")
 
     def train_row(self, step: int, stats: dict) -> None:
-        now = time.perf_counter()
+        now, world, cfg = time.perf_counter(), self.run.grid.world, self.run.cfg
         tok_s = self.tokens_per_step * (step - self.step_last) / (now - self.t_last)
         self.t_last, self.step_last = now, step
-        mfu = model_lib.mfu(tok_s, self.flops, self.run.grid.world, self.peak)
-        mem = (
-            torch.cuda.max_memory_allocated(self.run.device)
-            if self.run.device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        )  # CPU: peak RSS
-        eta = (
-            (now - self.t_start)
-            / (step + 1 - self.step_start)
-            * (self.run.cfg.max_steps - step - 1)
-        )
-        row = {
-            "kind": "train",
-            "step": step,
-            **stats,
-            "tokens": (step + 1) * self.tokens_per_step,
-            "tokens_per_s": tok_s,
-            "tokens_per_s_per_gpu": tok_s / self.run.grid.world,
-            "mfu": mfu,
-            "peak_mem_gb": mem / 1e9,
-            "eta_s": eta,
-        }
-        self.write(row)
+        util = mfu(tok_s, self.flops, world, self.peak)
+        if self.run.device.type == "cuda":
+            mem = torch.cuda.max_memory_allocated(self.run.device)
+        else:  # the process's peak RSS (Linux reports KiB)
+            mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        eta = (now - self.t_start) / (step + 1 - self.step_start) * (cfg.max_steps - step - 1)
+        row = {"kind": "train", "step": step, **stats, "tokens": (step + 1) * self.tokens_per_step}
+        row.update(tokens_per_s=tok_s, tokens_per_s_per_gpu=tok_s / world, mfu=util)
+        self.write({**row, "peak_mem_gb": mem / 1e9, "eta_s": eta})
+        mfu_text = "n/a" if util is None else f"{100 * util:.1f}%"
         ddp_lib.print0(
             f"step {step:5d} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
-            f"norm {stats['grad_norm']:.3f} | {tok_s:,.0f} tok/s ({tok_s / self.run.grid.world:,.0f}"
-            f"/gpu) | mfu {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
-            f"mem {mem / 1e9:.2f} GB | eta {eta / 60:.1f} min"
+            f"norm {stats['grad_norm']:.3f} | {tok_s:,.0f} tok/s ({tok_s / world:,.0f}/gpu) | "
+            f"mfu {mfu_text} | mem {mem / 1e9:.2f} GB | eta {eta / 60:.1f} min"
         )
 
     def val_row(self, step: int, val_loss: float) -> None:
-        self.write(
-            {
-                "kind": "val",
-                "step": step,
-                "val_loss": val_loss,
-                "tokens": (step + 1) * self.tokens_per_step,
-            }
-        )
+        tokens = (step + 1) * self.tokens_per_step
+        self.write({"kind": "val", "step": step, "val_loss": val_loss, "tokens": tokens})
         ddp_lib.print0(f"step {step:5d} | val loss {val_loss:.4f}")
 
 
@@ -1006,6 +909,7 @@ class Preemption:
 
 
 def plot_losses(out_dir) -> Path:
+    """The run's one figure, loss.png: train and validation loss against tokens seen."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1014,21 +918,17 @@ def plot_losses(out_dir) -> Path:
     rows = [json.loads(r) for r in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     fig, ax = plt.subplots(figsize=(7, 4))
     for kind, key, style in (("train", "loss", "-"), ("val", "val_loss", "o-")):
-        pts = [(r["tokens"], r[key]) for r in rows if r["kind"] == kind]
-        if pts:
+        if pts := [(r["tokens"], r[key]) for r in rows if r["kind"] == kind]:
             ax.plot(*zip(*pts), style, label=f"{kind} loss")
     ax.set(xlabel="tokens seen", ylabel="cross-entropy (nats)", title="training run")
     ax.grid(alpha=0.3)
     ax.legend()
-    path = Path(out_dir) / "loss.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    fig.savefig(path := Path(out_dir) / "loss.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-# ---------------------------------------------------------------------------------------------
-# The loop
-# ---------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------- the loop
 def train(run: Run) -> None:
     cfg, preempt = run.cfg, Preemption()  # first: a signal during the load is honoured too
     if run.grid.rank == 0:  # a save killed midway leaves step_N.partial/, never to be completed
@@ -1036,10 +936,8 @@ def train(run: Run) -> None:
             shutil.rmtree(stale, ignore_errors=True)
     start = load_checkpoint(run) if cfg.resume else 0
     log = Logger(run, start)
-    stop = (
-        cfg.max_steps if not cfg.steps_this_run else min(cfg.max_steps, start + cfg.steps_this_run)
-    )
-    last_saved, step = None, start - 1
+    stop = min(cfg.max_steps, start + cfg.steps_this_run) if cfg.steps_this_run else cfg.max_steps
+    saved, step = None, start - 1  # saved: the step of this run's newest checkpoint
     for step in range(start, stop):
         stats = train_step(run, step)
         if step % cfg.log_interval == 0 or step == stop - 1:
@@ -1049,13 +947,13 @@ def train(run: Run) -> None:
             if val is not None:
                 log.val_row(step, val)
         if cfg.ckpt_interval and (step + 1) % cfg.ckpt_interval == 0:
-            last_saved = save_checkpoint(run, step)
+            save_checkpoint(run, saved := step)
         if preempt.agreed(run):
             ddp_lib.print0(f"preemption signal: saving at step {step} and exiting")
-            if last_saved is None or not last_saved.name.endswith(f"{step:07d}"):
+            if saved != step:
                 save_checkpoint(run, step)
             return
-    if step >= start and (last_saved is None or not last_saved.name.endswith(f"{step:07d}")):
+    if step >= start and saved != step:
         save_checkpoint(run, step)
     if stop == cfg.max_steps and step >= start:
         if (val := evaluate(run, lambda: preempt.agreed(run))) is None:
@@ -1086,13 +984,13 @@ def main(argv=None) -> None:
         return
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:  # everything that can be checked, before any process group or file exists
-        gcfg = validate(cfg, world, int(os.environ.get("RANK", 0)))
+        gpt_config = validate(cfg, world, int(os.environ.get("RANK", 0)))
     except ConfigError as e:
         raise SystemExit(f"train.py: error: {e}") from None
     created = not dist.is_initialized()
     rank, _, world, device = ddp_lib.init_distributed()
     try:
-        run = build_run(cfg, gcfg, build_grid(cfg, rank, world), device)
+        run = build_run(cfg, gpt_config, build_grid(cfg, rank, world), device)
         ddp_lib.print0(
             f"world {world} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} on {device}; "
             f"{run.modules()[0].config.n_layer}-layer GPT, {run.dtype}, "

@@ -50,11 +50,15 @@ def run(flags: str, ranks: int, steps: int, data_dir: str) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", type=int, default=8, choices=sorted(LAYOUTS))
-    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per layout")
-    ap.add_argument("--data-dir", default="data/stdlib-bpe4096", help="prepared by 01_data.py")
-    args = ap.parse_args()
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--ranks", type=int, default=8, choices=sorted(LAYOUTS), help="torchrun processes"
+    )
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per layout")
+    parser.add_argument("--data-dir", default="data/stdlib-bpe4096", help="prepared by 01_data.py")
+    args = parser.parse_args()
     print(
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; {args.ranks} "
         f"ranks; small GPT, global batch 32 x 128 tokens, micro-batch 4, fp32"

@@ -381,8 +381,8 @@ def _sharded_logits(rank, world, data_dir, tmp):
                    "--micro-batch-size", "4", "--max-steps", "2"]  # fmt: skip
     train.main(argv)
     cfg, _ = train.parse_args(argv + ["--resume"])  # rebuild it, from its checkpoint
-    gcfg = train.validate(cfg, world)
-    run = train.build_run(cfg, gcfg, train.build_grid(cfg, rank, world), torch.device("cpu"))
+    gpt_config = train.validate(cfg, world)
+    run = train.build_run(cfg, gpt_config, train.build_grid(cfg, rank, world), torch.device("cpu"))
     train.load_checkpoint(run)
     x = torch.arange(2 * 32).view(2, 32) % 200  # (B, T) ids
     chunk, grid = run.modules()[0], run.grid
@@ -390,7 +390,7 @@ def _sharded_logits(rank, world, data_dir, tmp):
         if grid.pp_is_first:
             dist.send(chunk(x), dist.get_global_rank(grid.pp_group, 1), group=grid.pp_group)
             return None
-        h = torch.empty(2, 32, gcfg.n_embd)
+        h = torch.empty(2, 32, gpt_config.n_embd)
         dist.recv(h, dist.get_global_rank(grid.pp_group, 0), group=grid.pp_group)
         return train.tp_lib.gather_logits(chunk(h), grid.tp_group), x
 
@@ -435,9 +435,15 @@ def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tm
     "argv, world, message",
     [
         (["--dp", "2"], 1, "world_size=1 but --dp 2 x --tp 1 x --pp 1 = 2"),
-        (["--tp", "3", "--dp", "1"], 3, "--tp 3 does not divide n_head=2"),
-        (["--pp", "8"], 8, "n_layer=4 is fewer than --pp 8 x --virtual-stages 1 = 8"),
+        (["--tp", "3", "--dp", "1"], 3, "--tp 3: cannot split this GPT over tp=3 ranks: n_head=2"),
+        (["--pp", "8"], 8, "--pp 8 --virtual-stages 1 --n-layer 4: n_layer=4 blocks cannot fill"),
         (["--micro-batch-size", "3"], 1, "--batch-size 8 is not divisible into microbatches"),
+        (["--schedule", "zigzag"], 1, "--schedule zigzag --pp 1 --virtual-stages 1 --n-layer 4: "
+         "unknown schedule 'zigzag'"),
+        (["--pp", "2", "--virtual-stages", "2"], 2, "--schedule 1f1b --pp 2 --virtual-stages 2 "
+         "--n-layer 4: virtual_stages=2 > 1 needs schedule='interleaved'"),
+        (["--pp", "2", "--virtual-stages", "2", "--schedule", "interleaved", "--micro-batch-size",
+          "8"], 2, "interleaved needs microbatches divisible by pp_size: m=1, p=2"),
         (["--block-size", "64"], 1, "--block-size 64 exceeds the context of --model tiny (32"),
         (["--data-dir", "/no/such/dir"], 1, "run `python 01_data.py --out /no/such/dir`"),
         (["--dropout", "1.5"], 1, "--dropout 1.5: a probability, in [0, 1)"),
@@ -459,7 +465,8 @@ def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tm
         (["--tokenizer", "gpt2"], 1, "--tokenizer gpt2, but --data-dir DATA was prepared with"),
         (["--tokenizer", "sentencepiece"], 1, "use one of bpe, gpt2, char"),
     ],
-    ids=["world-size", "n_head", "n_layer", "microbatches", "block-size", "data-dir", "dropout",
+    ids=["world-size", "n_head", "n_layer", "microbatches", "schedule-unknown",
+         "virtual-needs-interleaved", "interleaved-microbatches", "block-size", "data-dir", "dropout",
          "n-layer", "lr", "lr-nan", "grad-clip", "warmup", "eval-interval", "ckpt-interval",
          "steps-this-run", "negative-sizes", "batch-over-data", "out-dir-file", "zero-at-dp1",
          "sp-at-tp1", "virtual-at-pp1", "tokenizer-mismatch", "tokenizer-unknown"],

@@ -20,8 +20,9 @@ train = importlib.import_module("train")
 def build(argv, rank, world):
     """A Run as train.main builds it, without training: (cfg, run)."""
     cfg, _ = train.parse_args(argv)
-    gcfg = train.validate(cfg, world, rank)
-    return cfg, train.build_run(cfg, gcfg, train.build_grid(cfg, rank, world), torch.device("cpu"))
+    gpt_config = train.validate(cfg, world, rank)
+    grid = train.build_grid(cfg, rank, world)
+    return cfg, train.build_run(cfg, gpt_config, grid, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,9 +90,11 @@ def test_evaluation_and_clipping_under_dp_tp_pp_equal_one_process(data_dir, tmp_
     clipping that scales gradients up when the norm is below --grad-clip, or clips each rank by
     its own shard's norm; the fp16 pipeline's gradient norm measured on scaled gradients."""
     ref_train, ref_val = reference_with_eval
-    layouts = [("dp2", ["--dp", "2", "--micro-batch-size", "2"]),
-               ("tp2", ["--tp", "2", "--micro-batch-size", "4"]),
-               ("pp2-fp16", ["--pp", "2", "--micro-batch-size", "2", "--dtype", "fp16"])]
+    layouts = [
+        ("dp2", ["--dp", "2", "--micro-batch-size", "2"]),
+        ("tp2", ["--tp", "2", "--micro-batch-size", "4"]),
+        ("pp2-fp16", ["--pp", "2", "--micro-batch-size", "2", "--dtype", "fp16"]),
+    ]
     results = run_ranks(_evaluate_and_clip, 2, data_dir, str(tmp_path), layouts, timeout=240)
     assert [r["step"] for r in ref_val] == [0, 2, 3]  # the baseline, the interval, the end
     for (name, _), (rows, _) in zip(layouts, results[0]):
