@@ -290,8 +290,8 @@ def prepare_default_data(cfg: TrainConfig, rank: int) -> None:
         print(f"{cfg.data_dir} is missing: preparing it (python 01_data.py --tokenizer {kind})")
         try:
             data_lib.main(["--tokenizer", kind])
-        except (RuntimeError, ValueError) as e:  # e.g. gpt2's files offline: 01 says what to do
-            raise ConfigError(" ".join(str(e).split())) from None
+        except SystemExit as e:  # 01's one-line error (e.g. gpt2's files offline) says what to do
+            raise ConfigError(str(e).removeprefix("01_data.py: error: ")) from None
     deadline = time.monotonic() + 600
     while not meta.is_file() and time.monotonic() < deadline:
         time.sleep(1)

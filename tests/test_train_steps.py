@@ -241,6 +241,22 @@ def test_bad_input_is_one_line_before_anything_is_written(data_dir, tmp_path,  #
         assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()
 
 
+def test_default_data_that_cannot_be_prepared_is_one_train_line(tmp_path, monkeypatch):
+    """01's main reports bad input as SystemExit("01_data.py: error: ..."); train.py must turn it
+    into its own one-line error rather than let 01's exit pass as train.py's. Catches an except
+    clause that waits for a RuntimeError 01 no longer raises (gpt2's files offline, say)."""
+    monkeypatch.chdir(tmp_path)
+
+    def offline(argv):
+        raise SystemExit("01_data.py: error: cannot load gpt2's tokenizer files offline")
+
+    monkeypatch.setattr(train.data_lib, "main", offline)
+    with pytest.raises(SystemExit) as err:
+        train.main(["--tokenizer", "gpt2", "--out-dir", "run"])
+    assert str(err.value.code) == "train.py: error: cannot load gpt2's tokenizer files offline"
+    assert not dist.is_initialized() and not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # Branches written for CUDA, run on the CPU through the same code (README: "On a GPU")
 # ---------------------------------------------------------------------------------------------
