@@ -44,6 +44,7 @@ import hashlib
 import heapq
 import json
 import os
+import socket
 import sysconfig
 import time
 import urllib.error
@@ -511,7 +512,8 @@ def atomic_write(path, write) -> None:
     never half of one, even after a crash."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # same folder: rename is atomic
+    # same folder: rename is atomic. Host and pid: nodes sharing a filesystem reuse pids
+    tmp = path.with_name(f".{path.name}.tmp.{socket.gethostname()}.{os.getpid()}")
     try:
         write(tmp)
         with open(tmp, "rb") as f:

@@ -124,6 +124,7 @@ class NaiveDataParallel(nn.Module):
     """Broadcast the parameters once; after every backward the training loop calls
     all_reduce_gradients(). Nothing overlaps: communication starts when backward has ended,
     and the optimizer waits for the last tensor. Every trainable parameter needs a gradient.
+    With 06's accumulate_gradients or 05's pipeline_step, call it once after they return.
 
     no_sync() is a no-op kept for loops written for DataParallel: this wrapper communicates
     only inside all_reduce_gradients(), so not calling it is the no-sync. group: as DataParallel.
@@ -147,6 +148,9 @@ class NaiveDataParallel(nn.Module):
     def all_reduce_gradients(self) -> None:
         """Call between backward() and optimizer.step(): p.grad becomes the mean over ranks."""
         for p in self.params:
+            if p.grad is None:  # else all_reduce fails with an unnamed TypeError
+                name = next(n for n, q in self.module.named_parameters() if q is p)
+                raise RuntimeError(f"{name} has no gradient: every trainable parameter needs one")
             dist.all_reduce(p.grad, op=SUM, group=self.group)  # blocking, one tensor per call
             p.grad.div_(self.world)  # SUM / N = the mean of the per-rank gradients
             self.stats["allreduce_calls"] += 1

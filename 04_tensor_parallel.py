@@ -167,7 +167,7 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
 
 
 def gather_logits(logits, group):
-    """(B, T, V/tp) logit shards -> the full (B, T, V) logits, outside autograd (tests, sampling:
+    """(B, T, V/tp) logit shards -> the full (B, T, V_padded) logits, outside autograd (tests, sampling:
     training never needs them, the loss works on the shards)."""
     return _all_gather(logits.detach(), group, -1)
 

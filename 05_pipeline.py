@@ -193,7 +193,7 @@ def start_clock(group, p: int) -> float:
 
 
 def gpipe_naive(chunk, batch, n_microbatches: int, group=None, embed_group=None) -> StepResult:
-    """GPipe as a plain loop, one chunk per rank: all m forwards, then all m backwards, each
+    """GPipe as a plain loop, one chunk per rank (no DP, no SP): all m forwards, then all m backwards, each
     input received and each output sent with a blocking call. Why this order cannot hang under
     NCCL, where a send returns only once its receive is posted: a rank's sends wait only on the
     rank they go to, which posts the matching receive without waiting on the sender (its waits in
@@ -203,6 +203,8 @@ def gpipe_naive(chunk, batch, n_microbatches: int, group=None, embed_group=None)
     p = dist.get_world_size(group) if dist.is_initialized() else 1
     r, (x, y), m = dist.get_rank(group) if p > 1 else 0, batch, n_microbatches
     check_config("gpipe", p, m, batch_size=x.size(0))
+    if p > 1 and tied_parameter(chunk) is not None and embed_group is None:
+        raise ValueError("tied embeddings across stages need embed_group=embedding_group(...)")
     shape, n_tokens = (x.size(0) // m, x.size(1), chunk.config.n_embd), int((y != -1).sum())
     loss, stash, events, t0 = torch.zeros((), device=x.device), [], [], start_clock(group, p)
     for i, (inp, targets) in enumerate(zip(x.chunk(m), y.chunk(m))):  # inp: (b, T) ids

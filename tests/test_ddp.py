@@ -250,8 +250,15 @@ def case_dp_subgroups(rank, world):
 
 
 def case_missing_grad(rank, world):
-    """Every rank leaves `unused` out of the loss: every rank must raise, naming it. (The naive
-    wrapper does not check: it asks that every trainable parameter have a gradient.)"""
+    """Every rank leaves `unused` out of the loss: every rank must raise, naming it (the naive
+    wrapper when its loop reaches it, before any all-reduce of it)."""
+    naive = ddp.NaiveDataParallel(WithUnused())
+    naive(*batch("toy", 0, rank))[1].backward()
+    try:
+        naive.all_reduce_gradients()
+        naive_message = None
+    except RuntimeError as e:
+        naive_message = str(e)
     model = ddp.DataParallel(WithUnused(), bucket_mb=1e-7)  # the other buckets launch first
     _, loss = model(*batch("toy", 0, rank))
     try:
@@ -262,7 +269,7 @@ def case_missing_grad(rank, world):
     model.module.zero_grad(set_to_none=True)
     _, loss = model(*batch("toy", 1, rank), use_unused=True)
     loss.backward()  # the wrapper recovers: a complete backward synchronises again
-    return {"message": message, "syncs_after": model.stats["syncs"]}
+    return {"message": message, "syncs_after": model.stats["syncs"], "naive": naive_message}
 
 
 def case_zero(rank, world):
@@ -506,6 +513,7 @@ def test_a_parameter_without_gradient_raises_a_clear_error(world):
         assert msg is not None, "backward with an unused parameter did not raise"
         assert "unused.weight" in msg and "unused.bias" in msg and "no gradient" in msg
         assert res["syncs_after"] == 1  # and the next complete backward synchronised
+        assert "has no gradient" in (res["naive"] or ""), res["naive"]
 
 
 def _one_rank_skips(rank, world):
@@ -618,7 +626,7 @@ def test_the_demo_refuses_bad_flags_in_one_line(capsys):
     assert "error: --ranks and --check-steps must be >= 1" in capsys.readouterr().err
 
 
-EXIT_JOBS = 30  # ~30-60 s on 2 cores shared with two busy processes
+EXIT_JOBS = 45  # ~45-90 s on 2 cores shared with two busy processes
 
 
 def test_ranks_exit_cleanly_after_backward():
@@ -637,8 +645,8 @@ def test_ranks_exit_cleanly_after_backward():
     naive-only jobs: 0 aborted), so every job runs DataParallel, launching all-reduces both
     from hooks and from the end-of-backward callback. With its handles dropped the moment they
     are waited (broken on purpose), on 2 cores other work already loaded (load average 4 to
-    6): 3, 1, 5 and 0 of 30 jobs aborted, about 7.5% a job, so 30 jobs miss the bug with
-    probability about 0.925^30 = 10%; the fixed code: 0 of 90. Launched from hooks alone
+    6): 3, 1, 5 and 0 of 30 jobs aborted, about 7.5% a job, so 45 jobs miss the bug with
+    probability about 0.925^45 = 3% (30 would miss it 10% of the time); the fixed code: 0 of 90. Launched from hooks alone
     (no callback launch), it almost never showed: 1 of 165 jobs. The old script on the old
     code, broken alike, in the same hour: 2 and 4 of 30, every one a naive job (the naive
     wrapper then all-reduced from the callback)."""

@@ -458,6 +458,8 @@ def _accumulation_case(rank, world_size, wrapper):
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
     if wrapper == "ours":
         dp = importlib.import_module("03_ddp").DataParallel(model)
+    elif wrapper == "naive":
+        dp = importlib.import_module("03_ddp").NaiveDataParallel(model)
     else:
         dp = torch.nn.parallel.DistributedDataParallel(model)
         # DDP all-reduces from C++; this hook is its default one, called through Python's
@@ -466,6 +468,8 @@ def _accumulation_case(rank, world_size, wrapper):
     with counting_all_reduces(calls, forwards):
         n = mp.global_token_count(micro)
         loss = mp.accumulate_gradients(dp, micro, n, dp_size=world_size)
+        if wrapper == "naive":  # the explicit loop: after the step's last backward, once
+            dp.all_reduce_gradients()
     return {"grads": grads_of(model), "want": want, "calls": calls, "n": n, "loss": loss,
             "stats": dict(getattr(dp, "stats", {}))}  # fmt: skip
 
@@ -496,7 +500,7 @@ def _zero_case(rank, world_size):
 def _two_rank_world(rank, world_size):
     ddp = importlib.import_module("03_ddp")
     has_ours = hasattr(ddp, "DataParallel") and hasattr(ddp, "ZeroOptimizer")
-    wrappers = ["torch DDP"] + (["ours"] if has_ours else [])
+    wrappers = ["torch DDP"] + (["ours", "naive"] if has_ours else [])
     out = {"scaler": _scaler_cases(rank, world_size), "has_ours": has_ours}
     out.update({w: _accumulation_case(rank, world_size, w) for w in wrappers})
     out["zero"] = _zero_case(rank, world_size) if has_ours else None
@@ -519,7 +523,7 @@ def test_two_ranks_skip_together_when_one_overflows(two_ranks):
     assert alone == [[2, 9], [5, 6]], alone
 
 
-@pytest.mark.parametrize("wrapper", ["torch DDP", "ours"])
+@pytest.mark.parametrize("wrapper", ["torch DDP", "ours", "naive"])
 def test_dp_accumulation_equals_the_global_batch_with_one_all_reduce_round(two_ranks, wrapper):
     if wrapper not in two_ranks[0]:
         pytest.skip("03_ddp.DataParallel does not exist yet (checked with torch's DDP instead)")
@@ -530,9 +534,13 @@ def test_dp_accumulation_equals_the_global_batch_with_one_all_reduce_round(two_r
             torch.testing.assert_close(a, g, **EQUAL)
         # one all-reduce for the token count before any forward, then ONE bucket all-reduce,
         # fired by the last microbatch's backward (no_sync kept the first k-1 local)
-        assert r["calls"] == [0, k], f"rank {rank}: all-reduces at forward counts {r['calls']}"
+        # (the naive loop: one all-reduce per gradient tensor, all after the k-th forward)
+        calls = r["calls"] if wrapper != "naive" else sorted(set(r["calls"]))
+        assert calls == [0, k], f"rank {rank}: all-reduces at forward counts {r['calls']}"
         if wrapper == "ours":  # and 03's own counters agree: one bucket, one sync
             assert (r["stats"]["allreduce_calls"], r["stats"]["syncs"]) == (1, 1), r["stats"]
+        if wrapper == "naive":  # one round of one all-reduce per gradient tensor
+            assert r["stats"]["syncs"] == 1 and len(r["calls"]) == 1 + len(r["grads"]), r
     assert two_ranks[0][wrapper]["n"] == two_ranks[1][wrapper]["n"], "N is global"
     total_loss = sum(r[wrapper]["loss"] for r in two_ranks)
     torch.manual_seed(0)

@@ -226,6 +226,7 @@ def _bad_configs(rank, p):
             embed_group=embed_group,
         ),
         "no_embed_group": lambda: pp.pipeline_step(chunks, make_batch(4), 2, "1f1b", None),
+        "naive_no_embed_group": lambda: pp.gpipe_naive(chunks[0], make_batch(4), 2),
         "wrong_rank": lambda: pp.pipeline_step(
             pp.split_model(model, (rank + 1) % p, p),
             make_batch(4),
@@ -525,6 +526,7 @@ def test_bad_configurations_fail_before_any_send():
         "interleaved_m": "divisible by pp_size",
         "virtual_1f1b": "needs schedule='interleaved'",
         "no_embed_group": "embed_group",
+        "naive_no_embed_group": "embed_group",
         "wrong_rank": "not split for this rank",
     }
     for errors, _ in (r["bad"] for r in results):
