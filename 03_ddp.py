@@ -66,7 +66,7 @@ import torch.nn as nn
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 
-SUM = dist.ReduceOp.SUM  # never AVG: gloo does not have it (DESIGN §4)
+SUM = dist.ReduceOp.SUM  # never AVG: gloo does not have it
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, int, torch.device]:

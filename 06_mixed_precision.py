@@ -476,7 +476,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=8, help="rows per step; 2 per microbatch")
     parser.add_argument("--steps", type=int, default=50, help="fp32 steps before the gradients")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's; high for a short run")
-    parser.add_argument("--init-scale", type=float, default=2.0**16, help="S; GradScaler's")
+    parser.add_argument("--init-scale", type=float, default=2.0**16, help="S, underflow table")
     parser.add_argument("--accum", type=int, default=4, help="microbatches; 4 token counts")
     figure = "out/mixed_precision/grad_underflow.png"  # the README's: docs/grad_underflow.png
     parser.add_argument("--figure", default=figure, help="the histogram; out/ is git-ignored")

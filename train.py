@@ -5,7 +5,7 @@ inside a node and pipeline parallelism (05) across nodes, replicate the result w
 parallelism (03), train it in mixed precision (06), and make every step checkpointed, resumable
 bit for bit, evaluated, logged and measured.
 
-The grid (DESIGN §4): rank = (pp_rank * dp + dp_rank) * tp + tp_rank, i.e.
+The grid: rank = (pp_rank * dp + dp_rank) * tp + tp_rank, i.e.
 torch.arange(world).view(pp, dp, tp). TP is fastest-varying, so TP peers share a node and its
 NVLink; PP is slowest, so only pipeline sends cross nodes. For --dp 2 --tp 2 --pp 2 on 8 GPUs:
 
@@ -23,10 +23,10 @@ steps without PP, the pipeline's microbatches with it. Any (dp, tp, pp, micro) w
 gives the same loss curve as one process (fp32, up to rounding), as the tests prove.
 
 Launch:
-    python train.py                                          # laptop: prepares data, ~5 min CPU
+    python train.py                                          # laptop: prepares data, ~4 min CPU
     torchrun --standalone --nproc_per_node=8 train.py --dp 2 --tp 2 --pp 2
     torchrun --nnodes=N --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \\
-        train.py --model gpt2 --dp N --tp 8 ...              # a cluster (README: Slurm)
+        train.py --model gpt2 --dp N --tp 8 ...              # a cluster (docs/cluster.md: Slurm)
     python train.py --export out/run                         # one file from a sharded checkpoint
     python train.py --sample out/run/model.pt                # sample from an exported model
 
@@ -84,7 +84,7 @@ class TrainConfig:
     virtual_stages: int = flag(1, "model chunks per pipeline rank; > 1 needs interleaved")
     sequence_parallel: bool = flag(False, "with --tp: also shard LayerNorm/dropout activations along the sequence (04)")
     zero: bool = flag(False, "ZeRO-1: shard the AdamW state over the data-parallel group (03)")
-    # batch (DESIGN §4)
+    # batch (as Megatron: the global batch, in sequences)
     batch_size: int = flag(32, "global batch in sequences per optimizer step, all DP ranks together "
                                "(32 x 128 = 4,096 tokens on the CPU job)")
     micro_batch_size: int = flag(8, "sequences per microbatch per DP rank")
@@ -297,7 +297,7 @@ def prepare_default_data(cfg: TrainConfig, rank: int) -> None:
         time.sleep(1)
 
 
-# ------------------------------------- the process grid (DESIGN §4): arange(world).view(pp, dp, tp)
+# ----------------------------------------------- the process grid: arange(world).view(pp, dp, tp)
 @dataclass
 class Grid:
     rank: int = 0
@@ -389,7 +389,7 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device: torch.device)
             chunk.compile()  # in place: parameter names (and checkpoints) are unchanged
     if grid.dp > 1:
         chunks = [ddp_lib.DataParallel(c, group=grid.dp_group) for c in chunks]
-    # Dropout streams (DESIGN §4), one seed each, none shared: replicated activations draw from
+    # Dropout streams, one seed each, none shared: replicated activations draw from
     # the default generator, seeded per (stage, replica) and so alike on TP peers (their copies
     # must stay copies); sharded ones (heads; with SP, token shards) from 04's tracker, seeded
     # seed + 1 + world + global rank, i.e. per (stage, replica, TP rank).
@@ -529,7 +529,7 @@ def evaluate(run: Run, stop=lambda: False) -> float | None:
     return total.item() / run.cfg.eval_steps
 
 
-# ---------- checkpoints (DESIGN §5): a folder per step, one shard per rank, atomic, the last K kept
+# ---------- checkpoints: a folder per step, one shard per rank, atomic, the last K kept
 def ckpt_root(out_dir) -> Path:
     return Path(out_dir) / "checkpoints"
 

@@ -4,7 +4,7 @@
 
 1. The same 300 KB of text at vocab 512, three trainers side by side: ours (incremental pair
    counts), our naive trainer (recounts every pair after each merge, as minbpe) and tiktoken's
-   reference trainer (`tiktoken._educational.bpe_train`, also a full recount). DESIGN target:
+   reference trainer (`tiktoken._educational.bpe_train`, also a full recount). Target:
    ours >= 50x faster than the reference.
 2. Ours at vocab 4,096 on the whole standard-library corpus (~10 MB once 01 leaves out the
    generated tables). Target: <= 20 s.

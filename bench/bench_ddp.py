@@ -6,14 +6,14 @@ all-reduce the buckets hide behind backward, and ZeRO-1's optimizer state per ra
 One training step = forward, backward (with the gradient all-reduce), AdamW step, on the same
 GPT and the same batch for every variant. Variants alternate step by step in one run, so drift
 in the machine's speed hits all alike; each number is the median step of the slowest rank.
-Design target (DESIGN.md section 8): bucketed / DDP <= 1.10x.
+Target: bucketed / DDP <= 1.10x.
 
 The overlap table. compute: the same step without communication (under no_sync(); the naive
 wrapper simply skips all_reduce_gradients()). exposed = step - compute: the communication the
 step waited for. comm alone: the same collectives with no compute (naive: one blocking call per
 gradient; bucketed: every bucket in flight at once). hidden = 1 - exposed / comm alone: the
 share of the communication that ran behind backward. Naive starts communicating only after
-backward, so its 'hidden' is measurement noise. On a CPU, gloo's threads need the very cores
+backward, so nothing of it can hide (printed as —). On a CPU, gloo's threads need the very cores
 the compute uses, so little can hide (on 2 cores, about 0%); on GPUs NCCL runs beside the
 kernels, on its own stream, and the buckets hide most of it.
 
@@ -138,7 +138,10 @@ def bench_case(label, overrides, batch, bucket_mb, args, rank, device) -> float:
         exposed = step - compute
         line = f"  {name:<10} {step * 1e3:6.1f} ms {compute * 1e3:6.1f} ms {exposed * 1e3:6.1f} ms"
         if name in alone:
-            line += f" {alone[name] * 1e3:8.1f} ms {max(0.0, 1 - exposed / alone[name]):6.0%}"
+            hidden = max(0.0, 1 - exposed / alone[name])  # naive: nothing can hide, by design
+            line += f" {alone[name] * 1e3:8.1f} ms " + (
+                "     —" if name == "naive" else f"{hidden:6.0%}"
+            )
         ddp.print0(line)
     ratio = times["bucketed"][0] / times["torch DDP"][0]
     speedup = times["naive"][0] / times["bucketed"][0]

@@ -11,7 +11,7 @@ step by step, so drift in the machine's speed hits both alike; the median step t
 with the model FLOP/s it achieves (tokens/s x 02's flops_per_token; MFU divides that by a GPU's
 peak, train.py's peak_flops; a CPU has no entry). First it prints every preset's shape, size and
 FLOPs/token with attention's share of them (02_model.py's demo prints the sizes only).
-Design target (DESIGN.md section 8): ours at least as fast per step as the reference on CPU.
+Target: ours at least as fast per step as the reference on CPU.
 
 Run:  python bench/bench_model.py            (--help for flags; about a minute on 2 CPU cores)
 """

@@ -14,7 +14,7 @@ microbatch is also timed alone (the others parked in a barrier). "slowdown" is t
 rank in the pipelined step over m times that: about 1 when ranks run truly in parallel, about
 p / cores when p ranks share fewer cores, which stretches every action and distorts the bubble.
 
-Design target (DESIGN.md section 8): within 10% of the formula for GPipe and 1F1B, and the
+Target: within 10% of the formula for GPipe and 1F1B, and the
 interleaved bubble smaller by about v.
 
 Besides the table: the simulator's ideal timelines (05's `simulate`, t_f = t_b = 1) as text, and

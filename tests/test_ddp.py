@@ -5,7 +5,7 @@ step. Their mean losses L_r average to the loss L of one process on all N·ROWS 
 ∇L = 1/N Σ_r ∇L_r, so after identical optimizer steps every replica must hold exactly the
 parameters of a single process trained on the concatenated batch, up to fp32 rounding (the
 sums run in a different order). The single process runs right here, in the test; the ranks run
-in spawned gloo worlds, one world per world size, with every case inside it (DESIGN §6).
+in spawned gloo worlds, one world per world size, with every case inside it.
 """
 
 import contextlib

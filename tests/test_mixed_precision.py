@@ -408,7 +408,7 @@ def test_unequal_tokens_token_normalised_equals_big_batch_mean_of_means_does_not
 
 
 # ---------------------------------------------------------------------------------------------
-# two gloo ranks: one world, every case inside it (DESIGN §6)
+# two gloo ranks: one world, every case inside it
 # ---------------------------------------------------------------------------------------------
 @contextmanager
 def counting_all_reduces(log: list, forwards: list):
