@@ -532,7 +532,8 @@ def report_counts(variants, world, steps) -> None:
         stats = variants[name][0].stats
         calls, size = stats["allreduce_calls"] / steps, stats["allreduce_bytes"] / steps
         what = f"{'= S' if size == S else '!= S'}: {ring * size / 1e6:.2f} MB sent per rank"
-        print0(f"   {name:<9} {calls:4.0f} all-reduces of {size / 1e6:.2f} MB in all ({what})")
+        noun = "all-reduce " if calls == 1 else "all-reduces"
+        print0(f"   {name:<9} {calls:4.0f} {noun} of {size / 1e6:.2f} MB in all ({what})")
     stats = variants["bucketed + ZeRO-1"][1].stats
     calls, size = stats["broadcast_calls"] / steps, stats["broadcast_bytes"] / steps
     print0(f"   ZeRO-1    {calls:4.0f} broadcasts  of {size / 1e6:.2f} MB, updated parameters")

@@ -880,7 +880,7 @@ class Logger:
         mfu_text = "n/a" if util is None else f"{100 * util:.1f}%"
         ddp_lib.print0(
             f"step {step:5d} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
-            f"norm {stats['grad_norm']:.3f} | {tok_s:,.0f} tok/s ({tok_s / world:,.0f}/gpu) | "
+            f"norm {stats['grad_norm']:.3f} | {tok_s:,.0f} tok/s ({tok_s / world:,.0f}/rank) | "
             f"mfu {mfu_text} | mem {mem / 1e9:.2f} GB | eta {eta / 60:.1f} min"
         )
 
