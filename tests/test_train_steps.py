@@ -258,7 +258,7 @@ def test_default_data_that_cannot_be_prepared_is_one_train_line(tmp_path, monkey
 
 
 # ---------------------------------------------------------------------------------------------
-# Branches written for CUDA, run on the CPU through the same code (README: "On a GPU")
+# Branches written for CUDA, run on the CPU through the same code (docs/cluster.md: the branches only CUDA runs)
 # ---------------------------------------------------------------------------------------------
 def test_auto_dtype_is_bf16_only_on_a_gpu_that_has_it(monkeypatch):
     """resolve_dtype's CUDA branch with the GPU's answer faked: bf16 where the card supports it
