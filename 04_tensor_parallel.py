@@ -561,18 +561,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument(
-        "--ranks", type=int, default=2, help="ranks to start without torchrun; 2: the least split"
-    )
-    parser.add_argument(
-        "--preset", default="small", help="02's GPTConfig preset; small (4 heads) splits 2, 4 ways"
-    )
-    parser.add_argument(
-        "--batch-size", type=int, default=8, help="B; a few sequences reach every gradient"
-    )
-    parser.add_argument(
-        "--seed", type=int, default=1337, help="the model's and the batch's, alike on every rank"
-    )
+    parser.add_argument("--ranks", type=int, default=2, help="tp, started without torchrun")
+    parser.add_argument("--preset", default="small", help="02's preset; small: 4 heads, tp 2 or 4")
+    parser.add_argument("--batch-size", type=int, default=8, help="B; reaches every gradient")
+    parser.add_argument("--seed", type=int, default=1337, help="model and batch, alike on ranks")
     args = parser.parse_args(argv)
     tp = int(os.environ.get("WORLD_SIZE", args.ranks))
     try:  # bytes as tokens: 256 rows, padded to a multiple of 64 and of tp
