@@ -349,7 +349,10 @@ class Tokenizer:
         for p in (path, path.with_suffix(".json")):
             if not p.is_file():
                 raise FileNotFoundError(f"tokenizer file {p} not found (written by Tokenizer.save)")
-        vocab = {i: b for b, i in tiktoken.load.load_tiktoken_bpe(str(path)).items()}
+        # Read the file ourselves: tiktoken's load_tiktoken_bpe caches by path string, so a
+        # tokenizer retrained into the same path would load its old ranks.
+        lines = path.read_text().splitlines()
+        vocab = {int(i): base64.b64decode(b) for b, i in (line.split() for line in lines if line)}
         meta = json.loads(path.with_suffix(".json").read_text())
         merges = [(base64.b64decode(a), base64.b64decode(b)) for a, b in meta["merges"]]
         vocab.update({i: s.encode("utf-8") for s, i in meta["special_tokens"].items()})

@@ -2,6 +2,8 @@
 so tests import the numbered files with `importlib.import_module("01_data")`."""
 
 import importlib
+import os
+from pathlib import Path
 
 import pytest
 
@@ -17,3 +19,15 @@ def gpt2_encoding():
             "GPT-2's tokenizer files are unavailable (no network and no TIKTOKEN_CACHE_DIR with "
             f"them): {type(e).__name__}: {e}"
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiktoken_cache_untouched():
+    """CI points TIKTOKEN_CACHE_DIR at ../shared/, which must stay as shipped: the suite (and the
+    scripts it launches) may read that cache but never add or change a file in it."""
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR")
+    listing = lambda: {p.name: p.stat().st_mtime_ns for p in Path(cache).iterdir()}  # noqa: E731
+    before = listing() if cache and Path(cache).is_dir() else None
+    yield
+    if before is not None:
+        assert listing() == before, f"the test suite wrote into TIKTOKEN_CACHE_DIR={cache}"

@@ -199,15 +199,30 @@ def test_encode_iterable_runs_in_bounded_memory(trained):
     assert peak < 1_000_000, f"peak {peak / 1e6:.1f} MB for a 4 MB stream"
 
 
-def test_save_and_load_round_trip(tmp_path, trained):
+def test_save_and_load_round_trip(tmp_path, trained, monkeypatch):
     path = trained.save(tmp_path / "tok")
     assert path.suffix == ".tiktoken"
     loaded = data.Tokenizer.load(path)
     assert loaded.vocab == trained.vocab and loaded.merges == trained.merges
     assert loaded.special_tokens == trained.special_tokens
-    # the ranks file is tiktoken's own format
+    # the ranks file is tiktoken's own format ("" turns tiktoken's path-keyed file cache off)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
     assert tiktoken.load.load_tiktoken_bpe(str(path)) == trained.ranks
     assert data.get_tokenizer(str(path)).encode("hello" + EOT) == trained.encode("hello" + EOT)
+
+
+def test_retrained_tokenizer_loads_its_new_ranks(tmp_path, real_text, monkeypatch):
+    """Retrain into the same path at another size: load must read the new file, and write
+    nothing into tiktoken's cache (tiktoken's own loader caches by path string)."""
+    cache = tmp_path / "tiktoken_cache"
+    cache.mkdir()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    for vocab_size in (300, 280, 320):
+        tok = data.train_bpe(real_text[:20_000], vocab_size)
+        loaded = data.Tokenizer.load(tok.save(tmp_path / "tok"))
+        assert loaded.n_vocab == tok.n_vocab == vocab_size
+        assert loaded.vocab == tok.vocab and loaded.merges == tok.merges
+    assert list(cache.iterdir()) == [], "Tokenizer.load wrote into TIKTOKEN_CACHE_DIR"
 
 
 def test_three_tokenizers_share_one_interface(trained, gpt2_encoding):
