@@ -1,21 +1,17 @@
 """01 · Data: from text to tokens to batches.
 
-The idea in one sentence: a language model eats integers, so we learn a byte-level BPE vocabulary
-(the most frequent adjacent pair becomes a new token, again and again), encode the corpus once into
-a memory-mapped token file, and cut (x, y) batches from it as a pure function of the step.
+A language model eats integers: learn a byte-level BPE vocabulary (the most frequent adjacent pair
+becomes a new token, again and again), encode the corpus once into a memory-mapped token file,
+and cut (x, y) batches from it as a pure function of the step.
 
-The math of BPE training (Sennrich et al. 2016; GPT-2's byte-level variant, Radford et al. 2019):
+BPE (Sennrich et al. 2016; byte-level as in GPT-2, Radford et al. 2019) runs on the "words" of
+GPT-2's pre-tokenization regex, so no merge crosses a word boundary or a special token:
 
     start:  every word is its UTF-8 bytes            "hug" -> [h, u, g]       vocab = 256 bytes
     repeat: (a, b) = the most frequent adjacent pair, counted over words x their frequency
             vocab[256 + i] = vocab[a] + vocab[b];  replace every (a, b) by the new id
     ties:   among equal counts, the lexicographically greatest (bytes(a), bytes(b)) wins
-
-"Words" come from GPT-2's pre-tokenization regex, so a merge never crosses a space-word or
-letter/digit/punctuation boundary, and special tokens such as <|endoftext|> are cut out first.
-Simple first: `train_bpe_naive` recounts every pair after each merge (minbpe); `train_bpe` updates
-only the counts a merge touched and learns exactly the same merges, far faster. Encoding replays
-the merges: inside each word, merge the adjacent pair whose concatenation has the lowest rank.
+    encode: in each word, merge the adjacent pair whose concatenation has the lowest rank, repeat
 
 Who holds what (nothing is distributed yet, except who reads which window):
 
@@ -25,16 +21,10 @@ Who holds what (nothing is distributed yet, except who reads which window):
         dp_rank 0 -> perm_e[k*dp*B + 0*B : ... + B]     x = window[:-1], y = window[1:]
         dp_rank 1 -> perm_e[k*dp*B + 1*B : ... + B]     (disjoint from rank 0 in every step)
 
-Launch: `python 01_data.py` trains a 4,096-token BPE on the Python standard library's source (its
-generated tables left out) and writes shards to data/. It prints naive vs incremental training
-(same merges), our encoder against tiktoken's GPT-2, bytes per token on the validation text and
-one batch for each of two dp ranks. `--help` lists the options; bench/bench_data.py times them.
-
-This is the first file: it has no previous file to change. It leaves out, on purpose: Unicode
-normalisation, the regex-free fast trainers (tokenizers/sentencepiece) and document packing masks.
+Launch: `python 01_data.py` (a 4,096-token BPE on the standard library's source, shards in data/;
+timings: bench/bench_data.py). The first file, so nothing changed from a previous one. Left out
+on purpose: Unicode normalisation, regex-free fast trainers and document packing masks.
 """
-
-from __future__ import annotations
 
 import argparse
 import base64
@@ -47,8 +37,6 @@ import os
 import socket
 import sysconfig
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -67,49 +55,41 @@ GPT2_SPLIT_PATTERN = (
 EOT = "<|endoftext|>"
 GPT2_VOCAB_BPE = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
-SHAKESPEARE_URL = (
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-)
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 4  # header: magic, version, itemsize, count
 
 
 # --- BPE training: the naive trainer, then the incremental one --------------------------------
 def _special_splitter(specials):
-    """A regex that cuts text at special tokens (longest first, so one never hides another)."""
+    """Cuts text at special tokens, longest first (one never hides another); with none, never."""
     alternatives = sorted(specials, key=len, reverse=True)
-    return regex.compile("(" + "|".join(regex.escape(s) for s in alternatives) + ")")
+    return regex.compile("(" + ("|".join(map(regex.escape, alternatives)) or "(?!)") + ")")
 
 
-def _pretokenize(text: str, specials) -> Counter:
-    """Count each distinct pre-token (as bytes) once, with its frequency; specials are cut out."""
-    pattern = regex.compile(GPT2_SPLIT_PATTERN)
-    counts: Counter = Counter()
-    for part in _special_splitter(specials).split(text) if specials else [text]:
+def _pretokenize(text: str, specials) -> tuple[list[list[int]], list[int]]:
+    """Each distinct pre-token once, as its bytes, with its frequency; specials are cut out."""
+    pattern, counts = regex.compile(GPT2_SPLIT_PATTERN), Counter()
+    for part in _special_splitter(specials).split(text):
         if part not in specials:  # never merged across, never merged into
             counts.update(pattern.findall(part))
-    return Counter({w.encode("utf-8"): c for w, c in counts.items()})
+    return [list(w.encode("utf-8")) for w in counts], list(counts.values())
 
 
 def merge(ids: list[int], a: int, b: int, new_id: int) -> list[int]:
     """Replace each (a, b) in `ids` by `new_id`, left to right: "aaa" with (a, a) -> [aa, a]."""
     out, i = [], 0
     while i < len(ids):
-        if i + 1 < len(ids) and ids[i] == a and ids[i + 1] == b:
-            out.append(new_id)
-            i += 2
-        else:
-            out.append(ids[i])
-            i += 1
+        found = i + 1 < len(ids) and ids[i] == a and ids[i + 1] == b
+        out.append(new_id if found else ids[i])
+        i += 2 if found else 1
     return out
 
 
-def train_bpe_naive(text: str, vocab_size: int, special_tokens=(EOT,)) -> Tokenizer:
+def train_bpe_naive(text: str, vocab_size: int, special_tokens=(EOT,)) -> "Tokenizer":
     """The simple version (minbpe's BasicTokenizer, on GPT-2's pre-tokens): after every merge,
     recount every pair of every word. Each merge costs a pass over the whole corpus."""
     specials = list(special_tokens)
     assert vocab_size >= 256 + len(specials), f"vocab_size {vocab_size} < 256 bytes + specials"
-    word_counts = _pretokenize(text, specials)
-    words, freqs = [list(w) for w in word_counts], list(word_counts.values())
+    words, freqs = _pretokenize(text, specials)
     vocab = {i: bytes([i]) for i in range(256)}
     merges: list[tuple[bytes, bytes]] = []
     for new_id in range(256, vocab_size - len(specials)):
@@ -123,7 +103,7 @@ def train_bpe_naive(text: str, vocab_size: int, special_tokens=(EOT,)) -> Tokeni
         vocab[new_id] = vocab[a] + vocab[b]
         merges.append((vocab[a], vocab[b]))
         words = [merge(word, a, b, new_id) for word in words]
-    return Tokenizer.from_merges(merges, specials)
+    return Tokenizer(vocab, merges, specials)  # 256 bytes, the merges in order, the specials
 
 
 def _tie_key(token: bytes) -> tuple:
@@ -132,19 +112,14 @@ def _tie_key(token: bytes) -> tuple:
     return tuple(256 - x for x in token) + (257,)
 
 
-def train_bpe(text: str, vocab_size: int, special_tokens=(EOT,), verbose: bool = False):
-    """Learn `vocab_size - 256 - len(special_tokens)` merges on `text`; return a `Tokenizer`.
-
-    The same merges as `train_bpe_naive`, with pair counts updated incrementally: a merge of
-    (a, b) touches only the words that contain it (kept in `where`), so it costs the size of those
-    words, not of the corpus. The next pair comes from a lazy max-heap: entries whose count
-    changed since they were pushed are skipped when popped.
-    """
-    specials = list(special_tokens)
-    n_merges = vocab_size - 256 - len(specials)
+def train_bpe(text: str, vocab_size: int, special_tokens=(EOT,)) -> "Tokenizer":
+    """Learn `vocab_size - 256 - len(special_tokens)` merges: the same as `train_bpe_naive`, with
+    pair counts updated incrementally. A merge of (a, b) touches only the words that contain it
+    (kept in `where`), so it costs the size of those words, not of the corpus. The next pair
+    comes from a lazy max-heap: entries whose count changed since they were pushed are skipped."""
+    specials, n_merges = list(special_tokens), vocab_size - 256 - len(special_tokens)
     assert n_merges >= 0, f"vocab_size {vocab_size} < 256 bytes + {len(specials)} special tokens"
-    word_counts = _pretokenize(text, specials)
-    words, freqs = [list(w) for w in word_counts], list(word_counts.values())
+    words, freqs = _pretokenize(text, specials)
     vocab = {i: bytes([i]) for i in range(256)}
     keys = {i: _tie_key(vocab[i]) for i in range(256)}
     pair_counts: Counter = Counter()
@@ -156,7 +131,6 @@ def train_bpe(text: str, vocab_size: int, special_tokens=(EOT,), verbose: bool =
     heap = [(-c, keys[p[0]] + keys[p[1]], p) for p, c in pair_counts.items()]
     heapq.heapify(heap)
     merges: list[tuple[bytes, bytes]] = []
-    start = time.perf_counter()
     while len(merges) < n_merges and heap:
         neg_count, _, pair = heapq.heappop(heap)
         if pair_counts.get(pair, 0) != -neg_count:
@@ -170,11 +144,7 @@ def train_bpe(text: str, vocab_size: int, special_tokens=(EOT,), verbose: bool =
                 heapq.heappush(heap, (-pair_counts[p], keys[p[0]] + keys[p[1]], p))
             else:
                 del pair_counts[p]
-        if verbose and len(merges) % 100 == 0:
-            progress("merges", len(merges), n_merges, start)
-    if verbose:  # the last line, ended; it shows fewer merges when the text ran out of pairs
-        progress("merges", len(merges), len(merges), start)
-    return Tokenizer.from_merges(merges, specials)
+    return Tokenizer(vocab, merges, specials)  # 256 bytes, the merges in order, the specials
 
 
 def _apply_merge(pair, new_id, words, freqs, pair_counts, where) -> set:
@@ -200,47 +170,32 @@ def _apply_merge(pair, new_id, words, freqs, pair_counts, where) -> set:
 def progress(what: str, done: float, total: float, start: float, unit: str = "") -> None:
     """Redraw one progress line in place, with the ETA; the call with done == total ends it."""
     elapsed = time.perf_counter() - start
-    eta, digits = elapsed / max(done, 1e-9) * (total - done), 1 if unit else 0
-    status = f"{done:,.{digits}f}/{total:,.{digits}f}{unit}, ETA {eta:.1f} s ({elapsed:.1f} s)"
+    eta = elapsed / max(done, 1e-9) * (total - done)
+    status = f"{done:,.1f}/{total:,.1f}{unit}, ETA {eta:.1f} s ({elapsed:.1f} s)"
     print(f"\r  {what}: {status}", end="\n" if done >= total else "", flush=True)
 
 
 # --- Tokenizers: our BPE, bytes ("char"), and GPT-2 through tiktoken, all with one interface --
 class Tokenizer:
-    """Byte-level BPE with a pure-Python encoder that gives exactly tiktoken's ids. `vocab` maps
-    id -> bytes (the 256 single bytes included); an id is also the token's merge rank. `merges`
-    lists the learned pairs in order."""
+    """Byte-level BPE whose pure-Python encoder gives exactly tiktoken's ids. `vocab`: id -> bytes,
+    the 256 single bytes included (an id is also the merge rank); `merges`: the pairs, in order."""
 
-    def __init__(
-        self, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], special_tokens=None
-    ):
+    def __init__(self, vocab: dict[int, bytes], merges: list, special_tokens=None):
         self.vocab, self.merges = dict(vocab), list(merges)
-        special_tokens = list(special_tokens or [])
-        as_bytes = {s.encode("utf-8") for s in special_tokens}
+        as_bytes = {s.encode("utf-8") for s in special_tokens or []}
         self.ranks = {b: i for i, b in self.vocab.items() if b not in as_bytes}
         missing = [x for x in range(256) if bytes([x]) not in self.ranks]
         assert not missing, f"vocab lacks single-byte tokens {missing[:5]}...: cannot encode"
         for a, b in self.merges:
             assert a + b in self.ranks, f"merge {a!r} + {b!r} has no token in the vocab"
-        by_bytes = {b: i for i, b in self.vocab.items()}
         self.special_tokens = {}
-        for s in special_tokens:  # specials keep their vocab id, or are appended after it
-            i = by_bytes.get(s.encode("utf-8"), max(self.vocab) + 1)
-            self.vocab[i], self.special_tokens[s] = s.encode("utf-8"), i
+        for s in special_tokens or []:  # specials keep their vocab id, or are appended after it
+            i = next((j for j, b in self.vocab.items() if b == s.encode()), max(self.vocab) + 1)
+            self.vocab[i], self.special_tokens[s] = s.encode(), i
+        self.n_vocab = max(self.vocab) + 1
         self._pattern = regex.compile(GPT2_SPLIT_PATTERN)
-        self._splitter = _special_splitter(self.special_tokens) if self.special_tokens else None
+        self._splitter = _special_splitter(self.special_tokens)
         self._cache: dict[bytes, list[int]] = {}
-
-    @classmethod
-    def from_merges(cls, merges, special_tokens=(EOT,)) -> Tokenizer:
-        """The layout train_bpe produces: 256 bytes, then the merges in order, then specials."""
-        vocab = {i: bytes([i]) for i in range(256)}
-        vocab.update({256 + i: a + b for i, (a, b) in enumerate(merges)})
-        return cls(vocab, merges, list(special_tokens))
-
-    @property
-    def n_vocab(self) -> int:
-        return max(self.vocab) + 1
 
     @property
     def eot_token(self) -> int:
@@ -249,21 +204,18 @@ class Tokenizer:
 
     def _bpe(self, word: bytes) -> list[int]:
         """BPE on one pre-token, step by step: merge the lowest-ranked adjacent pair, repeat."""
-        if word in self._cache:
-            return self._cache[word]
-        parts = [bytes([x]) for x in word]
-        while len(parts) > 1:
-            best_rank, best_i = None, -1
-            for i in range(len(parts) - 1):
-                rank = self.ranks.get(parts[i] + parts[i + 1])
-                if rank is not None and (best_rank is None or rank < best_rank):
-                    best_rank, best_i = rank, i  # strict <: the leftmost wins ties, as tiktoken
-            if best_rank is None:
-                break
-            parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
-        if len(self._cache) > 100_000:  # bounded memory for encode_iterable on huge streams
-            self._cache.clear()
-        self._cache[word] = [self.ranks[p] for p in parts]
+        if word not in self._cache:
+            parts = [bytes([x]) for x in word]
+            while len(parts) > 1:
+                # a pair that is no token gets rank n_vocab, above every token's
+                ranks = [self.ranks.get(a + b, self.n_vocab) for a, b in zip(parts, parts[1:])]
+                if min(ranks) == self.n_vocab:
+                    break
+                i = ranks.index(min(ranks))  # the leftmost of equal pairs ("aaa"), as tiktoken
+                parts[i : i + 2] = [parts[i] + parts[i + 1]]
+            if len(self._cache) > 100_000:  # bounded memory for encode_iterable on huge streams
+                self._cache.clear()
+            self._cache[word] = [self.ranks[p] for p in parts]
         return self._cache[word]
 
     def encode_ordinary(self, text: str) -> list[int]:
@@ -273,15 +225,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Encode; special tokens in the text become their ids (tiktoken's allowed_special="all")."""
         ids = []
-        for part in self._splitter.split(text) if self._splitter else [text]:
+        for part in self._splitter.split(text):
             special = self.special_tokens.get(part)
             ids.extend(self.encode_ordinary(part) if special is None else [special])
         return ids
 
     def encode_iterable(self, chunks):
-        """Stream ids from an iterable of strings (e.g. an open file) in bounded memory; the ids
-        equal `encode("".join(chunks))`. A chunk boundary can fall inside a pre-token or a special
-        token, so each round emits only what more text cannot change, and buffers the rest."""
+        """Stream ids from an iterable of strings (an open file) in bounded memory, equal to
+        `encode("".join(chunks))`: each round emits only what more text cannot change."""
         buf = ""
         for chunk in chunks:
             buf += chunk
@@ -291,26 +242,18 @@ class Tokenizer:
         yield from self.encode(buf)
 
     def _encode_stable_prefix(self, buf: str) -> tuple[list[int], str]:
-        """Encode the part of `buf` that more text cannot change; return (ids, the rest).
-
-        - A tail that could be the start of a special token is held back.
-        - Text up to the last complete special token is final: encode it as usual.
-        - After it, every pre-token but the last is final (a pre-token depends on at most one
-          character after it). The last may grow, and whether it touches the end of the string
-          matters (the pattern's "whitespace at the end" branch), so it stays in the buffer.
-        """
-        hold = len(buf)
-        longest = max((len(s) for s in self.special_tokens), default=1)
+        """(ids of what more text cannot change, the rest). Held back: a tail that may begin a
+        special token, and the last pre-token (it may grow, or stop matching "\\s++$"); a
+        pre-token depends on at most one character after it, so the others are final."""
+        hold, longest = len(buf), max(map(len, self.special_tokens), default=1)
         for i in range(max(0, len(buf) - longest + 1), len(buf)):
             if any(s.startswith(buf[i:]) for s in self.special_tokens):
                 hold = i
                 break
-        ends = [m.end() for m in self._splitter.finditer(buf, 0, hold)] if self._splitter else []
-        start = ends[-1] if ends else 0
+        start = max((m.end() for m in self._splitter.finditer(buf, 0, hold)), default=0)
         ids = self.encode(buf[:start])
-        # subtle: emit the pre-tokens found in the *whole* buffer. Re-encoding the prefix as its
-        # own string would let "whitespace at the end" match at the artificial end: the buffer
-        # "a \nb" splits as "a", " ", "\n", "b", but the prefix "a \n" as "a", " \n".
+        # subtle: emit the pre-tokens of the *whole* buffer. As its own string, the prefix "a \n"
+        # of "a \nb" would split as "a", " \n" (whitespace at the end), not as "a", " ", "\n".
         matches = list(self._pattern.finditer(buf, start, hold))
         for m in matches[:-1]:
             ids.extend(self._bpe(m.group().encode("utf-8")))
@@ -321,30 +264,24 @@ class Tokenizer:
 
     def to_tiktoken(self, name: str = "bpe") -> tiktoken.Encoding:
         """The same ranks handed to tiktoken's Rust encoder (hundreds of times faster)."""
+        specials = self.special_tokens
         return tiktoken.Encoding(
-            name,
-            pat_str=GPT2_SPLIT_PATTERN,
-            mergeable_ranks=self.ranks,
-            special_tokens=self.special_tokens,
+            name, pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=self.ranks, special_tokens=specials
         )
 
-    def save(self, path, **extra) -> Path:
-        """Write `X.tiktoken` (tiktoken's own rank format) and `X.json` (specials, merges and
-        any `extra` notes, such as what it was trained on)."""
+    def save(self, path) -> Path:
+        """Write X.tiktoken (tiktoken's own rank format) and X.json (specials and merges)."""
         path = Path(path).with_suffix(".tiktoken")
         b64 = lambda b: base64.b64encode(b).decode("ascii")  # noqa: E731
-        ranks = "".join(
-            f"{b64(b)} {i}\n" for b, i in sorted(self.ranks.items(), key=lambda t: t[1])
-        )
-        meta = {"format": "llm-course-bpe/1", "pattern": GPT2_SPLIT_PATTERN, **extra}
-        meta["special_tokens"] = self.special_tokens
+        ranks = "".join(f"{b64(b)} {i}\n" for i, b in sorted((i, b) for b, i in self.ranks.items()))
+        meta = {"pattern": GPT2_SPLIT_PATTERN, "special_tokens": self.special_tokens}
         meta["merges"] = [[b64(a), b64(b)] for a, b in self.merges]
         atomic_write(path, lambda tmp: tmp.write_text(ranks))
         atomic_write(path.with_suffix(".json"), lambda tmp: tmp.write_text(json.dumps(meta)))
         return path
 
     @classmethod
-    def load(cls, path) -> Tokenizer:
+    def load(cls, path) -> "Tokenizer":
         path = Path(path).with_suffix(".tiktoken")
         for p in (path, path.with_suffix(".json")):
             if not p.is_file():
@@ -360,9 +297,8 @@ class Tokenizer:
 
 
 def gpt2_tokenizer() -> Tokenizer:
-    """GPT-2's own 50,000 merges, read from the vocab.bpe file tiktoken caches, as a Tokenizer.
-    vocab.bpe writes byte b as chr(b) when printable, else as chr(256 + n) for the n-th
-    unprintable byte; GPT-2's ids 0..255 follow that order, so the ids equal tiktoken's "gpt2"."""
+    """GPT-2's own 50,000 merges, from the vocab.bpe tiktoken caches. It writes byte b as chr(b)
+    if printable, else chr(256 + n) for the n-th other byte; GPT-2's ids 0..255 follow suit."""
     text = tiktoken.load.read_file_cached(GPT2_VOCAB_BPE, GPT2_VOCAB_BPE_SHA256).decode("utf-8")
     printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
     others = [b for b in range(256) if b not in printable]
@@ -374,48 +310,31 @@ def gpt2_tokenizer() -> Tokenizer:
     return Tokenizer(vocab, merges, [EOT])
 
 
-class CharTokenizer:
-    """The smallest tokenizer: one token per UTF-8 byte (one per character for ASCII text), plus
-    <|endoftext|> as id 256. It needs no training, so every text can be encoded."""
+class CharTokenizer(Tokenizer):
+    """The smallest tokenizer is a BPE with no merges: one token per UTF-8 byte (one per character
+    for ASCII text), plus <|endoftext|> as id 256. It needs no training."""
 
-    n_vocab, eot_token, name = 257, 256, "char"
+    n_vocab = 257  # on the class too: 03_ddp.py reads CharTokenizer.n_vocab
 
-    def encode_ordinary(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode(self, text: str) -> list[int]:
-        ids = []
-        for i, part in enumerate(text.split(EOT)):
-            ids.extend(([self.eot_token] if i else []) + self.encode_ordinary(part))
-        return ids
-
-    def encode_ordinary_batch(self, texts, num_threads: int = 1) -> list[list[int]]:
-        return [np.frombuffer(t.encode("utf-8"), np.uint8).tolist() for t in texts]
-
-    def decode(self, ids) -> str:
-        pieces = (EOT.encode() if i == self.eot_token else bytes([i]) for i in ids)
-        return b"".join(pieces).decode("utf-8", errors="replace")
+    def __init__(self):
+        super().__init__({i: bytes([i]) for i in range(256)}, [], [EOT])
 
 
 def get_tokenizer(name: str):
     """ "gpt2" (tiktoken), "char", or the path of a tokenizer saved by `Tokenizer.save`."""
-    if name == "gpt2":
-        try:
-            return tiktoken.get_encoding("gpt2")
-        except Exception as e:  # noqa: BLE001 - network or cache failure; say what to do
-            raise RuntimeError(
-                f"cannot load GPT-2's tokenizer ({type(e).__name__}: {e}). It is downloaded "
-                "once; offline, set TIKTOKEN_CACHE_DIR to a folder holding its files, or use "
-                "--tokenizer char"
-            ) from e
     if name == "char":
         return CharTokenizer()
-    if Path(name).with_suffix(".tiktoken").is_file():
-        return Tokenizer.load(name)
-    raise ValueError(
-        f"unknown tokenizer {name!r}: use 'gpt2', 'char', or the path of a saved "
-        "BPE tokenizer (the .tiktoken file written by 01_data.py)"
-    )
+    if name != "gpt2":
+        if Path(name).with_suffix(".tiktoken").is_file():
+            return Tokenizer.load(name)
+        raise ValueError(f"unknown tokenizer {name!r}: use 'gpt2', 'char' or a saved BPE's path")
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # noqa: BLE001 - network or cache failure; say what to do
+        raise RuntimeError(
+            f"cannot load GPT-2's tokenizer ({type(e).__name__}: {e}). It is downloaded once; "
+            "offline, set TIKTOKEN_CACHE_DIR to a folder holding its files, or use --tokenizer char"
+        ) from e
 
 
 def fast_encoder(tok):
@@ -423,47 +342,27 @@ def fast_encoder(tok):
     return tok.to_tiktoken() if isinstance(tok, Tokenizer) else tok
 
 
-# --- Sources: the standard library (default, offline), a path/dir/glob, or tiny-shakespeare ---
+# --- Sources: the standard library (the default, offline), or a file, folder or glob -----------
 def is_table(text: str) -> bool:
-    """Generated data, not code: more than 60% of the code lines (not blank, not comments) open
-    with a string or number literal. That is the charmap codecs in encodings/ (a 256-entry
-    `decoding_table` each), pydoc_data/topics.py (Sphinx's help text), html/entities.py,
-    stringprep.py's Unicode tables and locale's alias table; Python code scores under 30%."""
+    """Generated data, not code: over 60% of the code lines open with a string or number literal
+    (charmap codecs, pydoc_data/topics.py, Unicode and locale tables); Python scores under 30%."""
     lines = [s for s in text.splitlines() if s.strip() and not s.lstrip().startswith("#")]
     literal = regex.compile(r"""\s*(?:[rbuRBU]?['"]|[-+]?\d)""")
     return sum(bool(literal.match(s)) for s in lines) > 0.6 * len(lines)
 
 
 def stdlib_files() -> list[Path]:
-    """The Python standard library's .py files, in sorted order, without tests, site-packages
-    and generated tables (`is_table`: ~20% of the bytes), so a model trained on it writes Python."""
+    """The standard library's .py files, sorted, without tests, site-packages and generated
+    tables (`is_table`: ~20% of the bytes), so a model trained on it writes Python."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
     files = [f for f in sorted(root.rglob("*.py")) if not skip & set(f.relative_to(root).parts)]
     return [f for f in files if not is_table(f.read_text("utf-8", errors="replace"))]
 
 
-def download_shakespeare(cache_dir="data/downloads") -> Path:
-    """Fetch tiny-shakespeare once into a cache (only when the user asks for it)."""
-    path = Path(cache_dir) / "tinyshakespeare.txt"
-    try:
-        if not path.is_file():
-            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=20) as r:
-                body = r.read()
-            atomic_write(path, lambda tmp: tmp.write_bytes(body))
-    except (urllib.error.URLError, OSError) as e:
-        raise RuntimeError(
-            f"could not download tiny-shakespeare from {SHAKESPEARE_URL} ({e}); "
-            "if you are offline, pass a local text file: --source path/to/file.txt"
-        ) from e
-    return path
-
-
 def is_binary(raw: bytes) -> bool:
-    """Binary = a NUL byte, or bytes that are not UTF-8, in the first 8 KB (git sniffs 8,000):
-    text has no NUL and our BPE reads UTF-8, while a PNG opens with 0x89 (no UTF-8 lead byte),
-    an ELF header holds NULs and random bytes are not UTF-8. Only the head is judged, so a stray
-    bad byte deep in a text file becomes U+FFFD instead of losing the file."""
+    """A NUL, or bytes that are not UTF-8, in the first 8 KB (git sniffs 8,000): PNG, ELF, random
+    bytes. Only the head is judged: a stray bad byte deep in a text file becomes U+FFFD."""
     try:  # subtle: the 8 KB cut can split a character; unless the file ends there, wait for it
         codecs.getincrementaldecoder("utf-8")().decode(raw[:8192], final=len(raw) <= 8192)
     except UnicodeDecodeError:
@@ -473,8 +372,8 @@ def is_binary(raw: bytes) -> bool:
 
 def source_files(source: str) -> list[Path]:
     """Resolve --source to a sorted list of files, or fail with a message that says how."""
-    if source in ("stdlib", "shakespeare"):
-        return stdlib_files() if source == "stdlib" else [download_shakespeare()]
+    if source == "stdlib":
+        return stdlib_files()
     p = Path(source)
     if p.is_file():
         return [p]
@@ -482,23 +381,17 @@ def source_files(source: str) -> list[Path]:
     files = sorted(f for f in found if f.is_file())
     if not files:
         raise FileNotFoundError(
-            f"source {source!r} is not a file, a directory with files or a "
-            "glob that matches any; use --source stdlib, shakespeare or PATH"
+            f"source {source!r} is not a file, a directory with files or a matching glob"
         )
     return files
 
 
-def read_documents(files, source=None) -> list[str]:
-    """Each file is one document; binary files (see `is_binary`) are skipped and counted. With
-    `source` named, a corpus left with no text (a binary or empty file named alone, a folder of
-    binaries) is a one-line ValueError."""
-    docs, n_binary = [], 0
-    for f in files:
-        raw = Path(f).read_bytes()
-        if is_binary(raw):
-            n_binary += 1
-        else:
-            docs.append(raw.decode("utf-8", errors="replace"))
+def read_documents(files: list, source=None) -> list[str]:
+    """Each file is one document; binary files (`is_binary`) are skipped and counted. With
+    `source` named, a corpus left with no text is a one-line ValueError."""
+    raws = (Path(f).read_bytes() for f in files)
+    docs = [raw.decode("utf-8", errors="replace") for raw in raws if not is_binary(raw)]
+    n_binary = len(files) - len(docs)
     if source is not None and not any(d.strip() for d in docs):
         why = f"{n_binary} of {len(files)} files binary (NUL or not UTF-8)"
         why = why if n_binary else "empty or whitespace only"
@@ -510,9 +403,8 @@ def read_documents(files, source=None) -> list[str]:
 
 # --- Prepare: documents -> token shards on disk -----------------------------------------------
 def atomic_write(path, write) -> None:
-    """`write(tmp)` writes a temporary file (a Path in the same folder), which is fsynced and
-    renamed over `path`, then the folder is fsynced: readers see the old file or the new one,
-    never half of one, even after a crash."""
+    """`write(tmp)` fills a temporary file in the same folder; it is fsynced, renamed over `path`,
+    and the folder fsynced: readers see the old file or the new, never half, even after a crash."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # same folder: rename is atomic. Host and pid: nodes sharing a filesystem reuse pids
@@ -534,11 +426,6 @@ def fsync_dir(path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def shard_dtype(n_vocab: int):
-    """uint16 while every id fits (n_vocab <= 65,536), else uint32."""
-    return np.uint16 if n_vocab - 1 <= np.iinfo(np.uint16).max else np.uint32
 
 
 def write_shard(path, tokens: np.ndarray) -> None:
@@ -570,38 +457,22 @@ def split_val(docs: list[str], val_fraction: float) -> tuple[list[str], list[str
 
 
 def encode_documents(enc, docs, eot: int, label: str) -> np.ndarray:
-    """tiktoken's batch encoder with threads, ~8 MB at a time, EOT between documents."""
-    threads, pieces, done, batch = os.cpu_count() or 1, [], 0, []
-    start, total = time.perf_counter(), sum(map(len, docs))
-    for i, doc in enumerate(docs):
-        batch.append(doc)
-        if sum(map(len, batch)) >= 8_000_000 or i == len(docs) - 1:
-            for ids in enc.encode_ordinary_batch(batch, num_threads=threads):
-                if pieces:  # between documents: not before the first, not after the last
-                    pieces.append(np.array([eot], np.int64))
-                pieces.append(np.asarray(ids, np.int64))
-            done += sum(map(len, batch))
-            progress(f"encode {label}", done / 1e6, total / 1e6, start, unit=" MB")
-            batch = []
-    return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+    """tiktoken's batch encoder with threads, 256 documents at a time, EOT between documents."""
+    pieces, start, total, done = [], time.perf_counter(), sum(map(len, docs)), 0
+    for i in range(0, len(docs), 256):
+        for ids in enc.encode_ordinary_batch(docs[i : i + 256], num_threads=os.cpu_count() or 1):
+            pieces += [np.array([eot], np.int64), np.asarray(ids, np.int64)]  # EOT between docs
+        done += sum(map(len, docs[i : i + 256]))
+        progress(f"encode {label}", done / 1e6, total / 1e6, start, unit=" MB")
+    return np.concatenate(pieces[1:]) if pieces else np.zeros(0, np.int64)  # no EOT before doc 0
 
 
-def prepare(
-    source="stdlib",
-    tokenizer="gpt2",
-    out_dir="data/stdlib-gpt2",
-    val_fraction=0.05,
-    block_size=1024,
-    tokenizer_name=None,
-    before_write=None,
-) -> dict:
+def prepare(source, tokenizer, out_dir, val_fraction=0.05, block_size=1024, tokenizer_name=None,
+            before_write=None) -> dict:  # fmt: skip
     """Encode `source` with `tokenizer` into OUT/train.bin, OUT/val.bin and OUT/meta.json.
-
-    Idempotent: when meta.json already describes the same inputs, nothing is done. Atomic: the
-    shards are renamed into place only when whole, and meta.json (the "done" marker) comes last.
-    Bad input (missing, empty, binary, too short) raises ValueError or FileNotFoundError with a
-    one-line message before anything is written; `before_write()` runs once every check passed.
-    """
+    Idempotent: nothing is done when meta.json describes the same inputs. Atomic: shards are
+    renamed into place only when whole, meta.json (the "done" marker) last. Bad input raises a
+    one-line ValueError or FileNotFoundError before any write; then `before_write()` runs."""
     before_write = before_write or (lambda: None)
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     name = tokenizer_name or (tokenizer if isinstance(tokenizer, str) else type(tok).__name__)
@@ -610,15 +481,13 @@ def prepare(
     inputs = json.dumps(stats + [name, tok.n_vocab, val_fraction, block_size]).encode()
     fingerprint = hashlib.sha256(inputs).hexdigest()
     out, meta_path = Path(out_dir), Path(out_dir) / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        same_inputs = meta.get("fingerprint") == fingerprint
-        if same_inputs and all((out / s).is_file() for s in meta["files"]):
-            print(f"{out}: already prepared from the same inputs, nothing to do")
-            before_write()  # the inputs passed before; e.g. a tokenizer deleted by hand comes back
-            return meta
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    if meta.get("fingerprint") == fingerprint and all((out / s).is_file() for s in meta["files"]):
+        print(f"{out}: already prepared from the same inputs, nothing to do")
+        before_write()  # the inputs passed before; e.g. a tokenizer deleted by hand comes back
+        return meta
     docs = read_documents(files, source)
-    enc, dtype = fast_encoder(tok), shard_dtype(tok.n_vocab)
+    enc, dtype = fast_encoder(tok), np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
     splits = {
         split: encode_documents(enc, part, tok.eot_token, split)
         for split, part in zip(("train", "val"), split_val(docs, val_fraction))
@@ -632,24 +501,20 @@ def prepare(
     before_write()  # every check passed: the first write (main saves its new tokenizer here)
     for split, ids in splits.items():
         write_shard(out / f"{split}.bin", ids.astype(dtype))
+        print(f"  {out / split}.bin: {len(ids):,} tokens of {np.dtype(dtype).name}")
     meta = dict(tokenizer=name, vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source)
     meta.update(dtype=np.dtype(dtype).name, n_documents=len(docs), val_fraction=val_fraction)
     meta.update(n_bytes=sum(len(d.encode("utf-8")) for d in docs), files=["train.bin", "val.bin"])
-    meta.update(train_tokens=len(splits["train"]), val_tokens=len(splits["val"]))
-    meta["fingerprint"] = fingerprint
+    meta.update(fingerprint=fingerprint, **{f"{s}_tokens": len(ids) for s, ids in splits.items()})
     atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     return meta
 
 
 # --- The loader: (x, y) = f(seed, step, dp_rank, dp_size), nothing else -----------------------
 class DataLoader:
-    """Batches of B windows of T+1 tokens from a memory-mapped shard.
-
-    The shard is cut into non-overlapping windows. Each epoch has its own permutation of them,
-    seeded by (seed, epoch); step s takes the next dp_size*B windows of that permutation and rank
-    r takes its own B of them. So a batch is a pure function of (seed, step, dp_rank, dp_size):
-    a resumed run sees exactly the same batches, and ranks never share a window within a step.
-    """
+    """B windows of T+1 tokens per rank and step, from a memory-mapped shard. Epoch e permutes the
+    non-overlapping windows with seed (seed, e); step s takes the next dp_size*B, rank r its own B:
+    a pure function of (seed, step, dp_rank, dp_size), so a resumed run sees the same batches."""
 
     def __init__(
         self, data_dir, split, batch_size, block_size, seed=0, dp_rank=0, dp_size=1, device="cpu"
@@ -704,24 +569,20 @@ def show_naive_vs_incremental(text: str, vocab_size: int) -> None:
     print(f"BPE on {len(text) / 1e3:.0f} KB, vocab {vocab_size}: {took}, same merges: {same}")
 
 
-def show_tokenizers(name: str, tok, val_text: str) -> None:
-    """Our encoder, given GPT-2's own merges, against tiktoken's GPT-2 (Rust); then bytes per
-    token (higher = fewer tokens) on the validation text, which no tokenizer was trained on."""
-    encoders = {name: fast_encoder(tok), "char": CharTokenizer()}
+def show_tokenizers(name: str, tok, text: str) -> None:
+    """Our encoder with GPT-2's own merges against tiktoken's GPT-2 (Rust); then bytes per token
+    (higher = fewer tokens) on the validation text, which no tokenizer was trained on."""
+    encoders = {name: fast_encoder(tok), "char": fast_encoder(CharTokenizer())}
     try:
-        ref, ours = get_tokenizer("gpt2"), gpt2_tokenizer()
+        ref, ours, sample = get_tokenizer("gpt2"), gpt2_tokenizer(), text[:200_000]
     except Exception as e:  # noqa: BLE001 - offline without TIKTOKEN_CACHE_DIR: say so, go on
         print(f"ours == tiktoken: skipped: GPT-2's files cannot be loaded ({e!r:.80})")
     else:
-        encoders["gpt2"], sample = ref, val_text[:200_000]
+        encoders["gpt2"] = ref
         same = ours.encode(sample) == ref.encode(sample, allowed_special="all")
-        print(
-            f"ours == tiktoken: {same} (GPT-2's merges on {len(sample) / 1e3:.0f} KB of val text)"
-        )
-    n = len(val_text.encode("utf-8"))
-    scores = [
-        f"{k} {n / max(1, len(e.encode_ordinary(val_text))):.2f}" for k, e in encoders.items()
-    ]
+        print(f"ours == tiktoken: {same} (GPT-2's merges, {len(sample) / 1e3:.0f} KB of val text)")
+    n = len(text.encode("utf-8"))
+    scores = [f"{k} {n / max(1, len(e.encode_ordinary(text))):.2f}" for k, e in encoders.items()]
     print(f"bytes per token on the val split, which no tokenizer trained on: {', '.join(scores)}")
 
 
@@ -734,9 +595,8 @@ def show_loader(out: Path, tok) -> None:
         print(f"loader: skipped: {e}")
         return
     ids = [set(ld.window_ids(0).tolist()) for ld in loaders]
-    print(
-        f"loader, step 0, B={B}, T={T}: windows {ids[0]} and {ids[1]}, disjoint: {not ids[0] & ids[1]}"
-    )
+    disjoint = not ids[0] & ids[1]
+    print(f"loader, step 0, B={B}, T={T}: windows {ids[0]} and {ids[1]}, disjoint: {disjoint}")
     for r, ld in enumerate(loaders):
         x, y = ld.get_batch(0)  # (B, T) each
         text = " | ".join(f"{tok.decode(row[:6].tolist())!r}" for row in (x[0], y[0]))
@@ -747,27 +607,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    parser.add_argument(
-        "--source",
-        default="stdlib",
-        help="stdlib (Python's own source: every install has it, no network), shakespeare "
-        "(downloaded once), or a text file, folder or glob",
-    )
-    parser.add_argument(
-        "--tokenizer",
-        default="bpe",
-        help="bpe (ours, trained here: the lesson), gpt2, char, or a saved .tiktoken",
-    )
-    parser.add_argument(
-        "--vocab-size", type=int, default=4096, help="BPE vocabulary; 4,096 trains in seconds"
-    )
-    parser.add_argument(
-        "--block-size", type=int, default=1024, help="GPT-2's context; each split needs one + 1"
-    )
-    parser.add_argument(
-        "--val-fraction", type=float, default=0.05, help="tail held out for validation; 5%% will do"
-    )
-    parser.add_argument("--out", help="output folder; data/SOURCE-TOKENIZER when not given")
+    arg = parser.add_argument
+    arg("--source", default="stdlib", help="stdlib (Python's own source), a file, folder or glob")
+    arg("--tokenizer", default="bpe", help="bpe (trained here), gpt2, char or a .tiktoken")
+    arg("--vocab-size", type=int, default=4096, help="BPE vocabulary; 4,096 trains in seconds")
+    arg("--block-size", type=int, default=1024, help="GPT-2's context; each split needs one + 1")
+    arg("--val-fraction", type=float, default=0.05, help="tail held out for validation")
+    arg("--out", help="output folder; data/SOURCE-TOKENIZER when not given")
     args = parser.parse_args(argv)
     small_vocab = args.tokenizer == "bpe" and args.vocab_size < 257  # 256 bytes + <|endoftext|>
     if small_vocab or args.block_size < 1 or not 0 < args.val_fraction < 1:
@@ -781,25 +627,22 @@ def main(argv=None) -> None:
 def demo(args) -> None:
     """Check the corpus, train a tokenizer on the train split, show what it does, write the
     shards. Nothing reaches --out before `prepare` has checked everything (`before_write`)."""
-    label = Path(args.source).stem if args.source not in ("stdlib", "shakespeare") else args.source
     tok_label = f"bpe{args.vocab_size}" if args.tokenizer == "bpe" else Path(args.tokenizer).stem
-    out = Path(args.out or f"data/{label}-{tok_label}")
+    out = Path(args.out or f"data/{Path(args.source).stem}-{tok_label}")
     docs = read_documents(source_files(args.source), args.source)  # bad input fails here, first
     train_text, val_text = (EOT.join(part) for part in split_val(docs, args.val_fraction))
     print(f"source {args.source!r}: {len(docs)} documents, {len(train_text) / 1e6:.1f} MB train")
     tok_name, save_tok = str(out / "tokenizer.tiktoken"), None
     if args.tokenizer == "bpe":
         show_naive_vs_incremental(train_text[:80_000], min(args.vocab_size, 512))
-        print(f"training a {args.vocab_size}-token BPE on the train split:")
-        tok = train_bpe(train_text, args.vocab_size, verbose=True)
+        t0 = time.perf_counter()
+        tok = train_bpe(train_text, args.vocab_size)
+        print(f"BPE on the train split, vocab {args.vocab_size}: {time.perf_counter() - t0:.1f} s")
         save_tok = lambda: tok.save(tok_name)  # noqa: E731 - by prepare, once the input passed
     else:
         tok, tok_name = get_tokenizer(args.tokenizer), args.tokenizer
     show_tokenizers(args.tokenizer, tok, val_text)
-    meta = prepare(args.source, tok, out, args.val_fraction, args.block_size, tok_name, save_tok)
-    for split in ("train", "val"):
-        path, n = out / f"{split}.bin", meta[f"{split}_tokens"]
-        print(f"  {path}: {n:,} tokens, {meta['dtype']}, {path.stat().st_size / 1e6:.1f} MB")
+    prepare(args.source, tok, out, args.val_fraction, args.block_size, tok_name, save_tok)
     show_loader(out, tok)
 
 

@@ -9,6 +9,9 @@
 2. Ours at vocab 4,096 on the whole standard-library corpus (~10 MB once 01 leaves out the
    generated tables). Target: <= 20 s.
 3. Preparation throughput: tiktoken's threaded batch encoder, in MB/s, GPT-2 and our BPE.
+
+`--shakespeare` runs them on tiny-shakespeare instead (downloaded once into data/downloads/, the
+only network use; then `python 01_data.py --source data/downloads/tinyshakespeare.txt`).
 """
 
 import argparse
@@ -17,16 +20,35 @@ import os
 import platform
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 data = importlib.import_module("01_data")
+SHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
 
 
 def timed(fn, *args, **kwargs):
     start = time.perf_counter()
     out = fn(*args, **kwargs)
     return out, time.perf_counter() - start
+
+
+def download_shakespeare(cache_dir="data/downloads") -> Path:
+    """Fetch tiny-shakespeare once into a cache (only when the user asks for it)."""
+    path = Path(cache_dir) / "tinyshakespeare.txt"
+    try:
+        if not path.is_file():
+            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=20) as r:
+                data.atomic_write(path, lambda tmp: tmp.write_bytes(r.read()))
+    except OSError as e:  # urllib's URLError is an OSError
+        raise RuntimeError(
+            f"could not download tiny-shakespeare from {SHAKESPEARE_URL} ({e}); "
+            "if you are offline, give 01_data.py a local text file: --source path/to/file.txt"
+        ) from e
+    return path
 
 
 def main(argv=None):
@@ -38,12 +60,16 @@ def main(argv=None):
         action="store_true",
         help="skip the two full-recount trainers of [1] (minutes on 2 cores)",
     )
+    parser.add_argument(
+        "--shakespeare", action="store_true", help="tiny-shakespeare (downloaded once), not stdlib"
+    )
     args = parser.parse_args(argv)
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}"
     )
-    docs = data.read_documents(data.stdlib_files())
+    files = [download_shakespeare()] if args.shakespeare else data.stdlib_files()
+    docs = data.read_documents(files)
     corpus = data.EOT.join(docs)
     small = corpus.replace(data.EOT, "\n")[:300_000]  # the reference trainer knows no specials
 

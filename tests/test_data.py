@@ -18,6 +18,7 @@ import tiktoken
 import torch
 
 data = importlib.import_module("01_data")
+bench_data = importlib.import_module("bench.bench_data")  # download_shakespeare
 EOT = data.EOT
 
 
@@ -234,10 +235,11 @@ def test_three_tokenizers_share_one_interface(trained, gpt2_encoding):
         assert max(ids) < tok.n_vocab
     char = data.get_tokenizer("char")
     assert char.encode("a" + EOT) == [97, 256] and char.decode([104, 105, 256]) == "hi" + EOT
+    assert char.merges == [] and data.CharTokenizer.n_vocab == char.n_vocab == 257  # 03 reads it
 
 
 def test_unknown_tokenizer_says_what_is_allowed():
-    with pytest.raises(ValueError, match="use 'gpt2', 'char', or the path"):
+    with pytest.raises(ValueError, match="use 'gpt2', 'char' or a saved BPE's path"):
         data.get_tokenizer("sentencepiece")
 
 
@@ -268,12 +270,14 @@ def test_stdlib_corpus_leaves_out_generated_tables():
 
 
 def test_shakespeare_offline_gives_a_clear_error(tmp_path, monkeypatch):
+    """bench/bench_data.py --shakespeare downloads the corpus once; offline, it says what to do."""
+
     def offline(*args, **kwargs):
         raise urllib.error.URLError("Name or service not known")
 
-    monkeypatch.setattr(data.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(bench_data.urllib.request, "urlopen", offline)
     with pytest.raises(RuntimeError, match="could not download tiny-shakespeare.*--source"):
-        data.download_shakespeare(tmp_path)
+        bench_data.download_shakespeare(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -347,19 +351,26 @@ def test_prepare_is_idempotent(tmp_path, capsys):
     assert before == {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
 
 
-class BigVocabChar(data.CharTokenizer):
-    """Bytes, but with the end-of-text id at 69,999: ids no longer fit in uint16."""
+class BytesAndEot:
+    """Bytes, with the end-of-text id at `eot_token` and n_vocab = eot_token + 1: the ids of a big
+    vocabulary without training one (prepare needs only these three things of a tokenizer)."""
 
-    n_vocab, eot_token = 70_000, 69_999
+    def __init__(self, eot_token):
+        self.eot_token, self.n_vocab = eot_token, eot_token + 1
+
+    def encode_ordinary_batch(self, texts, num_threads=1):
+        return [list(t.encode("utf-8")) for t in texts]
 
 
-def test_prepare_uses_uint32_when_the_vocab_needs_it(tmp_path):
+@pytest.mark.parametrize("n_vocab, dtype", [(65_536, np.uint16), (65_537, np.uint32)])
+def test_prepare_uses_uint32_only_when_the_vocab_needs_it(tmp_path, n_vocab, dtype):
+    """uint16 holds ids 0..65,535: a vocabulary of 65,536 still fits, one of 65,537 does not. The
+    end-of-text id, the largest, sits between documents and must survive the cast."""
     corpus = write_corpus(tmp_path / "corpus")
-    meta = data.prepare(str(corpus), BigVocabChar(), tmp_path / "out", block_size=64)
+    meta = data.prepare(str(corpus), BytesAndEot(n_vocab - 1), tmp_path / "out", block_size=64)
     train = data.read_shard(tmp_path / "out" / "train.bin")
-    assert meta["dtype"] == "uint32" and train.dtype == np.uint32
-    assert 69_999 in train  # the EOT between documents survived
-    assert data.shard_dtype(65_536) == np.uint16 and data.shard_dtype(65_537) == np.uint32
+    assert meta["dtype"] == np.dtype(dtype).name and train.dtype == dtype
+    assert n_vocab - 1 in train  # the EOT between documents survived
 
 
 @pytest.mark.parametrize(
