@@ -198,8 +198,7 @@ def case_attention(rank, tp, group):
         x = torch.randn(B, T, 32, requires_grad=True)
         upstream = torch.randn(B, T, 32)
         (full(x) * upstream).sum().backward()
-        rng = tp_lib.RNGStateTracker("cpu")
-        rng.add(tp_lib.TP_RNG, 100 + rank)
+        rng = tp_lib.RNGStateTracker("cpu", seed=100 + rank)
         attn = tp_lib.ParallelSelfAttention(full, group, sp, rng)
         x_local = seq(x.detach(), rank, tp, sp).clone().requires_grad_()
         y = attn(x_local)
@@ -575,20 +574,19 @@ def test_config_validation_messages():
 def test_rng_tracker_forks_without_touching_the_default_stream():
     """Inside fork() dropout draws from the tracker's own stream, which continues across forks;
     outside, the default stream is exactly where it would have been without the fork."""
-    tracker = tp_lib.RNGStateTracker("cpu")
-    tracker.add("tp", 7)
+    tracker = tp_lib.RNGStateTracker("cpu", seed=7)
     torch.manual_seed(0)
-    with tracker.fork("tp"):
+    with tracker.fork():
         a = torch.rand(3)
     outside = torch.rand(3)
-    with tracker.fork("tp"):
+    with tracker.fork():
         b = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(outside, torch.rand(3))
     assert torch.equal(torch.cat([a, b]), torch.rand(6, generator=torch.Generator().manual_seed(7)))
     saved = tracker.state_dict()  # a checkpoint: the stream resumes where it was saved
-    with tracker.fork("tp"):
+    with tracker.fork():
         c = torch.rand(3)
     tracker.load_state_dict(saved)
-    with tracker.fork("tp"):
+    with tracker.fork():
         assert torch.equal(torch.rand(3), c)
