@@ -17,6 +17,10 @@ p / cores when p ranks share fewer cores, which stretches every action and disto
 Target: within 10% of the formula for GPipe and 1F1B, and the
 interleaved bubble smaller by about v.
 
+--naive adds 05's plain GPipe loop (`gpipe_naive`) as a first row: with it, the demo's table
+(`python 05_pipeline.py`, one step after a warm-up) comes out as medians over --steps steps:
+    python bench/bench_pipeline.py --naive --p 4 --m 8 --n-embd 256 --b 4 --steps 3
+
 Besides the table: the simulator's ideal timelines (05's `simulate`, t_f = t_b = 1) as text, and
 for every (p, m) a Gantt PNG (05's `plot_timelines`) and a Chrome trace (`write_chrome_trace`,
 open it in ui.perfetto.dev) of the median step, under --out-dir.
@@ -103,13 +107,21 @@ def isolated_cost(chunks, rank, p, args, reps=3):
     return best
 
 
+NAIVE = "gpipe, naive"  # 05's gpipe_naive: GPipe's order, one blocking call per message
+
+
+def runs(args):
+    """What is timed: 05's schedules, after the naive GPipe loop with --naive."""
+    return ((NAIVE,) if args.naive else ()) + pp.SCHEDULES
+
+
 def rank_main(rank, p, args):
     """Every (schedule, m) on this world: {(schedule, m): [events of each timed step]}, and
     {schedule: isolated forward + backward seconds of one microbatch on this rank}."""
     torch.manual_seed(0)
     model = model_lib.GPT(config(args))
     embed_group, out = pp.embedding_group([list(range(p))]), {}
-    for schedule in pp.SCHEDULES:
+    for schedule in runs(args):
         v = 2 if schedule == "interleaved" else 1
         chunks = pp.split_model(model, rank, p, v)
         out[schedule] = isolated_cost(chunks, rank, p, args)
@@ -118,7 +130,10 @@ def rank_main(rank, p, args):
             steps = []
             for _ in range(args.steps + 1):  # the first is a warm-up
                 model.zero_grad(set_to_none=True)
-                res = pp.pipeline_step(chunks, batch, m, schedule, embed_group=embed_group)
+                if schedule == NAIVE:
+                    res = pp.gpipe_naive(chunks[0], batch, m, embed_group=embed_group)
+                else:
+                    res = pp.pipeline_step(chunks, batch, m, schedule, embed_group=embed_group)
                 steps.append(res.events)
             out[(schedule, m)] = steps[1:]
     return out
@@ -130,7 +145,7 @@ def measure(p, args):
     per_rank = run_ranks(rank_main, p, args, timeout=1800)
     wall, load1 = time.perf_counter() - t, os.getloadavg()[0]
     rows, timelines = [], {}
-    for schedule in pp.SCHEDULES:
+    for schedule in runs(args):
         v = 2 if schedule == "interleaved" else 1
         alone = statistics.mean(r[schedule] for r in per_rank)  # F+B of one microbatch, per rank
         for m in args.m:
@@ -149,11 +164,11 @@ def measure(p, args):
 def report(p, rows, load):
     print(f"\np = {p} ranks (load average {load[0]:.1f} before, {load[1]:.1f} after; "
           f"{load[2]:.0f} s)")  # fmt: skip
-    print(f"{'schedule':<12}{'v':>2}{'m':>4}{'step ms':>9}{'ideal ms':>9}{'slowdown':>9}"
+    print(f"{'schedule':<13}{'v':>2}{'m':>4}{'step ms':>9}{'ideal ms':>9}{'slowdown':>9}"
           f"{'bubble':>8}{'formula':>9}{'ratio':>7}")  # fmt: skip
     for schedule, v, m, span, ideal, slow, bubble in rows:
         f = pp.bubble_formula(p, m, v)
-        print(f"{schedule:<12}{v:>2}{m:>4}{span * 1e3:>9.0f}{ideal * 1e3:>9.0f}{slow:>9.2f}"
+        print(f"{schedule:<13}{v:>2}{m:>4}{span * 1e3:>9.0f}{ideal * 1e3:>9.0f}{slow:>9.2f}"
               f"{bubble:>8.1%}{f:>9.1%}{bubble / f:>7.2f}")  # fmt: skip
     print("formula: (p-1)/(v·m+p-1). ideal: the step with a core per rank, from the isolated F+B")
     print("cost and the formula. slowdown: busy time per rank / (m x its isolated F+B); 1 = none.")
@@ -185,6 +200,7 @@ def main(argv=None):
     parser.add_argument(
         "--n-embd", type=int, default=512, help="model width C: matmuls outweigh per-action costs"
     )
+    parser.add_argument("--naive", action="store_true", help="also time 05's gpipe_naive loop")
     parser.add_argument("--figure", default="", help="also write the p=4, m=8 Gantt PNG here")
     parser.add_argument("--out-dir", default="out/bench_pipeline", help="Gantt PNGs, traces")
     args = parser.parse_args(argv)
@@ -207,7 +223,7 @@ def main(argv=None):
                 f"{pp.bubble_formula(p, m, 2 if s == 'interleaved' else 1):.1%}": timelines[(s, m)][
                     0
                 ]
-                for s in pp.SCHEDULES
+                for s in runs(args)
             }
             path = Path(args.out_dir) / f"pipeline_p{p}_m{m}"
             pp.plot_timelines(named, path.with_suffix(".png"))

@@ -684,9 +684,10 @@ def old_grouping(schedule, p, m, v):
 
 def test_the_executors_groups_complete_under_nccls_rule():
     """Every schedule, p <= 8, m <= 16, v <= 3: the plan the executor runs never hangs when a
-    send completes only once its receive is posted. The old grouping hangs in every interleaved
-    case with m > p (38 of them here; e.g. p=2, m=4, v=2, the case found in review) and in none
-    with m = p, nor for GPipe or 1F1B: the checker tells them apart."""
+    send completes only once its receive is posted, nor does evaluation's (forward_only: every
+    forward once, no backward). The old grouping hangs in every interleaved case with m > p (38
+    of them here; e.g. p=2, m=4, v=2, the case found in review) and in none with m = p, nor for
+    GPipe or 1F1B: the checker tells them apart."""
     hung = []
     for schedule in pp.SCHEDULES:
         for p in range(1, 9):
@@ -696,6 +697,10 @@ def test_the_executors_groups_complete_under_nccls_rule():
                         continue
                     steps = [pp.schedule_steps(schedule, p, m, v, r) for r in range(p)]
                     pp.nccl_timeline(pp.comm_plan(steps, p, v), v)  # raises if it would hang
+                    evaluation = pp.step_plan(schedule, p, m, v, forward_only=True)
+                    ran = pp.nccl_timeline(evaluation, v)  # evaluation's forwards alone, too
+                    assert all(e.op == "F" for events in ran for e in events)
+                    assert sum(map(len, ran)) == p * m * v  # every (microbatch, stage) once
                     try:
                         pp.nccl_timeline(old_grouping(schedule, p, m, v), v)
                     except RuntimeError:
