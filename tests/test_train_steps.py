@@ -201,9 +201,9 @@ def test_dropout_streams_per_rank_and_replicas_in_sync(data_dir, tmp_path):  # n
 # ---------------------------------------------------------------------------------------------
 def test_the_model_context_is_the_trained_block_size(data_dir, tmp_path, monkeypatch):  # noqa: F811
     """--block-size 16 on the tiny preset (32 positions): the exported model has 16 positions,
-    so a 40-token sample crops its context and reads positions 0..15 only. Catches model_config
-    ignoring --block-size: a 32-position model whose positions 16..31 keep their random init,
-    read as soon as the sample passes 16 tokens."""
+    so a 40-token sample crops its context and reads positions 0..15 only. Catches validate's
+    GPTConfig ignoring --block-size: a 32-position model whose positions 16..31 keep their random
+    init, read as soon as the sample passes 16 tokens."""
     run_main(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--block-size", "16",
                      "--max-steps", "1"])  # fmt: skip
     model, blob = train.load_exported(tmp_path / "model.pt")
