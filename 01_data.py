@@ -22,8 +22,8 @@ Who holds what (nothing is distributed yet, except who reads which window):
         dp_rank 1 -> perm_e[k*dp*B + 1*B : ... + B]     (disjoint from rank 0 in every step)
 
 Launch: `python 01_data.py` (a 4,096-token BPE on the standard library's source, shards in data/;
-timings: bench/bench_data.py). The first file, so nothing changed from a previous one. Left out
-on purpose: Unicode normalisation, regex-free fast trainers and document packing masks.
+timings: bench/bench_data.py). Left out on purpose: Unicode normalisation, regex-free fast
+trainers and document packing masks.
 """
 
 import argparse
@@ -56,13 +56,14 @@ EOT = "<|endoftext|>"
 GPT2_VOCAB_BPE = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 4  # header: magic, version, itemsize, count
+ENCODE_BATCH_CHARS = 8_000_000  # text per tiktoken call: bounds the memory of encode_documents
 
 
 # --- BPE training: the naive trainer, then the incremental one --------------------------------
 def _special_splitter(specials):
     """Cuts text at special tokens, longest first (one never hides another); with none, never."""
-    alternatives = sorted(specials, key=len, reverse=True)
-    return regex.compile("(" + ("|".join(map(regex.escape, alternatives)) or "(?!)") + ")")
+    alternatives = "|".join(map(regex.escape, sorted(specials, key=len, reverse=True)))
+    return regex.compile(f"({alternatives or '(?!)'})")  # (?!) never matches: no specials
 
 
 def _pretokenize(text: str, specials) -> tuple[list[list[int]], list[int]]:
@@ -380,9 +381,8 @@ def source_files(source: str) -> list[Path]:
     found = p.rglob("*") if p.is_dir() else map(Path, glob.glob(source, recursive=True))
     files = sorted(f for f in found if f.is_file())
     if not files:
-        raise FileNotFoundError(
-            f"source {source!r} is not a file, a directory with files or a matching glob"
-        )
+        what = "a file, a directory with files or a matching glob"
+        raise FileNotFoundError(f"source {source!r} is not {what}")
     return files
 
 
@@ -457,13 +457,17 @@ def split_val(docs: list[str], val_fraction: float) -> tuple[list[str], list[str
 
 
 def encode_documents(enc, docs, eot: int, label: str) -> np.ndarray:
-    """tiktoken's batch encoder with threads, 256 documents at a time, EOT between documents."""
-    pieces, start, total, done = [], time.perf_counter(), sum(map(len, docs)), 0
-    for i in range(0, len(docs), 256):
-        for ids in enc.encode_ordinary_batch(docs[i : i + 256], num_threads=os.cpu_count() or 1):
-            pieces += [np.array([eot], np.int64), np.asarray(ids, np.int64)]  # EOT between docs
-        done += sum(map(len, docs[i : i + 256]))
-        progress(f"encode {label}", done / 1e6, total / 1e6, start, unit=" MB")
+    """tiktoken's batch encoder with threads, EOT between documents. A call takes ~8 MB of text
+    (one document at least; a document is a whole file), so its ids in memory are the batch's."""
+    pieces, start, total, done, batch, size = [], time.perf_counter(), sum(map(len, docs)), 0, [], 0
+    for i, doc in enumerate(docs):
+        batch.append(doc)
+        size += len(doc)
+        if size >= ENCODE_BATCH_CHARS or i == len(docs) - 1:
+            for ids in enc.encode_ordinary_batch(batch, num_threads=os.cpu_count() or 1):
+                pieces += [np.array([eot], np.int64), np.asarray(ids, np.int64)]  # EOT, doc
+            done, batch, size = done + size, [], 0
+            progress(f"encode {label}", done / 1e6, total / 1e6, start, unit=" MB")
     return np.concatenate(pieces[1:]) if pieces else np.zeros(0, np.int64)  # no EOT before doc 0
 
 
@@ -488,20 +492,15 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.05, block_size=1024, toke
         return meta
     docs = read_documents(files, source)
     enc, dtype = fast_encoder(tok), np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
-    splits = {
-        split: encode_documents(enc, part, tok.eot_token, split)
-        for split, part in zip(("train", "val"), split_val(docs, val_fraction))
-    }
+    parts = zip(("train", "val"), split_val(docs, val_fraction))
+    splits = {split: encode_documents(enc, part, tok.eot_token, split) for split, part in parts}
     for split, ids in splits.items():
         if len(ids) < block_size + 1:
-            raise ValueError(
-                f"the {split} split has {len(ids)} tokens, fewer than one block of "
-                f"{block_size}+1: use a bigger corpus or a smaller --block-size"
-            )
+            few = f"the {split} split has {len(ids)} tokens, fewer than one block of {block_size}+1"
+            raise ValueError(f"{few}: use a bigger corpus or a smaller --block-size")
     before_write()  # every check passed: the first write (main saves its new tokenizer here)
     for split, ids in splits.items():
         write_shard(out / f"{split}.bin", ids.astype(dtype))
-        print(f"  {out / split}.bin: {len(ids):,} tokens of {np.dtype(dtype).name}")
     meta = dict(tokenizer=name, vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source)
     meta.update(dtype=np.dtype(dtype).name, n_documents=len(docs), val_fraction=val_fraction)
     meta.update(n_bytes=sum(len(d.encode("utf-8")) for d in docs), files=["train.bin", "val.bin"])
@@ -521,19 +520,17 @@ class DataLoader:
     ):
         path = Path(data_dir) / f"{split}.bin"
         if not path.is_file():
-            raise FileNotFoundError(
-                f"{path} not found: prepare the data first (python 01_data.py --out {data_dir})"
-            )
+            fix = f"prepare the data first (python 01_data.py --out {data_dir})"
+            raise FileNotFoundError(f"{path} not found: {fix}")
         assert 0 <= dp_rank < dp_size, f"dp_rank {dp_rank} outside dp_size {dp_size}"
         self.tokens, self.B, self.T = read_shard(path), batch_size, block_size
         self.seed, self.dp_rank, self.dp_size, self.device = seed, dp_rank, dp_size, device
         self.n_windows = (len(self.tokens) - 1) // block_size
         self.steps_per_epoch = self.n_windows // (dp_size * batch_size)
         if self.steps_per_epoch < 1:
-            raise ValueError(
-                f"{path} holds {self.n_windows} windows of {block_size}+1 tokens, but "
-                f"one step needs dp_size*batch_size = {dp_size * batch_size}"
-            )
+            have = f"{path} holds {self.n_windows} windows of {block_size}+1 tokens"
+            need = f"one step needs dp_size*batch_size = {dp_size * batch_size}"
+            raise ValueError(f"{have}, but {need}")
         self._perm_epoch, self._perm = -1, None
 
     def position(self, step: int) -> tuple[int, int]:
@@ -604,9 +601,8 @@ def show_loader(out: Path, tok) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=formatter)
     arg = parser.add_argument
     arg("--source", default="stdlib", help="stdlib (Python's own source), a file, folder or glob")
     arg("--tokenizer", default="bpe", help="bpe (trained here), gpt2, char or a .tiktoken")
@@ -635,14 +631,18 @@ def demo(args) -> None:
     tok_name, save_tok = str(out / "tokenizer.tiktoken"), None
     if args.tokenizer == "bpe":
         show_naive_vs_incremental(train_text[:80_000], min(args.vocab_size, 512))
+        print(f"training a {args.vocab_size}-token BPE on the train split ...", end=" ", flush=True)
         t0 = time.perf_counter()
         tok = train_bpe(train_text, args.vocab_size)
-        print(f"BPE on the train split, vocab {args.vocab_size}: {time.perf_counter() - t0:.1f} s")
+        print(f"{time.perf_counter() - t0:.1f} s")
         save_tok = lambda: tok.save(tok_name)  # noqa: E731 - by prepare, once the input passed
     else:
         tok, tok_name = get_tokenizer(args.tokenizer), args.tokenizer
     show_tokenizers(args.tokenizer, tok, val_text)
-    prepare(args.source, tok, out, args.val_fraction, args.block_size, tok_name, save_tok)
+    meta = prepare(args.source, tok, out, args.val_fraction, args.block_size, tok_name, save_tok)
+    for split in ("train", "val"):  # also when prepare found them done: what the shards hold
+        path, n = out / f"{split}.bin", meta[f"{split}_tokens"]
+        print(f"  {path}: {n:,} tokens, {meta['dtype']}, {path.stat().st_size / 1e6:.1f} MB")
     show_loader(out, tok)
 
 

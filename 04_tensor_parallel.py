@@ -11,7 +11,7 @@ Forward: one all-reduce, Z = sum_i Yi Bi (operator g). Backward: one more, as X 
 rank's X Ai, so dL/dX sums over ranks (operator f, g's conjugate). Attention splits by heads, the
 embedding and tied head by vocabulary: the loss takes three all-reduces of (B, T), never (B, T, V).
 
-    operator (Megatron's name)               forward               backward              stands
+    operator (the papers' name)              forward               backward              stands
     CopyToTensorParallel (f)                 identity              all-reduce            entering
     ReduceFromTensorParallel (g)             all-reduce            identity              leaving
     GatherFromSequenceParallel (SP's g)      all-gather along T    reduce-scatter on T   where f was
@@ -23,18 +23,18 @@ Who holds what at tp = 2 (rows of an nn.Linear weight are its output features):
     c_proj           the matching input columns, split the same way         row-parallel
     wte = lm_head    vocabulary rows [0, V/2): rank 0, [V/2, V): rank 1      vocab-parallel
     LayerNorms, wpe, c_proj biases: a full copy on every rank               replicated
-
-    X (B,T,C) ─f─▶ X A_i (B,T,4C/tp) ─GELU─▶ Y_i ─▶ Y_i B_i (B,T,C), partial ─g─▶ Z (B,T,C)
+    MLP: X (B,T,C) ─f─▶ X A_i (B,T,4C/tp) ─GELU─▶ Y_i ─▶ Y_i B_i (B,T,C), partial ─g─▶ Z (B,T,C)
 
 Sequence parallelism (SP, Korthikanti et al. 2022, arXiv 2205.05198): between g and the next f
 every rank repeats the same LayerNorm, dropout and residual add on all of (B, T, C). An all-reduce
-is a reduce-scatter then an all-gather, so g becomes a reduce-scatter along T, f an all-gather, and
-that work runs on (B, T/tp, C): the same bytes, tp x less memory there. tp must divide T.
+is a reduce-scatter then an all-gather, so g becomes a reduce-scatter along T, f an all-gather: the
+SP paper names them "ḡ" and "g" (the table's g-bar and SP's g). That work runs on (B, T/tp, C): the
+same bytes, tp x less memory there. tp must divide T.
 
-Communication per layer and training step, E = B*T*C: 4 all-reduces of E (2 forward g, 2 backward
-f), a ring sending 2(tp-1)/tp * E each; with SP 4 all-gathers + 4 reduce-scatters, (tp-1)/tp * E
-each: the same bytes. Plus the embedding's and head's, 3 all-reduces of B*T for the loss and, with
-SP, small ones for replicated gradients. All on the critical path: TP stays inside a node.
+Communication per layer and step, E = B*T*C: 4 all-reduces of E (2 forward g, 2 backward f), a
+ring sending 2(tp-1)/tp * E each; with SP 4 all-gathers + 4 reduce-scatters, (tp-1)/tp * E each:
+the same bytes. Per step also 2 of E for the embedding (g) and head (f), 3 all-reduces of B*T for
+the loss, with SP small ones for replicated gradients. All on the critical path: TP stays in a node.
 
 Run it:  python 04_tensor_parallel.py [--ranks 4]   (relaunches itself under torchrun; 2 ranks)
     or:  torchrun --standalone --nproc_per_node=2 04_tensor_parallel.py
@@ -95,8 +95,7 @@ def _reduce_scatter(x, group, dim):  # the sum of every rank's x; this rank keep
     return out
 
 
-# --------------------------------------------------------------------------- the operators
-# One autograd.Function per collective: the backward is the forward's conjugate.
+# ------------------ the operators: one autograd.Function per collective, its backward the conjugate
 class CopyToTensorParallel(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward (entering the TP region)."""
 
@@ -330,7 +329,8 @@ class ParallelSelfAttention(nn.Module):
         super().__init__()
         self.c_attn = ColumnParallelLinear(attn.c_attn, group, sequence_parallel, chunks=3)
         self.c_proj = RowParallelLinear(attn.c_proj, group, sequence_parallel)
-        self.resid_dropout = attn.resid_dropout  # with SP, apply_tensor_parallel swaps it
+        drop = attn.resid_dropout  # on copies: alike masks; with SP, on token shards: their own
+        self.resid_dropout = ParallelDropout(drop.p, rng) if sequence_parallel else drop
         self.head_dim, self.dropout, self.rng = attn.head_dim, attn.dropout, rng
 
     def forward(self, x):  # (B, T, C), or (B, T/tp, C) with sequence parallelism
@@ -347,8 +347,10 @@ class ParallelSelfAttention(nn.Module):
 # --------------------------------------------------------------------------- the loss
 def vocab_parallel_cross_entropy(logits, targets, reduction="mean", *, group):
     """02's loss, mean (or sum) of -log softmax[target] where target != -1, from (B, T, V/tp) logit
-    shards with three all-reduces of (B*T,): the same scalar on every rank. Autograd gives each
-    shard softmax - onehot[target], as g's backward (the identity) hands every rank dL/d sum_exp."""
+    shards: log sum_exp - x[target], both pieces summed over ranks (3 all-reduces of (B*T,), the
+    max included), so every rank computes the same loss. No backward to write: g's is the
+    identity, so d loss/d sum_exp = 1/sum_exp reaches each rank's own sum of exp(x), giving its
+    shard exp(x)/sum_exp = softmax, and the target's owner -1 via x[target]: softmax - onehot."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     x = logits.float().reshape(-1, logits.size(-1))  # (N, V/tp), N = B*T; fp32 softmax, as 02
@@ -357,7 +359,7 @@ def vocab_parallel_cross_entropy(logits, targets, reduction="mean", *, group):
     x = x - m.unsqueeze(-1)  # exp(x - m) <= 1: no overflow; a constant shift, no gradient
     local = targets - dist.get_rank(group) * rows  # (N,) target ids, in this rank's columns
     mine = (local >= 0) & (local < rows)  # this rank holds the target's column
-    picked = x[n, local.clamp(0, rows - 1)] * mine  # (N,) x[n, target_n]; gather would save x
+    picked = x[n, local.clamp(0, rows - 1)] * mine  # (N,) x[n, target_n] if mine, else 0
     target_logit = ReduceFromTensorParallel.apply(picked, group)  # 2: x[target], from its owner
     sum_exp = ReduceFromTensorParallel.apply(x.exp().sum(dim=-1), group)  # 3: the denominator
     keep = targets != -1  # 02's ignore_index
@@ -373,11 +375,10 @@ def check_tp_config(config, tp: int):
     if config.n_head % tp:
         problems.append(f"n_head={config.n_head} is not divisible by tp={tp} (whole heads)")
     if V % tp:
-        problems.append(
-            f"the vocabulary has {V} rows (vocab_size={config.vocab_size}, pad_vocab_multiple="
-            f"{config.pad_vocab_multiple}), not divisible by tp={tp}: pad it with GPTConfig("
-            f"pad_vocab_multiple={m}) -> {-(-config.vocab_size // m) * m} rows"
-        )
+        padded = -(-config.vocab_size // m) * m  # vocab_size rounded up to a multiple of m
+        now = f"vocab_size={config.vocab_size}, pad_vocab_multiple={config.pad_vocab_multiple}"
+        fix = f"pad it with GPTConfig(pad_vocab_multiple={m}) -> {padded} rows"
+        problems.append(f"the vocabulary has {V} rows ({now}), not divisible by tp={tp}: {fix}")
     if problems:
         raise ValueError(f"cannot split this GPT over tp={tp} ranks: " + "; ".join(problems))
 
@@ -398,9 +399,8 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
     sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
     both = _all_reduce(torch.cat([sums, -sums]), group, dist.ReduceOp.MAX)  # max, -min
     if not torch.equal(both[: len(sums)], -both[len(sums) :]):
-        raise ValueError(
-            "the model's weights differ across TP ranks: torch.manual_seed alike before GPT(config)"
-        )
+        differ = "the model's weights differ across TP ranks"
+        raise ValueError(f"{differ}: torch.manual_seed alike before GPT(config)")
     t, sp = model.transformer, sequence_parallel
     seed = (torch.initial_seed() if seed is None else seed) + 1 + dist.get_world_size()
     rng = RNGStateTracker(t.wte.weight.device, (seed + dist.get_rank()) % 2**63)  # one per rank
@@ -414,7 +414,6 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
         block.mlp.c_fc = ColumnParallelLinear(block.mlp.c_fc, group, sp)  # (B, T, 4C/tp)
         block.mlp.c_proj = RowParallelLinear(block.mlp.c_proj, group, sp)
         if sp:  # these activations are token shards now: own dropout masks, f on LayerNorms
-            block.attn.resid_dropout = ParallelDropout(block.attn.resid_dropout.p, rng)
             block.mlp.dropout = ParallelDropout(block.mlp.dropout.p, rng)
             block.ln_1 = SequenceParallelLayerNorm(block.ln_1, group)
             block.ln_2 = SequenceParallelLayerNorm(block.ln_2, group)
@@ -429,10 +428,13 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
 
 def grad_norm_squared(params, group, device) -> torch.Tensor:
     """The whole model's squared gradient norm on every TP rank: shards summed, copies once."""
-    squares = {True: torch.zeros((), device=device), False: torch.zeros((), device=device)}
-    for p in (p for p in params if p.grad is not None):  # split by "is it a shard?"
-        squares[getattr(p, "tensor_parallel", False)] += p.grad.float().pow(2).sum()
-    return _all_reduce(squares[True], group) + squares[False]
+    sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
+    for p in (p for p in params if p.grad is not None):
+        if getattr(p, "tensor_parallel", False):  # a slice: the ranks' squares add up
+            sharded += p.grad.float().pow(2).sum()
+        else:  # a copy, alike on every rank: counted once
+            replicated += p.grad.float().pow(2).sum()
+    return _all_reduce(sharded, group) + replicated
 
 
 # --------------------------------------------------------------------------- the demo
@@ -461,27 +463,25 @@ def demo(args, config, group, device):
         # round differently, ~1e-7 relative per term: 1e-4 is far above that, far below a bug
         assert max(diffs) < 1e-4, f"TP differs from the unsharded model: {diffs}"
         n_rank, n_full = (sum(p.numel() for p in m.parameters()) for m in (model, full))
-        print0(
-            f"tp={tp}{' + sequence parallel' if sp else ''} equals the unsharded model: max "
-            f"|diff| logits {diffs[0]:.1e}, loss {diffs[1]:.1e}, any gradient {diffs[2]:.1e}\n"
-            f"  parameters per rank {n_rank / n_full:.1%} of the whole (1/tp = {1 / tp:.1%}), "
-            "as LayerNorms, wpe and row biases are replicated"
-        )
+        worst = "max |diff| logits {:.1e}, loss {:.1e}, any gradient {:.1e}".format(*diffs)
+        print0(f"tp={tp}{' + sequence parallel' if sp else ''} equals the unsharded model: {worst}")
+        share = f"{n_rank / n_full:.1%} of the whole (1/tp = {1 / tp:.1%})"
+        print0(f"  parameters per rank {share}, as LayerNorms, wpe and row biases are replicated")
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=formatter)
     parser.add_argument("--ranks", type=int, default=2, help="tp, started without torchrun")
     parser.add_argument("--preset", default="small", help="02's preset; small: 4 heads, tp 2 or 4")
     parser.add_argument("--batch-size", type=int, default=8, help="B; reaches every gradient")
     parser.add_argument("--seed", type=int, default=1337, help="model and batch, alike on ranks")
     args = parser.parse_args(argv)
     tp = int(os.environ.get("WORLD_SIZE", args.ranks))
+    sizes = dict(vocab_size=256, pad_vocab_multiple=math.lcm(64, tp), dropout=0.0)
     try:  # bytes as tokens: 256 rows, padded to a multiple of 64 and of tp
-        config = model_lib.GPTConfig.from_preset(
-            args.preset, vocab_size=256, pad_vocab_multiple=math.lcm(64, tp), dropout=0.0
-        )
+        config = model_lib.GPTConfig.from_preset(args.preset, **sizes)
         check_tp_config(config, tp)  # a bad --ranks fails here, before any process starts
     except ValueError as e:
         parser.error(str(e))

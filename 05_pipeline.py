@@ -1,32 +1,29 @@
 """05_pipeline.py: pipeline parallelism. Cut the model into stages, stream microbatches through.
 
-Each of p ranks holds a consecutive slice of the layers (a stage); the batch is split into m
-microbatches, and stage r works on microbatch i while stage r+1 works on microbatch i-1, passing
-activations forward and their gradients back with point-to-point sends.
-
+Each of p ranks holds consecutive layers (a stage); of m microbatches, stage r works on microbatch i
+while stage r+1 works on i-1, passing activations forward and gradients back point-to-point:
     rank 0: embed + blocks 0-1 ─▶ rank 1: blocks 2-3 ─▶ rank 2: blocks 4-5 ─▶ rank 3: blocks 6-7
             (wte copy)          ◀─  dL/dx (b, T, C)  ◀─                    ◀─   + ln_f, lm_head
-                                                                                  (wte copy), loss
+    (wte copy): wte and lm_head are one matrix: gradients summed every step       (wte copy), loss
 The bubble: stages idle while the pipeline fills and drains. With t_f, t_b a microbatch's forward
 and backward on one stage, GPipe and 1F1B take (m+p-1)(t_f+t_b) for m(t_f+t_b) of work:
-
     bubble = (p - 1) / (m + p - 1)                                  GPipe, 1F1B
     bubble = (p - 1) / (v·m + p - 1),  i.e. (p-1)/(v·m) of the work   interleaved, v chunks per rank
 
 GPipe (arXiv 1811.06965) runs all m forwards first: a stage holds m microbatches' activations.
-1F1B (PipeDream-flush, 1806.03377) runs p-r-1 warm-up forwards on stage r, then alternates forward
-and backward: at most p-r alive, same bubble. Interleaving (Megatron-LM, 2104.04473) gives rank r
-stages r, r+p, ...: fill and drain shrink v times, for v times the messages. Drawn by `simulate()`:
-
-    GPipe p=4, m=8, t_f = t_b: bubble 3/11, 8 alive  1F1B p=4, m=8: bubble 3/11, <= 4 alive
+1F1B (PipeDream-flush, 1806.03377) runs p-r-1 warm-up forwards on stage r, then alternates: at
+most p-r alive, same bubble. Interleaving (Megatron-LM, 2104.04473) gives rank r stages r, r+p, ...:
+fill and drain shrink v times, for v times the messages. simulate() draws (Fi/Bi: microbatch i):
+    GPipe p=4, m=8, t_f = t_b: bubble 3/11, 8 alive  1F1B p=4, m=8: bubble 3/11, <= 4 alive; . idle
     r0 F0F1F2F3F4F5F6F7 . . . . . .B0B1B2B3B4B5B6B7  r0 F0F1F2F3 . . .B0F4B1F5B2F6B3F7B4 .B5 .B6 .B7
     r1  .F0F1F2F3F4F5F6F7 . . . .B0B1B2B3B4B5B6B7    r1  .F0F1F2 . .B0F3B1F4B2F5B3F6B4F7B5 .B6 .B7
     r2  . .F0F1F2F3F4F5F6F7 . .B0B1B2B3B4B5B6B7      r2  . .F0F1 .B0F2B1F3B2F4B3F5B4F6B5F7B6 .B7
     r3  . . .F0F1F2F3F4F5F6F7B0B1B2B3B4B5B6B7        r3  . . .F0B0F1B1F2B2F3B3F4B4F5B5F6B6F7B7
 
-Simple first: `gpipe_naive`, a plain loop with blocking sends. Then the real thing: a schedule is
-data (`schedule_steps`), put on a shared clock of p2p groups (`comm_plan`), proven free of NCCL
-deadlocks by a simulator (`nccl_timeline`, `simulate`) and run as-is by `pipeline_step`.
+Simple first: `gpipe_naive`, a plain loop with blocking sends; then a schedule as data
+(`schedule_steps`), on a clock of p2p groups (`comm_plan`), run by `pipeline_step`. NCCL's rule: on
+GPUs a send completes only once its receive is posted, a batch_isend_irecv group only as a whole, so
+comm_plan makes every group match a neighbour's group of the same tick (`nccl_timeline` proves it).
 
 Launch:  python 05_pipeline.py [--ranks N] [--plot]   (relaunches itself under torchrun; N = 4)
          torchrun --standalone --nproc_per_node=4 05_pipeline.py [--plot]   (CPU gloo or GPUs)
@@ -189,6 +186,7 @@ def schedule_steps(schedule: str, p: int, m: int, v: int, rank: int, forward_onl
     forwards go round the ring in groups of p per chunk, backwards through the chunks in reverse,
     w = 2(p-rank-1)+(v-1)p, long enough for exchanges once per steady forward+backward pair."""
     check_config(schedule, p, m, v)
+    # forward k -> (microbatch, chunk), p microbatches per chunk: p=2, v=2: F0a F1a F0b F1b F2a ...
     mb_of, chunk_of = (lambda k: k // (p * v) * p + k % p), (lambda k: k % (p * v) // p)
     fwd = [Action("F", mb_of(k), chunk_of(k)) for k in range(m * v)]  # v = 1: F0 F1 ... F(m-1)
     bwd = [Action("B", mb_of(k), v - 1 - chunk_of(k)) for k in range(m * v)]
@@ -215,9 +213,7 @@ def input_message(a: Action, s: int, n_stages: int):
     return ("B", a.mb, s + 1) if s < n_stages - 1 else ("F", a.mb, s)  # the next one's gradient
 
 
-# NCCL completes a send only once its receive is posted, a batch_isend_irecv group only as a whole
-# (gloo buffers sends). subtle: so a rank waiting on {send my last output, receive my next input}
-# before computing hangs GPUs in interleaved p=2, m=4, v=2 (old_grouping in the tests says why).
+# subtle: ONE group {send my last output, receive my next input} hangs GPUs (tests: old_grouping)
 def comm_plan(steps, p: int, v: int) -> list[list[Tick]]:
     """Each rank's steps on a shared clock: at tick t a rank runs its next step if its inputs were
     made before t (or by the step: the last stage's backward). A message made at tick t is sent
@@ -408,11 +404,10 @@ def pipeline_step(chunks, batch, n_microbatches: int, schedule: str = "1f1b", pp
 
 def plot_timelines(timelines: dict, path) -> None:
     """{title: per-rank Events} -> Gantt charts, each box shaded and numbered by microbatch."""
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure  # no pyplot: a file, never a window
+    from matplotlib import colormaps, figure  # no pyplot: a file, never a window
 
     p, n = len(next(iter(timelines.values()))), len(timelines)
-    fig = Figure(figsize=(13, 1 + 0.45 * p * n), layout="tight")
+    fig = figure.Figure(figsize=(13, 1 + 0.45 * p * n), layout="tight")
     axes = fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0]
     for ax, (title, timeline) in zip(axes, timelines.items()):
         chunked = any(e.chunk for events in timeline for e in events)
@@ -420,7 +415,8 @@ def plot_timelines(timelines: dict, path) -> None:
             x, w, shade = e.start * 1e3, (e.end - e.start) * 1e3, 0.3 + 0.2 * (e.mb % 4)
             colour = colormaps["Blues" if e.op == "F" else "Oranges"](shade)
             ax.broken_barh([(x, w)], (r - 0.4, 0.8), color=colour, ec="k", lw=0.3)
-            label, ink = f"{e.mb}" + "abcdefgh"[e.chunk] * chunked, "kw"[shade > 0.6]
+            label = f"{e.mb}{'abcdefgh'[e.chunk]}" if chunked else f"{e.mb}"  # 0a: chunk 0
+            ink = "w" if shade > 0.6 else "k"  # white text on the darker shades
             ax.text(x + w / 2, r, label, ha="center", va="center", fontsize=6, color=ink)
         ax.set(yticks=range(p), yticklabels=[f"rank {r}" for r in range(p)], ylim=(p - 0.5, -0.5))
         ax.set_title(title, fontsize=9, loc="left")
@@ -431,7 +427,7 @@ def plot_timelines(timelines: dict, path) -> None:
 
 def demo(args, rank: int, p: int, device) -> None:
     """The naive GPipe and every schedule on one batch, checked against one process and simulate."""
-    m, T, b, print0 = args.microbatches, 64, 4, ddp_lib.print0
+    m, T, b, cores, print0 = args.microbatches, 64, 4, os.cpu_count(), ddp_lib.print0
     torch.manual_seed(0)  # the same model on every rank, cut afterwards
     # 8 blocks: one per stage at p·v = 8; C = 256, so that matmuls outweigh the messages
     config = model_lib.GPTConfig(n_layer=8, n_head=4, n_embd=256, block_size=T, vocab_size=256)
@@ -441,9 +437,9 @@ def demo(args, rank: int, p: int, device) -> None:
     ref_loss.backward()
     ref = {n: q.grad.clone() for n, q in model.named_parameters(remove_duplicate=False)}  # + tied
     embed_group, timelines = embedding_group([list(range(p))]), {}
-    print0(f"p={p} stages on {os.cpu_count()} cores, m={m} microbatches of {b}x{T} bytes, 8 blocks "
-           f"of C=256, {dist.get_backend()}:\n\n{'':<16}{'loss':>9}{'max|Δgrad|':>11}{'bubble':>9}"
-           f"{'simulated':>11}{'formula':>9}   peak alive per stage")  # fmt: skip
+    setup = f"m={m} microbatches of {b}x{T} bytes, 8 blocks of C=256, {dist.get_backend()}"
+    print0(f"p={p} stages on {cores} cores, {setup}", end="\n\n")
+    print0(f"{'':21}loss max|Δgrad|   bubble  simulated  formula  peak alive (mb, chunk) per stage")
     for name in ("gpipe, naive", *SCHEDULES):
         schedule, v = name.split(",")[0], args.virtual_stages if name == "interleaved" else 1
         chunks = split_model(model, rank, p, v)
@@ -463,11 +459,14 @@ def demo(args, rank: int, p: int, device) -> None:
         loss, err, formula = sum(losses), max(errs), bubble_formula(p, m, v)
         assert abs(loss - ref_loss) < 1e-5 and err < 1e-5, f"{name} differs from one process"
         bubble, label = bubble_fraction(timeline), f"{name} v={v}" if v > 1 else name
-        print0(f"{label:<16}{loss:>9.5f}{err:>11.1e}{bubble:>9.1%}{bubble_fraction(ideal):>11.1%}"
-               f"{formula:>9.1%}   {list(peaks)}{' (microbatch, chunk) pairs' * (v > 1)}")  # fmt: skip
+        row = f"{label:<16}{loss:>9.5f}{err:>11.1e}{bubble:>9.1%}{bubble_fraction(ideal):>11.1%}"
+        print0(f"{row}{formula:>9.1%}  {list(peaks)}")
         timelines[f"{label}: measured bubble {bubble:.1%}, formula {formula:.1%}"] = timeline
-    print0("\nEvery row equals one process (loss, all gradients < 1e-5), in the simulator's order;"
-           "\nbubble: 1 - busy/span as run; simulated: the plan under NCCL's rule, t_b = 2 t_f.")  # fmt: skip
+    print0("\nEvery row equals one process (loss, all gradients < 1e-5), in the simulator's order;")
+    print0("bubble: 1 - busy/span, one step as run; simulated: the plan, NCCL's rule, t_b = 2 t_f")
+    if p > (cores or p):  # more ranks than cores: they time-share them
+        print0(f"{p} ranks time-share {cores} cores: measured differs from ideal, usually above")
+        print0("(it can also stretch busy time). Medians: python bench/bench_pipeline.py --naive")
     if args.plot and rank == 0:
         plot_timelines(timelines, path := Path("out/pipeline") / f"pipeline_p{p}_m{m}.png")
         print(f"wrote {path}")
@@ -475,7 +474,8 @@ def demo(args, rank: int, p: int, device) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=formatter)
     parser.add_argument("--ranks", type=int, default=4, help="p, pipeline stages: one process each")
     parser.add_argument("--microbatches", type=int, default=8, help="m; bubble (p-1)/(m+p-1)")
     parser.add_argument("--virtual-stages", type=int, default=2, help="v, interleaved's chunks")

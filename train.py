@@ -13,21 +13,19 @@ sends cross nodes. For --dp 2 --tp 2 --pp 2 on 8 GPUs:
     pp 0, dp 1  |  rank 2         rank 3    |  each rank with half of every matrix
     pp 1, dp 0  |  rank 4         rank 5    |  second half of the blocks + head + loss
     pp 1, dp 1  |  rank 6         rank 7    |
-    TP groups: rows {0,1} {2,3} {4,5} {6,7}; DP groups: {0,2} {1,3} {4,6} {5,7};
-    PP groups: {0,4} {1,5} {2,6} {3,7}.
+    groups: TP {0,1} {2,3} {4,5} {6,7}; DP {0,2} {1,3} {4,6} {5,7}; PP {0,4} {1,5} {2,6} {3,7}
 
 Batch semantics (as Megatron): --batch-size B is the global batch in sequences per optimizer step;
 each step runs m = B / (micro_batch_size * dp) microbatches per DP rank: accumulation steps without
 PP, the pipeline's microbatches with it. Any (dp, tp, pp, micro) with the same B gives the loss
 curve of one process (fp32, up to rounding), as the tests prove.
 
-Launch:
-    python train.py                                          # laptop: prepares data, ~4 min CPU
-    torchrun --standalone --nproc_per_node=8 train.py --dp 2 --tp 2 --pp 2
-    torchrun --nnodes=N --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \\
-        train.py --model gpt2 --dp N --tp 8 ...              # a cluster (docs/cluster.md: Slurm)
-    python train.py --export out/run                         # one file from a sharded checkpoint
-    python train.py --sample out/run/model.pt                # sample from an exported model
+Launch:  python train.py                                      # laptop: prepares data, ~4 min CPU
+         torchrun --standalone --nproc_per_node=8 train.py --dp 2 --tp 2 --pp 2
+         torchrun --nnodes=N --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \\
+             train.py --model gpt2 --dp N --tp 8 ...           # a cluster (docs/cluster.md: Slurm)
+         python train.py --export out/run                      # one file from a sharded checkpoint
+         python train.py --sample out/run/model.pt             # sample from an exported model
 
 What changed from 06: nothing new is taught; 01-06 composed, plus what a real run needs (an LR
 schedule, global-norm clipping, evaluation, checkpoints, logs, a plot, MFU, export).
@@ -130,10 +128,8 @@ def parse_args(argv=None):
 
 
 def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype != "auto":
-        return mp_lib.DTYPES[cfg.dtype]
-    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return torch.bfloat16 if bf16 else torch.float32
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()  # for "auto" (not in DTYPES)
+    return mp_lib.DTYPES.get(cfg.dtype, torch.bfloat16 if bf16 else torch.float32)
 
 
 # -------------------------------------- validation: one line per bad flag, before any process group
@@ -162,7 +158,8 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
     ):
         if on and size == 1:
             raise ConfigError(f"{name} {what}, but {dim} is 1: it would do nothing")
-    if (B := cfg.batch_size) % (per_step := cfg.micro_batch_size * cfg.dp):  # whole microbatches
+    B, per_step = cfg.batch_size, cfg.micro_batch_size * cfg.dp
+    if B % per_step:  # whole microbatches
         split = f"--micro-batch-size {cfg.micro_batch_size} x --dp {cfg.dp} = {per_step}"
         raise ConfigError(f"--batch-size {B} is not divisible into microbatches of {split}")
     n_layer, v = cfg.n_layer or model_lib.PRESETS[cfg.model]["n_layer"], cfg.virtual_stages
@@ -171,8 +168,8 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
     except ValueError as e:
         where = f"--schedule {cfg.schedule} --pp {cfg.pp} --virtual-stages {v} --n-layer {n_layer}"
         raise ConfigError(f"{where}: {e}") from None
-    out = Path(cfg.out_dir)
-    if (found := next(p for p in (out, *out.parents) if p.exists())).is_file():
+    found = next(p for p in (Path(cfg.out_dir), *Path(cfg.out_dir).parents) if p.exists())
+    if found.is_file():  # the nearest existing path must be a folder
         raise ConfigError(f"--out-dir {cfg.out_dir}: {found} is a file, not a folder")
 
 
@@ -249,6 +246,14 @@ class Grid:
     pp_group: object = None
     embed_group: object = None  # {first, last} pipeline stage, for the tied embeddings
 
+    @property
+    def pp_is_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def pp_is_last(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
 
 def build_grid(cfg: TrainConfig, rank: int, world: int) -> Grid:
     """Every rank creates every group, in order (dist.new_group is a collective); keeps its own."""
@@ -266,8 +271,7 @@ def build_grid(cfg: TrainConfig, rank: int, world: int) -> Grid:
     grid.dp_group = mine(ranks.transpose(1, 2).reshape(-1, cfg.dp).tolist())  # ranks[p, :, t]
     pp_lists = ranks.permute(1, 2, 0).reshape(-1, cfg.pp).tolist()  # ranks[:, d, t]
     grid.pp_group = mine(pp_lists)
-    if cfg.pp > 1:
-        grid.embed_group = pp_lib.embedding_group(pp_lists)
+    grid.embed_group = pp_lib.embedding_group(pp_lists)  # None at pp = 1: no second copy
     return grid
 
 
@@ -407,8 +411,7 @@ def train_step(run: Run, step: int) -> dict:
 def evaluate(run: Run, stop=lambda: False) -> float | None:
     """Mean validation loss over the same eval_steps batches every time, the same collectives on
     every rank. `stop` (a collective) is asked before each batch: True returns None at once."""
-    for c in run.chunks:
-        c.eval()
+    chunks = torch.nn.ModuleList(run.chunks).eval()  # one .eval() reaches every chunk
     total, stopped, b = torch.zeros((), device=run.device), False, run.cfg.micro_batch_size
     for i in range(run.cfg.eval_steps):
         if stopped := stop():
@@ -420,8 +423,7 @@ def evaluate(run: Run, stop=lambda: False) -> float | None:
             else:
                 for xb, yb in zip(x.split(b), y.split(b)):
                     total += run.chunks[0](xb, yb)[1].float() / run.m
-    for c in run.chunks:
-        c.train()
+    chunks.train()
     if stopped:
         return None  # preempted: train() saves and exits; half an evaluation is no loss
     total = all_reduce_sum(total, run.grid.pp_group, run.grid.pp)
@@ -471,8 +473,7 @@ def agree(run: Run, value: float, op) -> float:
 
 
 def save_checkpoint(run: Run, step: int) -> None:
-    """Each rank writes its shard into step_N.partial/; rank 0 adds meta.json and renames it (the
-    commit point) to step_N."""
+    """Ranks write shards into step_N.partial/; rank 0 adds meta.json, then commits: -> step_N."""
     cfg, rank, root = run.cfg, run.grid.rank, ckpt_root(run.cfg.out_dir)
     final, partial = root / f"step_{step:07d}", root / f"step_{step:07d}.partial"
     barrier = dist.barrier if run.grid.world > 1 else lambda: None
@@ -546,8 +547,7 @@ def load_checkpoint(run: Run) -> int:
             raise SystemExit(f"--resume: {ckpt} does not fit this run on some rank (above)")
         ddp_lib.print0(f"resumed from {ckpt} (step {shard['step']})")
         return shard["step"] + 1
-    root = ckpt_root(run.cfg.out_dir)
-    ddp_lib.print0(f"--resume: no readable checkpoint in {root}; starting from step 0")
+    ddp_lib.print0(f"--resume: no readable checkpoint in {ckpt_root(run.cfg.out_dir)}: from step 0")
     return 0
 
 
@@ -588,7 +588,8 @@ def export(run_dir) -> Path:
         tok = data_lib.get_tokenizer(tok)
         specials = list(tok.special_tokens)
         blob["tokenizer"] = {"vocab": tok.vocab, "merges": tok.merges, "special_tokens": specials}
-    data_lib.atomic_write(out := Path(run_dir) / "model.pt", lambda tmp: torch.save(blob, tmp))
+    out = Path(run_dir) / "model.pt"
+    data_lib.atomic_write(out, lambda tmp: torch.save(blob, tmp))
     return out
 
 
@@ -668,10 +669,12 @@ class Logger:
         if run.grid.rank == 0:  # on resume: drop rows logged after the checkpoint, and torn lines
             self.path.parent.mkdir(parents=True, exist_ok=True)
             text = self.path.read_text(errors="replace") if self.path.is_file() else ""
-            rows = [row for row in text.splitlines() if row.endswith("}")]  # a torn row: a prefix
-            if len(rows) < len(text.splitlines()):
-                print(f"{self.path}: skipping a torn line (a write cut short by a kill)")
-            kept = "".join(row + "\n" for row in rows if json.loads(row)["step"] < start_step)
+            kept = ""
+            for line in text.splitlines():
+                try:  # a kill mid-write tears a row: a prefix, maybe NULs and a whole row after it
+                    kept += line + "\n" if json.loads(line)["step"] < start_step else ""
+                except (ValueError, KeyError, TypeError):  # not a whole row: a torn write
+                    print(f"{self.path}: skipping a torn line {line[:60]!r}")
             data_lib.atomic_write(self.path, lambda tmp: tmp.write_text(kept))  # a kill loses none
 
     def write(self, row: dict) -> None:
@@ -684,10 +687,9 @@ class Logger:
         tok_s = self.tokens_per_step * (step - self.step_last) / (now - self.t_last)
         self.t_last, self.step_last = now, step
         util = mfu(tok_s, self.flops, world, self.peak)
-        if self.run.device.type == "cuda":
+        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS (Linux: KiB)
+        if self.run.device.type == "cuda":  # on a GPU: its peak allocation instead
             mem = torch.cuda.max_memory_allocated(self.run.device)
-        else:  # the process's peak RSS (Linux reports KiB)
-            mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         eta = (now - self.t_start) / (step + 1 - self.step_start) * (cfg.max_steps - step - 1)
         row = {"kind": "train", "step": step, **stats, "tokens": (step + 1) * self.tokens_per_step}
         row.update(tokens_per_s=tok_s, tokens_per_s_per_gpu=tok_s / world, mfu=util)

@@ -373,6 +373,35 @@ def test_prepare_uses_uint32_only_when_the_vocab_needs_it(tmp_path, n_vocab, dty
     assert n_vocab - 1 in train  # the EOT between documents survived
 
 
+class RecordingBytes(BytesAndEot):
+    """BytesAndEot that records how many characters each encode_ordinary_batch call was handed."""
+
+    def __init__(self, eot_token):
+        super().__init__(eot_token)
+        self.calls = []
+
+    def encode_ordinary_batch(self, texts, num_threads=1):
+        self.calls.append(sum(map(len, texts)))
+        return super().encode_ordinary_batch(texts, num_threads)
+
+
+def test_encoding_holds_one_batch_of_text_at_a_time_not_the_corpus(monkeypatch):
+    """A document is a whole file, so one call per 256 documents could hand tiktoken GBs of text
+    and hold all their id lists at once. A call takes documents until ENCODE_BATCH_CHARS is
+    reached, at least one: with a limit of 100,000, twelve documents of 30,000 characters go in
+    3 calls of 4 (120,000: never more than the limit plus one document), and a document above
+    the limit goes alone. The tokens are those of one document at a time, EOT between them."""
+    monkeypatch.setattr(data, "ENCODE_BATCH_CHARS", 100_000, raising=False)
+    docs = [chr(ord("a") + d) * 30_000 for d in range(12)]
+    enc = RecordingBytes(256)
+    tokens = data.encode_documents(enc, docs, 256, "test")
+    assert enc.calls == [120_000] * 3  # the old code: one call of 360,000
+    assert tokens.tolist() == [t for d in docs for t in [256, *d.encode()]][1:]
+    enc = RecordingBytes(256)
+    data.encode_documents(enc, ["x" * 250_000, "y" * 250_000], 256, "test")
+    assert enc.calls == [250_000, 250_000]
+
+
 @pytest.mark.parametrize(
     "make_source, tokenizer, error, match",
     [
@@ -503,7 +532,10 @@ def test_cli_skips_binaries_in_a_folder_and_saves_the_tokenizer_with_the_shards(
     for p in out.glob("tokenizer.*"):
         p.unlink()
     data.main(args)
-    assert "nothing to do" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "nothing to do" in printed
+    for split in ("train", "val"):  # a re-run still says what the shards hold
+        assert f"{out / split}.bin: {meta[split + '_tokens']:,} tokens, uint16" in printed
     assert data.get_tokenizer(meta["tokenizer"]).merges == tok.merges
 
 

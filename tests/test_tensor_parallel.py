@@ -342,10 +342,21 @@ def case_dropout(rank, tp, group):
         F.scaled_dot_product_attention = sdpa
     heads_draws = gather(torch.stack(draws), group)  # what SDPA's dropout would draw
     assert len({tuple(d.flatten().tolist()) for d in heads_draws}) == tp, "heads need own masks"
-    _, tpm_sp = gpt_pair(group, sp=True, dropout=0.5)  # token shards: masks differ by rank
-    tpm_sp.train()
-    masks = gather(tpm_sp.transformer.drop(torch.ones(64)), group)
-    assert len({tuple(m.tolist()) for m in masks}) == tp, "SP dropout masks must differ by rank"
+    # SP: every dropout on token shards needs its own masks, also in a ParallelSelfAttention
+    # built directly (it once got its per-rank dropout only through apply_tensor_parallel)
+    _, tpm_sp = gpt_pair(group, sp=True, dropout=0.5)
+    attn = model_lib.CausalSelfAttention(tiny(dropout=0.5))
+    rng = tp_lib.RNGStateTracker("cpu", seed=100 + rank)
+    direct = tp_lib.ParallelSelfAttention(attn, group, True, rng)
+    drops = {"a ParallelSelfAttention's resid_dropout": direct.resid_dropout}
+    drops["transformer.drop"] = tpm_sp.transformer.drop
+    for i, block in enumerate(tpm_sp.transformer.h):
+        drops[f"h.{i}.attn.resid_dropout"] = block.attn.resid_dropout
+        drops[f"h.{i}.mlp.dropout"] = block.mlp.dropout
+    torch.manual_seed(9)  # the default stream, alike on every rank: a mask from it would be too
+    for name, drop in drops.items():
+        masks = gather(drop.train()(torch.ones(64)), group)
+        assert len({tuple(m.tolist()) for m in masks}) == tp, f"SP: {name} masks alike on ranks"
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",

@@ -288,11 +288,15 @@ def test_resume_survives_ordinary_damage(data_dir, tmp_path, capsys):
     """What a kill or a full disk leaves behind, all at once: an empty meta.json in the newest
     checkpoint (--export and --resume fall back to the previous one instead of a JSON error), a
     torn last line in metrics.jsonl (skipped, not a JSONDecodeError), and a stale
-    step_N.partial/ of a save that never finished (removed at start)."""
+    step_N.partial/ of a save that never finished (removed at start). A torn line can also end
+    in "}": after a crash, a row's unflushed bytes read back as NULs, its newline among them, so
+    the next row, whole, lands on the same line (json.loads raised, on rank 0 only: a hang)."""
     args = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--ckpt-interval", "2"]
     run_main(args)  # checkpoints at steps 1 and 3
     (train.complete_checkpoints(tmp_path)[0] / "meta.json").write_text("")
     with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 2, "lo' + "\0" * 8)  # the rest never reached the disk
+        f.write('{"kind": "train", "step": 3, "loss": 4.0}\n')  # the next row, on the same line
         f.write('{"kind": "train", "step": 4, "lo')  # half a row: killed mid-write
     stale = tmp_path / "checkpoints" / "step_0000099.partial"
     stale.mkdir()
@@ -300,6 +304,7 @@ def test_resume_survives_ordinary_damage(data_dir, tmp_path, capsys):
     run_main(args + ["--resume", "--max-steps", "6"])
     out = capsys.readouterr().out
     assert "meta.json is unreadable" in out and "(step 1)" in out
+    assert out.count("skipping a torn line") == 2
     assert [r["step"] for r in metrics(tmp_path)] == list(range(6))
     assert not stale.exists()
 
@@ -387,7 +392,7 @@ def _sharded_logits(rank, world, data_dir, tmp):
     x = torch.arange(2 * 32).view(2, 32) % 200  # (B, T) ids
     chunk, grid = run.modules()[0], run.grid
     with torch.no_grad():
-        if grid.pp_rank == 0:
+        if grid.pp_is_first:
             dist.send(chunk(x), dist.get_global_rank(grid.pp_group, 1), group=grid.pp_group)
             return None
         h = torch.empty(2, 32, gpt_config.n_embd)
@@ -443,7 +448,7 @@ def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tm
         (["--pp", "2", "--virtual-stages", "2"], 2, "--schedule 1f1b --pp 2 --virtual-stages 2 "
          "--n-layer 4: virtual_stages=2 > 1 needs schedule='interleaved'"),
         (["--pp", "2", "--virtual-stages", "2", "--schedule", "interleaved", "--micro-batch-size",
-          "8"], 2, "interleaved needs microbatches divisible by pp_size"),
+          "8"], 2, "interleaved needs microbatches divisible by pp_size (m=1, p=2)"),
         (["--block-size", "64"], 1, "--block-size 64 exceeds the context of --model tiny (32"),
         (["--data-dir", "/no/such/dir"], 1, "run `python 01_data.py --out /no/such/dir`"),
         (["--dropout", "1.5"], 1, "--dropout 1.5: a probability, in [0, 1)"),
