@@ -9,50 +9,51 @@ is linear:
     L = 1/N · Σ_r L_r     =>     ∇L = 1/N · Σ_r ∇L_r
 All-reduce (SUM) the gradients, divide by N (gloo has no AVG), take the same optimizer step.
 
-Who holds what (N = 2, P parameters):
-    rank 0:  θ (all P) | rows 0..B-1   -> ∇L_0 ─┐ all-reduce SUM, / N:    ∇L on both ranks,
-    rank 1:  θ (all P) | rows B..2B-1  -> ∇L_1 ─┘                          same AdamW step
-  with ZeRO-1 the optimizer state (AdamW's m and v: 2 fp32 per parameter) is split instead:
-    rank 0:  θ (all P) | ∇L (all P) | m, v for shard 0 -> updates shard 0 -> broadcasts it
-    rank 1:  θ (all P) | ∇L (all P) | m, v for shard 1 -> updates shard 1 -> broadcasts it
-
 The cost. A ring all-reduce of S bytes is a reduce-scatter then an all-gather, each N-1 hops of
 S/N bytes, so every rank sends (and receives) 2(N-1)/N · S bytes, about 2S whatever N is:
     t ≈ 2(N-1)/N · S / bandwidth + 2(N-1) · latency          (per all-reduce call)
-The latency term is paid per call: one call per gradient tensor pays it ~150 times for GPT-2,
-so gradients are packed into buckets. Backward makes gradients last layer first, so a bucket
-whose gradients are all done can be reduced while backward is still computing the earlier
-layers: communication overlaps compute (PyTorch DDP, Li et al. 2020, arXiv 2006.15704).
+The latency is paid per call, so gradients travel in buckets; backward makes them last layer
+first, so a full bucket is reduced while backward computes the earlier layers (PyTorch DDP,
+Li et al. 2020, arXiv 2006.15704).
 
-Three versions, simple first, then the real thing:
-    NaiveDataParallel   after backward, the training loop calls all_reduce_gradients(): one
-                        blocking all-reduce per gradient tensor, in a plain loop
-    DataParallel        flat buckets in backward order; a gradient hook starts a bucket's async
-                        all-reduce the moment it is full; the end of backward waits for all
-    ZeroOptimizer       ZeRO stage 1 (Rajbhandari et al. 2019, arXiv 1910.02054): optimizer
-                        state for 1/N of the parameters per rank; step them; broadcast them
+ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054): stop holding N copies. In fp32 with AdamW a
+parameter costs 4 bytes of weight, 4 of gradient and 8 of state (m, v): 16Ψ for Ψ of them, on
+every rank. Split the all-reduce into its halves and shard what lies between: a unit's weights
+(a block; the rest of the model is the root unit) are one flat buffer padded to a multiple of N,
+rank r owns slice r. Who holds what (N = 2; [####] all of it, [##  ] rank 0's half):
+              weights  grads    m, v     bytes per rank      words sent per rank and step
+    DP (0)    [####]   [####]   [####]   16Ψ                 2(N-1)/N·Ψ  all-reduce
+    ZeRO-1    [####]   [####]   [##  ]   8Ψ + 8Ψ/N           2(N-1)/N·Ψ  reduce-scatter
+    ZeRO-2    [####]   [##  ]   [##  ]   4Ψ + 12Ψ/N          2(N-1)/N·Ψ    + all-gather
+    ZeRO-3    [##  ]   [##  ]   [##  ]   16Ψ/N + units       3(N-1)/N·Ψ  + gathers again
+ZeRO-1: backward as usual; at the step, reduce-scatter the gradients (rank r gets the mean of
+slice r), step slice r, all-gather the weights. ZeRO-2: the reduce-scatters run from gradient
+hooks during backward, unit by unit, and each full gradient is freed at once. ZeRO-3: weights
+too; a unit is all-gathered just before its forward (the next one's prefetched), freed, gathered
+again for its backward: one more all-gather of Ψ (less the root, which stays gathered).
+
+Simple first, then the real thing: NaiveDataParallel (after backward, the loop calls
+all_reduce_gradients(): one blocking all-reduce per tensor), DataParallel (flat buckets, each
+all-reduced from a gradient hook the moment it is full), ZeroOptimizer (ZeRO-1 by itself), and
+ZeroDataParallel (ZeRO-2 and 3, FSDP-style). zero_data_parallel(module, stage, ...) chooses.
 
 Launch:  python 03_ddp.py [--ranks N]                             (runs torchrun for you)
          torchrun --standalone --nproc_per_node=2 03_ddp.py      (or 4; CPU/gloo or GPUs/NCCL)
-It checks naive, bucketed, bucketed + ZeRO-1 and PyTorch's own DistributedDataParallel against
-one process, counts collectives and bytes against 2(N-1)/N · S, and prints the optimizer memory
-per rank with and without ZeRO next to its formula. Step times, and how much communication the
-buckets hide behind backward: bench/bench_ddp.py.
+It checks every variant against one process and prints bytes per rank for stages 0-3 next to
+the formulas. Step times, traffic, torch DDP, FSDP2, GPT-2's sizes: bench/bench_ddp.py.
 
 What changed from 02_model.py: nothing inside the GPT. Data parallelism wraps the model, hooks its
-parameters' gradients and shards the optimizer; the data comes from 01_data.py's loader with
-(dp_rank, dp_size), so ranks read disjoint windows.
+parameters' gradients and shards the optimizer; rank r trains on its own rows of the batch
+(train.py: 01_data.py's loader with (dp_rank, dp_size), so ranks read disjoint windows).
 
 Left out on purpose: DDP's find_unused_parameters (an unused parameter is an error here, not a
 hang), gradient compression and bf16 communication hooks, bucket rebuilding from the observed
-gradient order, ZeRO stages 2 and 3 (sharded gradients and parameters), and the reduce-scatter
-form of ZeRO-1, which would make its traffic equal plain DP's (we all-reduce, then broadcast).
+gradient order, ZeRO's offload to CPU/NVMe and ZeRO++, FSDP2's per-parameter (DTensor) shards.
 """
 
 import argparse
 import contextlib
 import importlib
-import math
 import os
 import sys
 import weakref
@@ -63,28 +64,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 
 SUM = dist.ReduceOp.SUM  # never AVG: gloo does not have it
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, int, torch.device]:
-    """Join the torchrun job (env://) and return (rank, local_rank, world_size, device).
-
-    nccl when CUDA is available, else gloo. The device is set *before* init so NCCL binds each
-    rank to its own GPU. A finite timeout turns a hang (a rank that skipped a collective) into an
-    error. Already initialised (as in the tests' spawned ranks): reuse the existing group.
-    Launched without torchrun: a world of one, no process group.
-    """
+    """Join the torchrun job (env://): (rank, local_rank, world_size, device). nccl on CUDA, else
+    gloo; the device is set *before* init, so NCCL binds each rank to its own GPU; a finite
+    timeout turns a hang (a rank that skipped a collective) into an error. Already initialised
+    (the tests' spawned ranks): reuse the group. Without torchrun: a world of one, no group."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        # device_id (NCCL): bind the communicators to this rank's GPU now, so no collective or
-        # subgroup ever has to guess the device from the rank
+        # device_id (NCCL): bind the communicators to this GPU now; no subgroup guesses it later
         device_id = device if device.type == "cuda" else None
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
     if dist.is_initialized():
@@ -110,8 +106,7 @@ def nbytes(t: torch.Tensor) -> int:
 @torch.no_grad()
 def broadcast_from_first_rank(module: nn.Module, group) -> None:
     """Make the replicas identical: every parameter (frozen too) and buffer, from group rank 0."""
-    # subtle: broadcast's src is a *global* rank. In a DP subgroup of a 3D grid (ranks {1, 3}, say)
-    # the group's first rank is not rank 0 of the world.
+    # subtle: src is a *global* rank: a DP subgroup of a 3D grid ({1, 3}, say) starts at rank 1
     src = dist.get_global_rank(group, 0)
     for t in [*module.parameters(), *module.buffers()]:
         dist.broadcast(t.detach(), src=src, group=group)
@@ -121,14 +116,10 @@ def broadcast_from_first_rank(module: nn.Module, group) -> None:
 # Simple first: after backward, all-reduce every gradient, one tensor at a time
 # ---------------------------------------------------------------------------------------------
 class NaiveDataParallel(nn.Module):
-    """Broadcast the parameters once; after every backward the training loop calls
-    all_reduce_gradients(). Nothing overlaps: communication starts when backward has ended,
-    and the optimizer waits for the last tensor. Every trainable parameter needs a gradient.
-    With 06's accumulate_gradients or 05's pipeline_step, call it once after they return.
-
-    no_sync() is a no-op kept for loops written for DataParallel: this wrapper communicates
-    only inside all_reduce_gradients(), so not calling it is the no-sync. group: as DataParallel.
-    """
+    """Broadcast the parameters once; after every backward the loop calls all_reduce_gradients()
+    (after 06's accumulate_gradients or 05's pipeline_step: once). Nothing overlaps: communication
+    starts when backward has ended. Every trainable parameter needs a gradient. no_sync() is a
+    no-op for loops written for DataParallel (not calling all_reduce_gradients() is the no-sync)."""
 
     def __init__(self, module: nn.Module, group=None):
         super().__init__()
@@ -169,25 +160,37 @@ class Bucket:
     ready: int = 0  # gradients copied in during this backward
 
 
-def make_buckets(params, cap_bytes: float) -> list[Bucket]:
+def make_buckets(params, cap_mb: float | None) -> list[Bucket]:
     """Pack params, last-registered first (≈ the order backward produces their gradients), into
-    buckets of at most cap_bytes (a bigger parameter gets a bucket of its own)."""
+    buckets of at most cap_mb (a bigger parameter gets a bucket of its own; None: no cap)."""
+    cap = float("inf") if cap_mb is None else cap_mb * 2**20
     groups, size = [], 0
     for p in reversed(params):
         last = groups[-1][-1] if groups else None
         same_kind = last is not None and (last.dtype, last.device) == (p.dtype, p.device)
-        if not same_kind or size + nbytes(p) > cap_bytes:
+        if not same_kind or size + nbytes(p) > cap:
             groups.append([])
             size = 0
         groups[-1].append(p)
         size += nbytes(p)
     buckets = []
     for group in groups:
-        first = group[0]
-        buffer = torch.zeros(sum(p.numel() for p in group), dtype=first.dtype, device=first.device)
-        pieces = buffer.split([p.numel() for p in group])
-        buckets.append(Bucket(group, [v.view(p.shape) for v, p in zip(pieces, group)], buffer))
+        buffer = group[0].new_zeros(sum(p.numel() for p in group))  # (sum of numels,)
+        views = [v.view_as(p) for v, p in zip(buffer.split([p.numel() for p in group]), group)]
+        buckets.append(Bucket(group, views, buffer))
     return buckets
+
+
+def weak_hook(owner, method: str, *bound):
+    """A hook that calls owner.method(*bound, *args) while owner lives. (A bound method would keep
+    a wrapper alive, and communicating, as long as the parameters it hooks.)"""
+    ref = weakref.ref(owner)
+
+    def call(*args):
+        if (target := ref()) is not None:
+            return getattr(target, method)(*bound, *args)
+
+    return call
 
 
 def _remove_hooks(handles) -> None:
@@ -198,20 +201,15 @@ def _remove_hooks(handles) -> None:
 class DataParallel(nn.Module):
     """Bucketed and overlapped data parallelism (PyTorch DDP's design, arXiv 2006.15704).
 
-    Unlike NaiveDataParallel, the training loop calls nothing. A gradient hook copies p.grad / N
-    into its bucket's flat buffer; a full bucket's all-reduce (SUM) starts asynchronously while
-    backward computes earlier layers. The first hook of a pass queues a callback that autograd
-    runs when the pass ends (as torch DDP does): it waits for every bucket and hands each
-    parameter its averaged gradient as a view into the bucket (DDP's gradient_as_bucket_view).
-    A parameter without a gradient is an error that names it, not a hang of the other ranks.
-    bucket_mb=None: no cap, one bucket per dtype and device (fewest calls, little overlap).
-    group: the DP group (default: the world); in a 3D grid, the ranks that hold the same shard
-    of the model (a pipeline stage, tensor-parallel shards: any module).
-
-    Lifetime: the hooks hold the wrapper only weakly, and a freed wrapper removes them, so
-    `model = DataParallel(model.module)` leaves one wrapper communicating, not two (as torch
-    DDP, whose reducer removes its hooks when freed). close() removes them at once.
-    """
+    The loop calls nothing: a gradient hook copies p.grad / N into its bucket's flat buffer, and
+    a full bucket's all-reduce (SUM) starts while backward computes earlier layers. An autograd
+    callback at the end of backward (as torch DDP's) waits for them and hands each parameter its
+    mean gradient as a view of its bucket (DDP's gradient_as_bucket_view). No gradient for a
+    parameter: an error naming it, not a hang. bucket_mb=None: one bucket per dtype and device.
+    group: the DP group (default: the world); in a 3D grid, the ranks holding the same shard of
+    the model (any module). The hooks hold the wrapper weakly and a freed wrapper removes them
+    (as torch DDP's reducer), so `model = DataParallel(model.module)` leaves one wrapper
+    communicating; close() removes them at once."""
 
     def __init__(self, module: nn.Module, bucket_mb: float | None = 25.0, group=None):
         ok = bucket_mb is None or (isinstance(bucket_mb, int | float) and bucket_mb > 0)
@@ -223,30 +221,14 @@ class DataParallel(nn.Module):
         self.names = {p: name for name, p in module.named_parameters()}  # a tied tensor: once
         self.params = [p for p in module.parameters() if p.requires_grad]  # frozen: skipped
         self.stats = {"allreduce_calls": 0, "allreduce_bytes": 0, "syncs": 0}
-        self.buckets = make_buckets(
-            self.params, math.inf if bucket_mb is None else bucket_mb * 2**20
-        )
-        self._where = {
-            p: (b, i) for b, bk in enumerate(self.buckets) for i, p in enumerate(bk.params)
-        }
-        self._done = set()  # parameters copied into their bucket during this pass
-        self._sync, self._queued = True, False
-        # _works[b]: bucket b's all-reduce in this pass (buckets start in order). subtle: the
-        # previous pass's are kept too. A collective launched inside backward copies a Python
-        # object (autograd's contextvars.Context); if a gloo worker thread drops the last
-        # reference to it while Python exits, it cannot take the GIL and the process aborts
-        # ("terminate called without an active exception"; tests/ddp_exit_job.py). So they are
-        # freed on our own thread a whole pass later, when the worker is long done (freed as
-        # the next pass started, 7 of 240 amplified jobs still aborted; this, 0 of 210). They
-        # hold only the buckets, which live anyway. The naive wrapper all-reduces after
-        # backward: no Context, nothing to keep.
+        self.buckets = make_buckets(self.params, bucket_mb)
+        self._where = {p: (bk, i) for bk in self.buckets for i, p in enumerate(bk.params)}
+        self._done, self._sync, self._queued = set(), True, False  # _done: copied in this pass
+        # _works[b]: bucket b's all-reduce. subtle: the last pass's are kept too. Launched inside
+        # backward, one copies a Python object, and freed by a gloo thread while Python exits it
+        # aborts the process (tests/ddp_exit_job.py). They hold only the buckets, alive anyway.
         self._works, self._previous_works = [], []
-        this = weakref.ref(self)  # a bound method would keep the wrapper alive with the params
-
-        def hook(p: torch.Tensor) -> None:
-            if (wrapper := this()) is not None:
-                wrapper._hook(p)
-
+        hook = weak_hook(self, "_hook")
         handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
         self._detach = weakref.finalize(self, _remove_hooks, handles)
 
@@ -260,11 +242,8 @@ class DataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes run inside skip communication; gradients just add up in p.grad.
-
-        subtle: unlike torch DDP, whose no_sync() is decided by the *forward* pass, this one
-        is decided when backward runs, which is what a pipeline schedule needs: it calls
-        backward for m microbatches, only the last one outside no_sync().
-        """
+        subtle: decided when backward runs, not by the forward pass as torch DDP's, which is what
+        a pipeline schedule needs: m backward passes, only the last one outside no_sync()."""
         previous, self._sync = self._sync, False
         try:
             yield
@@ -282,19 +261,16 @@ class DataParallel(nn.Module):
         self._launch_full_buckets()
 
     def _copy_in(self, p: torch.Tensor) -> None:
-        b, i = self._where[p]
-        bucket = self.buckets[b]
-        # divide while copying, as DDP does: it costs nothing extra, and a sum of N fp16
-        # gradients cannot overflow. (For N = 2^k, x/N is exact: the same as SUM then divide.)
-        # When p.grad already is the view (zero_grad(set_to_none=False)), this divides in place.
+        bucket, i = self._where[p]
+        # divide while copying, as DDP: free, and a sum of N fp16 gradients cannot overflow (x/N
+        # is exact for N = 2^k). If p.grad is the view already (set_to_none=False): in place.
         torch.div(p.grad, self.world, out=bucket.views[i])
         bucket.ready += 1
         self._done.add(p)
 
     def _launch_full_buckets(self) -> None:
-        # subtle: buckets start strictly in index order. Gradients may finish in a different
-        # order on different ranks, but every rank must issue its collectives in the same order,
-        # or rank 0's bucket 3 would be summed with rank 1's bucket 2.
+        # subtle: strictly in index order, whatever order the gradients finish in on each rank:
+        # else rank 0's bucket 3 would be summed with rank 1's bucket 2
         while len(self._works) < len(self.buckets):
             bucket = self.buckets[len(self._works)]
             if bucket.ready < len(bucket.params):
@@ -306,276 +282,429 @@ class DataParallel(nn.Module):
 
     def _finish_backward(self) -> None:
         self._queued = False
-        # Parameters whose hook did not fire in this pass may hold a gradient from passes run
-        # under no_sync(): reduce it. A parameter with no gradient at all is an error.
-        late = [
-            p for b in self.buckets[len(self._works) :] for p in b.params if p not in self._done
-        ]
-        if missing := [self.names[p] for p in late if p.grad is None]:
-            self._wait_and_reset()  # leave none of our collectives half-done behind the error
+        # a parameter whose hook did not fire may hold a gradient from no_sync() passes: reduce it
+        late = [p for p in self.params if p not in self._done]
+        if not (missing := [self.names[p] for p in late if p.grad is None]):
+            for p in late:
+                self._copy_in(p)
+            self._launch_full_buckets()
+        for work in self._works:  # (a missing gradient: none of ours is left half-done either)
+            work.wait()  # on GPU: makes the current stream wait, not the host
+        for bucket in self.buckets:
+            bucket.ready = 0
+        self._done.clear()
+        if missing:
             raise RuntimeError(
                 f"DataParallel: no gradient in this backward for {', '.join(missing)}. Every "
                 "rank all-reduces every trainable parameter, so the other ranks would wait "
                 "forever: make it take part in the loss on every rank, or freeze it "
                 "(requires_grad_(False)) before wrapping."
             )
-        for p in late:
-            self._copy_in(p)
-        self._launch_full_buckets()
         assert len(self._works) == len(self.buckets), "every bucket must be launched by now"
-        self._wait_and_reset(hand_back=True)
+        for p, (bucket, i) in self._where.items():  # subtle: the next synced backward
+            p.grad = bucket.views[i]  # overwrites this view: clone a gradient to keep it
         self.stats["syncs"] += 1
 
-    def _wait_and_reset(self, hand_back: bool = False) -> None:
-        for work in self._works:
-            work.wait()  # on GPU: makes the current stream wait, not the host
-        for bucket in self.buckets:
-            if hand_back:
-                # subtle: p.grad now lives in the bucket, which the next synchronised backward
-                # overwrites. Keep a gradient across steps? clone it.
-                for p, view in zip(bucket.params, bucket.views):
-                    p.grad = view
-            bucket.ready = 0
-        self._done.clear()
-
 
 # ---------------------------------------------------------------------------------------------
-# ZeRO stage 1: shard the optimizer state
+# ZeRO: shard what every rank holds N times (Rajbhandari et al. 2019, arXiv 1910.02054)
 # ---------------------------------------------------------------------------------------------
-def partition_by_size(params, n: int) -> list[list[int]]:
-    """Indices of params for each of n ranks, balanced by numel: biggest first, each to the
-    least-loaded rank. Deterministic (ties by index), so every rank computes the same split."""
-    shards, loads = [[] for _ in range(n)], [0] * n
-    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
-        r = min(range(n), key=lambda r: (loads[r], r))
-        shards[r].append(i)
-        loads[r] += params[i].numel()
-    return [sorted(s) for s in shards]
+class FlatParameter:
+    """Parameters (one unit, param group and dtype) as one flat buffer `full`, zero-padded to N·S
+    elements; their .data become views into it. Rank r owns full[r·S:(r+1)·S]: `shard`, which
+    its optimizer steps, a view of `full` (ZeRO-1/2) or its own memory (ZeRO-3: `full` has
+    memory only while gathered). `grad`: the full flat gradient, until reduced."""
 
+    def __init__(self, params: list, unit, rank: int, world: int, shard_params: bool):
+        self.params, self.unit, self.numels = params, unit, [p.numel() for p in params]
+        self.offset = {p: sum(self.numels[:i]) for i, p in enumerate(params)}  # by identity
+        self.S = -(-sum(self.numels) // world)  # ceil(numel / N)
+        self.full = params[0].new_zeros(world * self.S)  # (N·S,)
+        for p, o in self.offset.items():
+            self.full[o : o + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.full[o : o + p.numel()].view_as(p)  # p keeps identity and autograd state
+        self.lo = rank * self.S  # this rank's slice: [lo, lo + S)
+        mine = self.full[self.lo : self.lo + self.S]  # (S,)
+        self.shard = nn.Parameter(mine.clone() if shard_params else mine)
+        self.grad, self.ready, self.work, self.gathered = None, 0, None, True
+        if shard_params:
+            self.free()
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of tensors in an optimizer's state (AdamW: m, v and a step counter per parameter)."""
-    state = optimizer.state.values()
-    return sum(nbytes(t) for s in state for t in s.values() if torch.is_tensor(t))
+    def free(self) -> None:  # ZeRO-3: the views stay, their memory goes (FSDP's trick); what
+        self.full.untyped_storage().resize_(0)  # autograd saved of them sees the next gather
+        self.gathered = False
+
+    def take_grad(self, p) -> None:
+        """p.grad moves into the flat gradient, adding (no_sync passes accumulate there)."""
+        if self.grad is None:
+            self.grad = self.full.new_zeros(self.full.shape)  # the padding stays 0
+        o = self.offset[p]
+        self.grad[o : o + p.numel()].add_(p.grad.reshape(-1))
+        p.grad = None
+        self.ready += 1
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """ZeRO stage 1 (arXiv 1910.02054): optimizer_cls's state lives on one rank per parameter.
+    """optimizer_cls stepping only this rank's shard of every FlatParameter: 1/N of the state.
+    param_groups list the model's parameters (LR schedules work); each is flattened apart, so its
+    hyperparameters (weight decay) reach its shards. units: modules flattened together, each
+    taking what earlier ones left (default: one). Alone, it is ZeRO-1, the simple version:
+    backward leaves full gradients in p.grad; step() reduce-scatters them (rank r gets the mean
+    of its slice), steps the shard and all-gathers the weights."""
 
-    Every rank holds all parameters and all (already averaged) gradients. Rank r runs
-    optimizer_cls only on its shard, 1/N of the parameters by size, so it keeps state only for
-    those; then each rank broadcasts its updated shard. param_groups lists every parameter,
-    so an LR scheduler (or `group["lr"] = ...`) works as with any optimizer. Every group must be
-    given here: add_param_group afterwards is refused.
-    """
-
-    def __init__(self, params, optimizer_cls, group=None, **kwargs):
+    def __init__(self, params, optimizer_cls, group=None, *, units=None, stage=1, **kwargs):
         super().__init__(params, kwargs)
-        self.group = _dp_group(group)
+        self.group, self.stage = _dp_group(group), stage
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        flat = [p for g in self.param_groups for p in g["params"]]
-        self.shards = [[flat[i] for i in s] for s in partition_by_size(flat, self.world)]
-        mine = set(self.shards[self.rank])
-        self.local = optimizer_cls(
-            [{**g, "params": [p for p in g["params"] if p in mine]} for g in self.param_groups],
-            **kwargs,
-        )
+        groups = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
+        members = [set(u.parameters()) for u in units] if units else [set(sum(groups, []))]
+        self.flats, shards, taken = [], [[] for _ in groups], set()
+        for unit, unit_params in zip(units or [None], members):
+            for i, ps in enumerate(groups):
+                kinds = {}  # a flat buffer holds one dtype on one device
+                for p in (p for p in ps if p in unit_params and p not in taken):
+                    kinds.setdefault((p.dtype, p.device), []).append(p)
+                    taken.add(p)
+                for kind in kinds.values():
+                    self.flats.append(FlatParameter(kind, unit, self.rank, self.world, stage == 3))
+                    shards[i].append(self.flats[-1].shard)
+        assert len(taken) == sum(map(len, groups)), "every parameter must be in one of the units"
+        shard_groups = [{**g, "params": s} for g, s in zip(self.param_groups, shards)]
+        self.local = optimizer_cls(shard_groups, **kwargs)
         for g, local_g in zip(self.param_groups, self.local.param_groups):
             for k, v in local_g.items():  # optimizer_cls's defaults, visible to schedulers
                 g.setdefault(k, v)
-        self.state = self.local.state  # this rank's state only
-        self.stats = {"broadcast_calls": 0, "broadcast_bytes": 0}
+        self.state = self.local.state  # this rank's shards' state only
+        self.stats = {"reduce_scatter_calls": 0, "reduce_scatter_bytes": 0}
+        self.stats.update(all_gather_calls=0, all_gather_bytes=0)
+        self._reduced, self._works, self._old_works, self._last_reduced = False, [], [], None
 
     def add_param_group(self, param_group: dict) -> None:
-        # Refused once built: the split is decided once, from every parameter. A later group
-        # would unbalance it, or re-split it and move state between ranks (as torch's
-        # ZeroRedundancyOptimizer does). Optimizer.__init__ calls this for the groups given.
-        if hasattr(self, "local"):
+        if hasattr(self, "local"):  # the buffers are cut once: a later group would be left out
             raise NotImplementedError(
                 "ZeroOptimizer.add_param_group after construction is not supported: pass every "
                 "param group to ZeroOptimizer(...) (a group may start with lr=0)"
             )
         super().add_param_group(param_group)
 
-    def shard_numels(self) -> list[int]:
-        return [sum(p.numel() for p in shard) for shard in self.shards]
+    def _all_gather(self, flat: FlatParameter):
+        """Start gathering every rank's shard into flat.full (its memory first: ZeRO-3). ZeRO-1/2:
+        in place, the input (the shard) is this rank's slice of the output."""
+        full, shard = flat.full, flat.shard.detach()
+        full.untyped_storage().resize_(nbytes(full))
+        work = dist.all_gather_single(full, shard, group=self.group, async_op=True)
+        self.stats["all_gather_calls"] += 1
+        self.stats["all_gather_bytes"] += nbytes(full)  # each rank sends (N-1)/N of it
+        self._works.append(work)  # kept a step: ZeRO-3 gathers in backward (DataParallel._works)
+        return work
+
+    def _reduce_scatter(self, flat: FlatParameter) -> tuple:
+        """Start SUMming every rank's slice r of the flat gradient onto rank r."""
+        for p in flat.params:  # ZeRO-1: still in p.grad; ZeRO-2/3: the hooks moved them
+            if p.grad is not None:
+                flat.take_grad(p)
+        if flat.grad is None:  # no gradient here: zeros, as every rank must take part
+            flat.grad = flat.full.new_zeros(flat.full.shape)
+        out = flat.grad.new_empty(flat.S)  # (S,)
+        work = dist.reduce_scatter_single(out, flat.grad, op=SUM, group=self.group, async_op=True)
+        self.stats["reduce_scatter_calls"] += 1
+        self.stats["reduce_scatter_bytes"] += nbytes(flat.grad)
+        # subtle: launched in backward (ZeRO-2/3), it must be kept too (DataParallel's _works),
+        # but gloo's holds a copy of its input while it lives: _finish keeps only the last one
+        return work, flat, out
+
+    def _finish(self, pending: list) -> None:
+        for work, flat, out in pending:
+            work.wait()
+            flat.shard.grad = out.div_(self.world)  # SUM / N: the mean of the ranks' gradients
+            flat.grad.untyped_storage().resize_(0)  # freed now, even if NCCL still refers to it
+            flat.grad, self._last_reduced = None, work  # freed at the next _finish or step()
+
+    def reduce_gradients(self) -> None:
+        """ZeRO-1: reduce-scatter every flat's gradient now, in order, once per step (step() calls
+        it). ZeRO-2/3: nothing to do, the hooks did it during backward."""
+        if self.stage == 1 and not self._reduced:
+            self._finish([self._reduce_scatter(f) for f in self.flats])
+            self._reduced = True
+
+    def grad_shards(self) -> list:
+        """After backward, this rank's averaged gradient of each flat's slice [lo, lo + S) (the
+        padding 0): the ranks' shards hold every gradient element once. Scale them in place to
+        clip (the norm: all-reduce their squares). ZeRO-1 reduces first: call it on every rank."""
+        self.reduce_gradients()
+        return [f.shard.grad for f in self.flats if f.shard.grad is not None]
 
     @torch.no_grad()
     def step(self, closure=None):
         assert closure is None, "ZeroOptimizer.step does not take a closure"
+        self.reduce_gradients()
         for g, local_g in zip(self.param_groups, self.local.param_groups):
             local_g.update({k: v for k, v in g.items() if k != "params"})  # e.g. a new lr
-        self.local.step()  # only this rank's shard moves
-        self._broadcast_shards()
+        self.local.step()  # only this rank's shards move
+        if self.stage < 3:  # (ZeRO-3 gathers them when the next forward needs them)
+            self._gather_all()
+        self._reduced, self._old_works, self._works = False, self._works, []
+        self._last_reduced = None  # (its gloo thread has long let go of it)
 
-    def _broadcast_shards(self) -> None:
-        """Each rank sends its updated shard to all others: one flat broadcast per rank/dtype."""
-        pending = []
-        for r, shard in enumerate(self.shards):
-            kinds = {}
-            for p in shard:
-                kinds.setdefault((p.dtype, p.device), []).append(p)
-            for ps in kinds.values():
-                if r == self.rank:
-                    flat = torch.cat([p.reshape(-1) for p in ps])
-                else:
-                    flat = ps[0].new_empty(sum(p.numel() for p in ps))
-                src = dist.get_global_rank(self.group, r)
-                work = dist.broadcast(flat, src=src, group=self.group, async_op=True)
-                pending.append((work, flat, ps, r))
-                self.stats["broadcast_calls"] += 1
-                self.stats["broadcast_bytes"] += nbytes(flat)
-        for work, flat, ps, r in pending:
+    def _gather_all(self) -> None:
+        for work in [self._all_gather(f) for f in self.flats]:
             work.wait()
-            if r != self.rank:
-                for p, piece in zip(ps, flat.split([p.numel() for p in ps])):
-                    p.copy_(piece.view_as(p))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=True)  # the gradients live in the shards: freed
+        for f in self.flats:
+            f.grad = f.shard.grad = None
+
+    def _layout(self) -> dict:
+        numels = [f.numels for f in self.flats]
+        return {"stage": self.stage, "dp_rank": self.rank, "dp_size": self.world, "flats": numels}
 
     def state_dict(self) -> dict:
-        """This rank's shard of the state: a sharded checkpoint, each rank saves its own."""
+        """A sharded checkpoint: this rank's shards of the state and of the weights."""
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        return {
-            "dp_rank": self.rank,
-            "shard_numels": self.shard_numels(),
-            "param_groups": hyper,
-            "local": self.local.state_dict(),
-        }
+        shards = [f.shard.detach().clone() for f in self.flats]
+        local = self.local.state_dict()
+        return {"layout": self._layout(), "param_groups": hyper, "shards": shards, "local": local}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        expected = (self.rank, self.shard_numels())
-        found = (state_dict["dp_rank"], state_dict["shard_numels"])
-        assert found == expected, (
-            f"this checkpoint shard is (dp_rank, shard sizes) = {found}, but this optimizer is "
-            f"{expected}: load each rank's own shard, with the same model and DP size"
-        )
+        """Shard, state and weights (ZeRO-1/2 then all-gather the weights: every rank calls it)."""
+        saved, here = state_dict.get("layout") or {}, self._layout()
+        if diff := [k for k, v in here.items() if saved.get(k) != v]:  # its shards would not fit
+            pairs = [f"{k} {saved.get(k)!s:.24}, here {here[k]!s:.24}" for k in diff]
+            raise ValueError(f"this ZeroOptimizer shard was saved with {'; '.join(pairs)}")
+        for f, shard in zip(self.flats, state_dict["shards"]):
+            f.shard.data.copy_(shard)
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             g.update(saved)
         self.local.load_state_dict(state_dict["local"])
+        if self.stage < 3:
+            self._gather_all()
+
+
+def zero_units(module: nn.Module) -> list:
+    """FSDP's wrapping of a GPT (or 05's PipelineChunk), in backward order: each block of
+    transformer.h, the last first, then the root, the module itself (embeddings, ln_f, head)."""
+    h = getattr(getattr(module, "transformer", None), "h", [])
+    return [*reversed(list(h.values() if isinstance(h, nn.ModuleDict) else h)), module]
+
+
+class ZeroDataParallel(nn.Module):
+    """ZeRO-1, 2 or 3 (optimizer.stage) around a module whose weights optimizer has flattened.
+    ZeRO-1: no hooks. ZeRO-2: a gradient hook moves each gradient into its flat buffer; a full
+    flat starts its reduce-scatter (in flat order), freed when the next one starts. ZeRO-3 adds
+    unit hooks: all-gather before its forward (prefetching the next unit's), free after it,
+    gather again from a hook on its output (its backward is next), free when its gradients are
+    in. The root stays gathered from forward to the end of backward (as FSDP2's). no_sync():
+    passes accumulate in the flat buffers. No gradient counts as zero (all ranks reduce all)."""
+
+    forward, no_sync = DataParallel.forward, DataParallel.no_sync
+
+    def __init__(self, module: nn.Module, optimizer: ZeroOptimizer):
+        super().__init__()
+        self.module, self.opt, self.stage = module, optimizer, optimizer.stage
+        units, self.stats = zero_units(module), optimizer.stats
+        self.flats = [f for f in optimizer.flats if any(f.unit is u for u in units)]
+        if self.stage == 3 and len(self.flats) < len(optimizer.flats):  # another chunk's units
+            raise ValueError(
+                "ZeRO-3 with several pipeline chunks per rank is refused: every microbatch "
+                "would all-gather every unit again; use ZeRO-1/2 or one chunk per rank"
+            )
+        self._unit_flats = {u: [f for f in self.flats if f.unit is u] for u in units}
+        self._sync, self._in_backward, self._next, self._pending = True, False, 0, []
+        for f in self.flats if self.stage >= 2 else []:
+            for p in f.params:
+                p.register_post_accumulate_grad_hook(weak_hook(self, "_grad_hook", f))
+        forward = [module, *units[-2::-1]]  # the root, then the blocks in forward order
+        backward = [module, *units[:-1]]  # the root (its head), then the blocks backwards
+        self._after = dict(zip(forward, [*forward[1:], None]))  # the unit to prefetch
+        self._before = dict(zip(backward, [*backward[1:], None]))
+        for u in units if self.stage == 3 else []:
+            u.register_forward_pre_hook(weak_hook(self, "_gather", u, self._after[u]))
+            u.register_forward_hook(weak_hook(self, "_post_forward", u))
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Full weights in self.module inside (export, evaluation outside the wrapper): ZeRO-3
+        gathers every unit, then frees them. Every rank must enter it."""
+        units = [u for u, fs in self._unit_flats.items() if not all(f.gathered for f in fs)]
+        for u in units:
+            self._gather(u)
+        try:
+            yield self.module
+        finally:
+            for u in units:
+                self._free(u)
+
+    def _gather(self, unit, prefetch=None, *_) -> None:
+        for u in (unit, prefetch):  # this unit now, the next one's all-gather in the background
+            for f in self._unit_flats.get(u, []):
+                if not f.gathered and f.work is None:
+                    f.work = self.opt._all_gather(f)
+        for f in self._unit_flats[unit]:
+            if f.work is not None:
+                f.work.wait()
+            f.work, f.gathered = None, True
+
+    def _free(self, unit) -> None:
+        for f in self._unit_flats[unit]:
+            if f.work is not None:  # a prefetch still in flight
+                f.work.wait()
+            f.work = None
+            f.free()
+
+    def _post_forward(self, unit, module, args, output) -> None:
+        grad = torch.is_grad_enabled()
+        for t in output if isinstance(output, tuple) else (output,):
+            if grad and torch.is_tensor(t) and t.requires_grad:  # fires just before its backward
+                t.register_hook(lambda _, u=unit: self._pre_backward(u))
+        if not self._in_backward and (unit is not self.module or not grad):
+            self._free(unit)  # (in backward it is activation recomputation: backward frees it)
+
+    def _pre_backward(self, unit) -> None:
+        self._start_backward()
+        self._gather(unit, prefetch=self._before[unit])
+
+    def _start_backward(self) -> None:
+        if not self._in_backward:  # the first hook of this backward pass
+            self._in_backward, self._next = True, 0
+            for f in self.flats:
+                f.ready = 0
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _grad_hook(self, flat: FlatParameter, p: torch.Tensor) -> None:
+        self._start_backward()
+        flat.take_grad(p)  # the full per-parameter gradient is freed
+        if self.stage == 3 and flat.unit is not self.module:
+            if all(f.ready == len(f.params) for f in self._unit_flats[flat.unit]):
+                self._free(flat.unit)  # its backward is over
+        if self._sync:
+            self._launch()
+
+    def _launch(self, everything: bool = False) -> None:
+        # subtle: strictly in flat order (backward order, unit by unit), never in the order the
+        # hooks arrive: every rank must issue the same collectives in the same order (NCCL's rule)
+        while self._next < len(self.flats):
+            flat = self.flats[self._next]
+            if not everything and flat.ready < len(flat.params):
+                return
+            self.opt._finish(self._pending)  # one in flight: the previous full gradient is freed
+            self._pending = [self.opt._reduce_scatter(flat)]
+            self._next += 1
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        if self._sync:
+            self._launch(everything=True)
+            self.opt._finish(self._pending)
+            self._pending = []
+        for u in self._unit_flats if self.stage == 3 else []:
+            self._free(u)
+
+
+def zero_data_parallel(
+    module, stage: int, param_groups, optimizer_cls, group=None, bucket_mb=25.0, **kwargs
+):
+    """The one place that chooses the stage: -> (model, optimizer). Stage 0: DataParallel
+    (bucket_mb: its buckets) and a plain optimizer_cls; 1-3: ZeroDataParallel and a ZeroOptimizer
+    flattening zero_units(module). (Several pipeline chunks: one ZeroOptimizer over all their
+    units, a ZeroDataParallel around each.)"""
+    assert stage in (0, 1, 2, 3), f"the ZeRO stage must be 0, 1, 2 or 3, got {stage!r}"
+    if stage == 0:
+        return DataParallel(module, bucket_mb, group), optimizer_cls(param_groups, **kwargs)
+    broadcast_from_first_rank(module, _dp_group(group))  # identical, then cut into shards
+    optimizer = ZeroOptimizer(
+        param_groups, optimizer_cls, group, units=zero_units(module), stage=stage, **kwargs
+    )
+    return ZeroDataParallel(module, optimizer), optimizer
+
+
+def memory_per_rank(module: nn.Module, optimizer) -> dict:
+    """Bytes this rank holds now: the distinct storages of the weights (the module's, the
+    shards), gradients and optimizer state (a view counts with its buffer; a freed one is 0)."""
+    flats = getattr(optimizer, "flats", [])
+    params = [*module.parameters(), *(f.shard for f in flats)]
+    grads = [g for g in [p.grad for p in params] + [f.grad for f in flats] if g is not None]
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+
+    def size(tensors) -> int:
+        return sum({(s := t.untyped_storage()).data_ptr(): s.nbytes() for t in tensors}.values())
+
+    return {"params": size(params), "grads": size(grads), "optimizer": size(state)}
+
+
+def zero_memory_formula(stage: int, psi: float, world: int) -> float:
+    """Bytes per rank for Ψ fp32 parameters with AdamW: 4Ψ weights + 4Ψ gradients + 8Ψ (m, v),
+    the sharded ones / N (ZeRO-3: plus the gathered units)."""
+    return 4 * psi * [4, 2 + 2 / world, 1 + 3 / world, 4 / world][stage]
 
 
 # ---------------------------------------------------------------------------------------------
-# The demo: equal to one process, collectives counted, memory per rank against the formula
+# The demo: every variant equals one process; memory per rank next to its formula
 # ---------------------------------------------------------------------------------------------
-def train_step(model, opt, x, y) -> None:
+PRESET, T, B, STEPS, SEED = "small", 64, 4, 3, 1337  # 02's ~0.8M GPT on bytes; B rows per rank
+BUCKET_MB = 1.0  # a few buckets for this GPT (25 MB would be one)
+FORMULAS = {"DP": "16Ψ", "ZeRO-1": "8Ψ + 8Ψ/N", "ZeRO-2": "4Ψ + 12Ψ/N", "ZeRO-3": "16Ψ/N + units"}
+
+
+def train_step(model, opt, x, y) -> torch.Tensor:
     _, loss = model(x, y)
     opt.zero_grad(set_to_none=True)
-    loss.backward()  # DataParallel and torch DDP all-reduce in here, from gradient hooks
+    loss.backward()  # DataParallel, torch DDP and ZeRO-2/3 communicate in here, from hooks
     if isinstance(model, NaiveDataParallel):
         model.all_reduce_gradients()  # the simple version: an explicit call after backward
-    opt.step()
+    opt.step()  # ZeRO-1 reduce-scatters in here; ZeRO-1/2 all-gather the weights
+    return loss.detach()
 
 
-def make_variants(args, config, device) -> dict:
-    """name -> (model, AdamW or ZeRO-1 AdamW), every one built from the same seed. The single
-    process trains on every rank (each has all ranks' loaders), so no rank waits for it."""
-
-    def fresh():
-        torch.manual_seed(args.seed)
-        return model_lib.GPT(config).to(device)
-
-    ids, mb = ([device.index] if device.type == "cuda" else None), args.bucket_mb
-    models = {
-        "one process": fresh(),
-        "naive": NaiveDataParallel(fresh()),
-        "bucketed": DataParallel(fresh(), bucket_mb=mb),
-        "bucketed + ZeRO-1": DataParallel(fresh(), bucket_mb=mb),
-        "torch DDP": nn.parallel.DistributedDataParallel(fresh(), ids, bucket_cap_mb=mb),
-    }
-    AdamW, kw = torch.optim.AdamW, dict(lr=args.lr, weight_decay=0.1)
-    opts = {n: AdamW(m.parameters(), **kw) for n, m in models.items()}
-    opts["bucketed + ZeRO-1"] = ZeroOptimizer(models["bucketed + ZeRO-1"].parameters(), AdamW, **kw)
-    return {n: (m, opts[n]) for n, m in models.items()}
+def make_variant(name: str, config, device) -> tuple:
+    """(model, AdamW): the same GPT from the same seed, alone (on every rank) or wrapped."""
+    torch.manual_seed(SEED)
+    m = model_lib.GPT(config).to(device)
+    AdamW, kw = torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1)
+    if name in ("one process", "naive"):
+        return (NaiveDataParallel(m) if name == "naive" else m), AdamW(m.parameters(), **kw)
+    stage = 0 if name == "DP" else int(name[-1])  # stage 0: the bucketed DataParallel
+    return zero_data_parallel(m, stage, m.parameters(), AdamW, None, BUCKET_MB, **kw)
 
 
-def flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
-
-
-def check_equality(args, variants, loaders, rank) -> None:
-    """Every variant, on every rank, against one process trained on the concatenated batch."""
-    single = variants["one process"][0]
-    single(*loaders[0].get_batch(0))[1].backward()  # for scale: rank 0's rows alone
-    alone, grads = flat(p.grad for p in single.parameters()), {}
-    for step in range(args.check_steps):
-        xs, ys = zip(*(loader.get_batch(step) for loader in loaders))  # each (B, T)
-        for name, (model, opt) in variants.items():
-            whole = name == "one process"  # all N·B rows, or this rank's B
-            x, y = (torch.cat(xs), torch.cat(ys)) if whole else (xs[rank], ys[rank])
-            train_step(model, opt, x, y)
-            if step == 0:  # averaged over the ranks by now; the optimizers do not touch .grad
-                grads[name] = flat(p.grad for p in model.parameters())
-    ref_grad, ref_params = grads.pop("one process"), flat(single.parameters())
-    errors = torch.zeros(len(grads), 2, device=ref_grad.device)  # (variant, [grad, params])
-    for i, name in enumerate(grads):
-        errors[i, 0] = (grads[name] - ref_grad).abs().max()
-        errors[i, 1] = (flat(variants[name][0].parameters()) - ref_params).abs().max()
+def run_demo(rank: int, world: int, device) -> None:
+    config = model_lib.GPTConfig.from_preset(PRESET, vocab_size=256, block_size=T)
+    batches = model_lib.byte_batches(T, B * world, STEPS, SEED, device)  # each (N·B, T)
+    mine = slice(rank * B, (rank + 1) * B)  # this rank's rows of the global batch
+    names, losses, weights, memory = ("one process", "naive", *FORMULAS), [], [], {}
+    for name in names:
+        model, opt = make_variant(name, config, device)
+        rows = slice(None) if name == "one process" else mine  # all N·B rows, or its B
+        losses.append(sum(train_step(model, opt, x[rows], y[rows]) for x, y in batches) / world)
+        with model.gathered() if isinstance(model, ZeroDataParallel) else contextlib.nullcontext():
+            weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        if name in FORMULAS:  # one more backward: the bytes held then, as before a step
+            opt.zero_grad(set_to_none=True)
+            x, y = batches[-1]
+            model(x[mine], y[mine])[1].backward()
+            memory[name] = memory_per_rank(model.module, opt)
+    losses, psi = torch.stack(losses), len(weights[0])  # weights: (Ψ,) each
+    errors = torch.stack([(w - weights[0]).abs().max() for w in weights])
+    dist.all_reduce(losses, op=SUM)  # the mean of the ranks' losses: the global batch's loss
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)  # the worst rank
-    print0("\n1. naive == bucketed == torch DDP == one process on the global batch")
-    steps = f"params after step {args.check_steps}"
-    print0(f"   max |difference| on any rank   gradient, step 1   {steps}")
-    for name, (grad_error, param_error) in zip(grads, errors.tolist()):
-        print0(f"   {name:<30} {grad_error:16.1e} {param_error:21.1e}")
-    scale = (alone - ref_grad).abs().max()
-    print0(f"   For scale: the gradient of rank 0's rows alone is {scale:.1e} away. The rest is")
-    print0("   fp32 rounding (sums in another order); AdamW's m/sqrt(v) magnifies it where g ~ 0.")
-
-
-def report_counts(variants, world, steps) -> None:
-    """The collectives and bytes the wrappers counted, against the ring formula."""
-    params = variants["naive"][0].params
-    S, ring = sum(nbytes(p) for p in params), 2 * (world - 1) / world  # sent per byte reduced
-    print0(f"\n2. collectives per step; gradients S = {S / 1e6:.2f} MB in {len(params)} tensors")
-    print0(
-        f"   a ring all-reduce sends 2(N-1)/N·S = {ring * S / 1e6:.2f} MB per rank (N = {world})"
-    )
-    for name in ("naive", "bucketed"):
-        stats = variants[name][0].stats
-        calls, size = stats["allreduce_calls"] / steps, stats["allreduce_bytes"] / steps
-        what = f"{'= S' if size == S else '!= S'}: {ring * size / 1e6:.2f} MB sent per rank"
-        noun = "all-reduce " if calls == 1 else "all-reduces"
-        print0(f"   {name:<9} {calls:4.0f} {noun} of {size / 1e6:.2f} MB in all ({what})")
-    stats = variants["bucketed + ZeRO-1"][1].stats
-    calls, size = stats["broadcast_calls"] / steps, stats["broadcast_bytes"] / steps
-    print0(f"   ZeRO-1    {calls:4.0f} broadcasts  of {size / 1e6:.2f} MB, updated parameters")
-
-
-def report_memory(variants, world) -> None:
-    """AdamW state per rank, measured, next to 8 bytes per parameter + 4 per tensor."""
-    zero, per_rank = variants["bucketed + ZeRO-1"][1], [None] * world
-    dist.all_gather_object(per_rank, optimizer_state_bytes(zero))
-    plain = optimizer_state_bytes(variants["bucketed"][1])
-
-    def formula(params) -> int:  # m and v: 2 fp32 per element; the step: 1 fp32 per tensor
-        return 8 * sum(p.numel() for p in params) + 4 * len(params)
-
-    total = formula([p for shard in zero.shards for p in shard])
-    print0("\n3. optimizer state per rank, measured | formula 8·P + 4·n (AdamW's m, v in fp32 and")
-    print0("   a step per tensor; P parameters in n tensors: the model's, or the rank's shard's)")
-    print0(f"   without ZeRO   {plain:,} B | {total:,} B on every rank")
-    for r, (measured, shard) in enumerate(zip(per_rank, zero.shards)):
-        print0(f"   ZeRO-1 rank {r:<2} {measured:,} B | {formula(shard):,} B")
-    print0(f"   about 1/N each: total / N = {total / world:,.0f} B")
-
-
-def run_demo(args, rank, local_rank, world, device) -> None:
-    if local_rank == 0:  # one writer per machine; the others wait at the barrier
-        data_lib.prepare("stdlib", "char", args.data_dir, block_size=args.block_size)
-    dist.barrier()
-    loader_args = (args.data_dir, "train", args.batch_size, args.block_size, args.seed)
-    loaders = [data_lib.DataLoader(*loader_args, r, world, device) for r in range(world)]
-    V = data_lib.CharTokenizer.n_vocab
-    config = model_lib.GPTConfig.from_preset(args.preset, vocab_size=V, block_size=args.block_size)
-    variants = make_variants(args, config, device)
-    n_params, B = variants["naive"][0].module.num_params(), args.batch_size
     print0(
         f"\n03 · data parallelism on {world} ranks ({dist.get_backend()}, {device.type}): GPT "
-        f"'{args.preset}', {n_params / 1e6:.2f}M params, T={args.block_size}, V={V};"
+        f"'{PRESET}', Ψ = {psi:,}, T={T}, bytes; B={B} a rank, {B * world} all"
     )
-    print0(f"   {B} sequences per rank, {B * world} per step, stdlib source text from 01_data.py")
-    check_equality(args, variants, loaders, rank)
-    report_counts(variants, world, args.check_steps)
-    report_memory(variants, world)
-    print0("\nStep times, and how much all-reduce the buckets hide: python bench/bench_ddp.py")
+    print0(f"\n1. every variant == one process, after {STEPS} AdamW steps (max |Δ|)")
+    print0(f"   {'':<8} {'Σ losses':>9} {'weights':>9}")
+    for name, loss, error in list(zip(names, losses - losses[0], errors))[1:]:
+        print0(f"   {name:<8} {abs(loss):9.1e} {error:9.1e}")
+    print0("   fp32 rounding: sums in another order (AdamW's m/sqrt(v) magnifies it where g ~ 0)")
+    print0(f"\n2. bytes per rank after backward (fp32, AdamW), measured | formula; N = {world}")
+    for stage, (name, m) in enumerate(memory.items()):
+        formula = zero_memory_formula(stage, psi, world)
+        print0(
+            f"   {name:<6} weights {m['params']:10,} + grads {m['grads']:10,} + m, v "
+            f"{m['optimizer']:10,} = {sum(m.values()):10,} | {FORMULAS[name]:<13}{formula:11,.0f}"
+        )
+    print0("   (measured - formula: padding to N·S, AdamW's 4-byte steps; ZeRO-3 gathers units")
+    print0("   only while they compute.) Times, traffic, GPT-2 sizes: python bench/bench_ddp.py")
 
 
 def relaunch_with_torchrun(ranks: int, argv, script: str) -> None:
@@ -590,27 +719,17 @@ def relaunch_with_torchrun(ranks: int, argv, script: str) -> None:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # subtle: --ranks, not --nproc, which torchrun would take for its own --nproc-per-node
     parser.add_argument("--ranks", type=int, default=2, help="ranks to start outside torchrun")
-    parser.add_argument("--preset", default="small", help="02's GPT size; ~0.8M parameters")
-    parser.add_argument("--block-size", type=int, default=64, help="T; 4 CPU ranks in a minute")
-    parser.add_argument("--batch-size", type=int, default=4, help="B per rank; global is N·B")
-    parser.add_argument("--bucket-mb", type=float, default=1.0, help="cap; 25 = one bucket here")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    parser.add_argument("--check-steps", type=int, default=3, help="AdamW steps compared")
-    parser.add_argument("--seed", type=int, default=1337, help="model init and data order")
-    parser.add_argument("--data-dir", default="data/stdlib-char", help="01's byte-level shards")
     args = parser.parse_args(argv)
-    if args.ranks < 1 or args.bucket_mb <= 0 or args.check_steps < 1:
-        parser.error("--ranks and --check-steps must be >= 1, --bucket-mb > 0")
+    if args.ranks < 1:
+        parser.error("--ranks must be >= 1")
     if "WORLD_SIZE" not in os.environ:
         return relaunch_with_torchrun(args.ranks, argv, __file__)
-    rank, local_rank, world, device = init_distributed()
+    rank, _, world, device = init_distributed()
     try:
-        run_demo(args, rank, local_rank, world, device)
+        run_demo(rank, world, device)
     finally:
         dist.destroy_process_group()
 

@@ -1,12 +1,16 @@
-"""bench/bench_ddp.py: 03_ddp.py's data-parallel wrappers timed side by side, and ZeRO-1's memory.
+"""bench/bench_ddp.py: 03_ddp.py's data parallelism timed side by side; traffic and memory counted.
 
-Naive against bucketed, bucketed against torch's DistributedDataParallel, how much of the
-all-reduce the buckets hide behind backward, and ZeRO-1's optimizer state per rank.
+Part 1, all-reduce: naive against bucketed, bucketed against torch's DistributedDataParallel,
+and how much of the all-reduce the buckets hide behind backward. Part 2, ZeRO: step times of
+ZeRO-1/2/3 against plain DP and against torch's FSDP2 (fully_shard on every block, then the root;
+reshard_after_forward=True is ZeRO-3, False keeps the weights gathered from forward to backward,
+as ZeRO-2 does); the bytes each stage sends per step against the formulas; the bytes per rank
+of stages 0-3, measured next to the formula, and the formula alone for GPT-2 124M and 1.5B.
 
-One training step = forward, backward (with the gradient all-reduce), AdamW step, on the same
+One training step = forward, backward (with the gradient communication), AdamW step, on the same
 GPT and the same batch for every variant. Variants alternate step by step in one run, so drift
 in the machine's speed hits all alike; each number is the median step of the slowest rank.
-Target: bucketed / DDP <= 1.10x.
+Targets: bucketed / DDP <= 1.10x; ZeRO-2 and ZeRO-3 / FSDP2 <= 1.10x.
 
 The overlap table. compute: the same step without communication (under no_sync(); the naive
 wrapper simply skips all_reduce_gradients()). exposed = step - compute: the communication the
@@ -17,12 +21,11 @@ backward, so nothing of it can hide (printed as —). On a CPU, gloo's threads n
 the compute uses, so little can hide (on 2 cores, about 0%); on GPUs NCCL runs beside the
 kernels, on its own stream, and the buckets hide most of it.
 
-Run:  python bench/bench_ddp.py [--ranks 2]      (starts torchrun for you; about a minute)
+Run:  python bench/bench_ddp.py [--ranks 2]      (starts torchrun for you; about two minutes)
       torchrun --standalone --nproc_per_node=4 bench/bench_ddp.py
 """
 
 import argparse
-import gc
 import importlib
 import os
 import platform
@@ -61,6 +64,34 @@ def machine() -> str:
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
     return f"{name}, {os.cpu_count()} CPUs, torch {torch.__version__}"
+
+
+def make_variants(config, device, names, bucket_mb: float = 25.0) -> dict:
+    """name -> (model, AdamW or ZeRO's), every one the same GPT from the same seed."""
+    from torch.distributed.fsdp import fully_shard
+
+    AdamW, kw, out = torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.1), {}
+    for name in names:
+        torch.manual_seed(0)
+        m = GPT(config).to(device)
+        if name.startswith("ZeRO-"):
+            stage = int(name[-1])
+            out[name] = ddp.zero_data_parallel(m, stage, m.parameters(), AdamW, **kw)
+            continue
+        if name.startswith("FSDP2"):  # torch's ZeRO-3; reshard_after_forward=False: ZeRO-2's
+            reshard = name == "FSDP2"
+            for block in m.transformer.h:
+                fully_shard(block, reshard_after_forward=reshard)
+            model = fully_shard(m, reshard_after_forward=reshard)
+        elif name == "naive":
+            model = ddp.NaiveDataParallel(m)
+        elif name in ("bucketed", "DP"):
+            model = ddp.DataParallel(m, bucket_mb=bucket_mb)
+        else:  # torch DDP
+            ids = [device.index] if device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(m, ids, bucket_cap_mb=bucket_mb)
+        out[name] = (model, AdamW(m.parameters(), **kw))
+    return out
 
 
 def timed_step(model, opt, x, y, communicate: bool) -> None:
@@ -113,9 +144,7 @@ def time_comm_alone(buffers, blocking: bool, device, reps: int = 7) -> float:
 
 def bench_case(label, overrides, batch, bucket_mb, args, rank, device) -> float:
     config = GPTConfig.from_preset("small", vocab_size=VOCAB, **overrides)
-    settings = argparse.Namespace(seed=0, lr=1e-4, bucket_mb=bucket_mb)
-    variants = ddp.make_variants(settings, config, device)  # 03's demo models and optimizers
-    variants = {name: variants[name] for name in TIMED}
+    variants = make_variants(config, device, TIMED, bucket_mb)
     g = torch.Generator().manual_seed(rank)  # each rank its own rows, every variant the same
     data = torch.randint(0, VOCAB, (batch, config.block_size + 1), generator=g).to(device)
     times = time_steps(variants, data[:, :-1], data[:, 1:], args.steps, args.warmup, device)
@@ -149,29 +178,117 @@ def bench_case(label, overrides, batch, bucket_mb, args, rank, device) -> float:
     return ratio
 
 
-def zero_memory(preset, world, device) -> None:
-    """AdamW state per rank with and without ZeRO-1, measured after one step (zero gradients:
-    the state's size does not depend on their values)."""
-    config = GPTConfig.from_preset(preset, vocab_size=VOCAB if preset == "small" else 50257)
-    torch.manual_seed(0)
-    model = GPT(config).to(device)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    plain = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    plain.step()
-    plain_bytes = ddp.optimizer_state_bytes(plain)
-    del plain
-    gc.collect()
-    zero = ddp.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
-    zero.step()
-    per_rank = [None] * world
-    dist.all_gather_object(per_rank, ddp.optimizer_state_bytes(zero))  # this rank's shard only
-    shards = "  ".join(f"{b / 1e6:.1f}" for b in per_rank)
+# ---------------------------------------------------------------------------------------------
+# Part 2: ZeRO
+# ---------------------------------------------------------------------------------------------
+ZERO_TIMED = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP2 no reshard", "FSDP2")
+
+
+def time_zero(label, overrides, batch, args, rank, device) -> dict:
+    """Step times of DP, ZeRO-1/2/3 and FSDP2, alternating, on one model and one batch."""
+    config = GPTConfig.from_preset("small", vocab_size=VOCAB, **overrides)
+    variants = make_variants(config, device, ZERO_TIMED)
+    g = torch.Generator().manual_seed(rank)
+    data = torch.randint(0, VOCAB, (batch, config.block_size + 1), generator=g).to(device)
+    x, y, samples = data[:, :-1], data[:, 1:], {name: [] for name in variants}
+    for i in range(args.warmup + args.steps):
+        for name, (model, opt) in variants.items():
+            dist.barrier()
+            t0 = _now(device)
+            ddp.train_step(model, opt, x, y)
+            if i >= args.warmup:
+                samples[name].append(_now(device) - t0)
+    medians = torch.tensor([statistics.median(samples[n]) for n in variants], device=device)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    times = dict(zip(variants, medians.tolist()))
+    n_params = variants["DP"][0].module.num_params()
+    ddp.print0(f"\n{label}: {n_params / 1e6:.2f}M params, B={batch} T={config.block_size} per rank")
+    for name, t in times.items():
+        ddp.print0(f"  {name:<17} {t * 1e3:7.1f} ms   {t / times['DP']:5.2f}x DP")
+    ratios = {
+        "ZeRO-2 / FSDP2 no reshard": times["ZeRO-2"] / times["FSDP2 no reshard"],
+        "ZeRO-3 / FSDP2": times["ZeRO-3"] / times["FSDP2"],
+    }
+    ddp.print0("  " + "    ".join(f"{k} = {v:.2f}x" for k, v in ratios.items()))
+    return ratios
+
+
+def zero_traffic(world, device) -> None:
+    """What each stage sent in one step (03's counters) against the formulas: every rank sends
+    (N-1)/N of each collective's buffer; a ring all-reduce is a reduce-scatter + an all-gather."""
+    config = GPTConfig.from_preset("small", vocab_size=VOCAB, block_size=64)
+    variants = make_variants(config, device, ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"))
+    data = torch.randint(0, VOCAB, (4, config.block_size + 1)).to(device)
+    psi, sent = variants["DP"][0].module.num_params(), (world - 1) / world
+    model = variants["ZeRO-3"][0]
+    root = sum(f.full.numel() for f in model.flats if f.unit is model.module)
+    ddp.print0(f"\nwords sent per rank in one step, counted | formula (Ψ = {psi:,}, N = {world})")
+    for stage, (name, (model, opt)) in enumerate(variants.items()):
+        before = dict(model.stats)
+        ddp.train_step(model, opt, data[:, :-1], data[:, 1:])
+        moved = sum(v - before[k] for k, v in model.stats.items() if k.endswith("bytes"))
+        factor = 2 if stage == 0 else 1  # all-reduce: a reduce-scatter and an all-gather
+        words = factor * sent * moved / 4
+        formula = (3 if stage == 3 else 2) * sent * psi
+        what = "3(N-1)/N·Ψ" if stage == 3 else "2(N-1)/N·Ψ"
+        ddp.print0(f"  {name:<7} {words:12,.0f} | {what} = {formula:12,.0f}")
     ddp.print0(
-        f"  {preset:<6} {model.num_params() / 1e6:7.2f}M params   plain AdamW "
-        f"{plain_bytes / 1e6:8.1f} MB/rank   ZeRO-1 per rank: {shards} MB   "
-        f"(max/plain = {max(per_rank) / plain_bytes:.3f}, 1/N = {1 / world:.3f})"
+        f"  (ZeRO-3: the root, {root:,} words of embeddings and ln_f, stays gathered from "
+        f"forward to backward, so {sent * root:,.0f} fewer; all: padding to N·S)"
     )
+
+
+def zero_memory(world, device) -> None:
+    """Bytes per rank after backward, stages 0-3, measured (03's memory_per_rank) | formula."""
+    config = GPTConfig.from_preset("small", vocab_size=VOCAB, block_size=64)
+    variants = make_variants(config, device, ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"))
+    data = torch.randint(0, VOCAB, (4, config.block_size + 1)).to(device)
+    psi = variants["DP"][0].module.num_params()
+    ddp.print0(f"\nbytes per rank after backward, measured | formula (Ψ = {psi:,}, N = {world})")
+    for stage, (name, (model, opt)) in enumerate(variants.items()):
+        ddp.train_step(model, opt, data[:, :-1], data[:, 1:])  # AdamW's state exists after it
+        opt.zero_grad(set_to_none=True)
+        model(data[:, :-1], data[:, 1:])[1].backward()  # the gradients, as before the next step
+        m = ddp.memory_per_rank(model.module, opt)
+        formula = ddp.zero_memory_formula(stage, psi, world)
+        ddp.print0(
+            f"  {name:<7} {sum(m.values()) / 1e6:9.3f} MB | {ddp.FORMULAS[name]:<13} = "
+            f"{formula / 1e6:9.3f} MB   (weights {m['params'] / 1e6:.3f}, gradients "
+            f"{m['grads'] / 1e6:.3f}, AdamW {m['optimizer'] / 1e6:.3f})"
+        )
+    # ZeRO-3's gathered units, measured while the first block runs its forward
+    model, opt = variants["ZeRO-3"]
+    seen = []
+
+    def count(*_) -> None:
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in model.parameters()}
+        seen.append(sum(s.nbytes() for s in storages.values()))
+
+    handle = model.module.transformer.h[0].register_forward_pre_hook(count)
+    opt.zero_grad(set_to_none=True)
+    model(data[:, :-1], data[:, 1:])[1].backward()
+    handle.remove()
+    ddp.print0(
+        f"  ZeRO-3 + gathered while block 0 computes: {seen[0] / 1e6:.3f} MB (the root, block 0 "
+        "and block 1's prefetch)"
+    )
+
+
+def gpt2_memory_table() -> None:
+    """The formulas alone for GPT-2 124M and 1.5B: GB per rank, fp32 + AdamW."""
+    ddp.print0("\nformula only, GB per rank (fp32 weights, gradients, AdamW m and v):")
+    for preset in ("gpt2", "gpt2-xl"):
+        config = GPTConfig.from_preset(preset)
+        psi, C = model_lib.count_params(config), config.n_embd
+        block = 12 * C * C + 13 * C  # ZeRO-3 gathers the root and two blocks (one prefetched)
+        root = psi - config.n_layer * block
+        sizes = f"root {4 * root / 1e9:.2f} GB, block {4 * block / 1e9:.3f} GB"
+        ddp.print0(f"  {preset} ({psi / 1e6:,.0f}M): {sizes}")
+        for world in (2, 4, 8, 64):
+            cells = [ddp.zero_memory_formula(s, psi, world) / 1e9 for s in range(4)]
+            units = 4 * (root + 2 * block) / 1e9
+            row = "  ".join(f"{n} {c:6.2f}" for n, c in zip(("DP", "Z1", "Z2", "Z3"), cells))
+            ddp.print0(f"    N={world:<3} {row}  (+ {units:.2f} gathered)")
 
 
 def main(argv=None) -> None:
@@ -182,7 +299,7 @@ def main(argv=None) -> None:
     parser.add_argument("--ranks", type=int, default=2, help="ranks to start outside torchrun")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant; medians")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
-    parser.add_argument("--zero-presets", default="small,gpt2", help="models for ZeRO memory")
+    parser.add_argument("--parts", default="dp,zero", help="dp: part 1, zero: part 2")
     args = parser.parse_args(argv)
     if args.ranks < 1 or args.steps < 1 or args.warmup < 0:
         parser.error("--ranks and --steps must be >= 1, --warmup >= 0")
@@ -194,14 +311,26 @@ def main(argv=None) -> None:
             f"{world} ranks, {dist.get_backend()}, {machine()}, {torch.get_num_threads()} "
             f"thread(s) per rank; median of {args.steps} steps"
         )
-        ratios = [bench_case(*case, args, rank, device) for case in CASES]
-        listed = ", ".join(f"{r:.2f}x" for r in ratios)
-        ddp.print0(f"\nbucketed / torch DDP over all cases: {listed} (target <= 1.10x)")
-        ddp.print0("\nZeRO-1 optimizer state (AdamW m, v, step), measured after one step:")
-        for preset in filter(None, args.zero_presets.split(",")):
-            zero_memory(preset, world, device)
+        if "dp" in args.parts:
+            ratios = [bench_case(*case, args, rank, device) for case in CASES]
+            listed = ", ".join(f"{r:.2f}x" for r in ratios)
+            ddp.print0(f"\nbucketed / torch DDP over all cases: {listed} (target <= 1.10x)")
+        if "zero" in args.parts:
+            ratios = [time_zero(*case, args, rank, device) for case in ZERO_CASES]
+            for key in ratios[0]:
+                listed = ", ".join(f"{r[key]:.2f}x" for r in ratios)
+                ddp.print0(f"{key} over all cases: {listed} (target <= 1.10x)")
+            zero_traffic(world, device)
+            zero_memory(world, device)
+            gpt2_memory_table()
     finally:
         dist.destroy_process_group()
+
+
+ZERO_CASES = [
+    ("small", dict(n_layer=4, n_embd=128, block_size=64), 4),
+    ("L6 C256", dict(n_layer=6, n_embd=256, n_head=4, block_size=64), 2),
+]
 
 
 if __name__ == "__main__":

@@ -1,24 +1,30 @@
-"""Many short 2-rank jobs of 03_ddp.py's DataParallel, each rank ending the way a torchrun script
-does: destroy the process group, then let the interpreter exit. Used by tests/test_ddp.py.
+"""Many short 2-rank jobs of 03_ddp.py's DataParallel, ZeRO-2 and ZeRO-3 (in turn), each rank
+ending the way a torchrun script does: destroy the process group, then let the interpreter exit.
+Used by tests/test_ddp.py.
 
-    python tests/ddp_exit_job.py JOBS      -> exit 0 if every rank of every job exited with 0
+    python tests/ddp_exit_job.py JOBS [KINDS]   -> exit 0 if every rank of every job exited with 0
+                                                   (KINDS: default "DP,ZeRO-2,DP,ZeRO-3", in turn)
 
 What it catches: a collective launched inside backward whose last reference a gloo worker thread
 drops while Python is finalising. That thread must take the GIL to free the Python object the
-collective copied from backward's thread-local state; a finalising interpreter ends the thread
-instead, in the middle of a C++ destructor, and the process aborts with "terminate called
-without an active exception" (SIGABRT). 03_ddp.py's DataParallel keeps the handles to prevent
-it. Every backward here launches all-reduces from both places DataParallel launches them:
-gradient hooks (the body's buckets) and the end-of-backward callback (the bucket of `late`,
-whose gradient comes from a no_sync() pass): the callback's launches are the ones that showed
-the abort (tests/test_ddp.py has the counts).
+collective copied from backward's thread-local state (gloo's AsyncWork keeps a ThreadLocalState);
+a finalising interpreter ends the thread instead, in the middle of a C++ destructor, and the
+process aborts with "terminate called without an active exception" (SIGABRT). So 03_ddp.py keeps
+every handle it launches in backward until its own thread drops it, later: DataParallel's
+all-reduces (a pass), ZeRO-3's all-gathers (a step), ZeRO-2/3's reduce-scatters (only the last
+one waited, until the next one or step(): on gloo each is an all-reduce of a copy of the flat
+gradient, which the handle holds). Every backward here launches collectives from both places
+the wrappers launch them: gradient hooks (the blocks' and the head's buckets or flats) and the
+end-of-backward callback (the bucket, or the root unit's flat, holding `late`, whose gradient
+comes from a no_sync() pass). tests/test_ddp.py has the counts.
 NaiveDataParallel is not run here: it all-reduces after backward, from the caller's own thread
 state, so its collectives copy no Python object and it keeps no handles (30 naive-only jobs,
 run as the test runs these: 0 aborted).
 
 Each job forks its two ranks from this interpreter, which imported torch once: a rank costs a
 fraction of a second instead of seconds of imports. The ranks get torchrun's environment and
-finalise their own interpreter as usual (sys.exit). Nothing runs torch before the fork.
+finalise their own interpreter as usual (sys.exit). Before the fork the parent only builds a
+throwaway optimizer: torch.optim's first use imports torch._dynamo, ~3 s in every rank otherwise.
 """
 
 import importlib
@@ -33,6 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from torch.optim import SGD  # noqa: E402
+
+SGD([torch.zeros(1, requires_grad=True)])  # imports torch._dynamo here, once (see above)
 
 ddp = importlib.import_module("03_ddp")
 SWITCH_S = float(os.environ.get("SWITCH_S", 0.5))  # the amplifier: see rank_main
@@ -40,23 +49,28 @@ ALIVE = []
 
 
 class LateLayer(nn.Module):
-    """A small MLP, and `late`: registered first, so its buckets are the last, and used only in
-    no_sync() passes. In a synchronised pass its hooks do not fire, so its buckets start from
-    the end-of-backward callback with the gradient no_sync() left, after the body's buckets
-    started from hooks."""
+    """Two blocks (ZeRO's units: 03's zero_units finds transformer.h), a head, and `late`:
+    registered first, so its buckets are the last and it sits in the root unit's flat, and used
+    only in no_sync() passes. In a synchronised pass its hooks do not fire, so that bucket (that
+    flat) is reduced from the end-of-backward callback with the gradient no_sync() left, after
+    the others started from hooks."""
 
     def __init__(self):
         super().__init__()
         self.late = nn.Linear(8, 1)
-        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+        blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        self.transformer = nn.ModuleDict({"h": blocks})
+        self.head = nn.Linear(8, 1)
 
     def forward(self, x, late: bool = False):
-        return self.body(x) + (self.late(x) if late else 0)  # (B, 1)
+        for block in self.transformer.h:
+            x = block(x)  # (B, 8)
+        return self.head(x) + (self.late(x) if late else 0)  # (B, 1)
 
 
-def rank_main(rank: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+def rank_main(rank: int, port: int, kind: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     # subtle: the amplifier. A gloo thread left holding a backward's last collective waits for
     # the GIL, and a waiting thread only forces a switch after the switch interval. At 5 ms it
@@ -69,15 +83,23 @@ def rank_main(rank: int, port: int) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
         torch.manual_seed(0)
-        model = ddp.DataParallel(LateLayer(), bucket_mb=1e-7)  # a bucket per parameter
-        for _ in range(3):  # later backward passes release the earlier passes' handles
+        if kind == "DP":
+            model, opt = ddp.DataParallel(LateLayer(), bucket_mb=1e-7), None  # a bucket each
+        else:
+            module = LateLayer()
+            stage = int(kind[-1])
+            model, opt = ddp.zero_data_parallel(module, stage, module.parameters(), SGD, lr=0.1)
+        for _ in range(3):  # later passes (steps) release the earlier ones' handles
             with model.no_sync():
                 model(torch.randn(4, 8), late=True).sum().backward()
             model(torch.randn(4, 8)).sum().backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
         # Alive until the interpreter exits, as a model built at a script's top level is (and as
         # the old wrappers were, kept by their own hooks): then nothing frees the handles before
         # the exit. A model freed when this function returns hid a wrapper that dropped them.
-        ALIVE.append(model)
+        ALIVE.append((model, opt))
     finally:
         dist.destroy_process_group()
 
@@ -88,14 +110,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_job() -> list[int]:
+def start_job(kind: str) -> list[int]:
     """Fork the two ranks of one job; return their process ids."""
     port, pids = free_port(), []
     for rank in range(2):
         pid = os.fork()
         if pid == 0:  # the rank: run, then exit through the interpreter's normal finalisation
             try:
-                rank_main(rank, port)
+                rank_main(rank, port, kind)
             except BaseException:
                 traceback.print_exc()
                 sys.exit(1)
@@ -109,18 +131,24 @@ def exit_codes(pids) -> list[int]:
     return [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
 
 
-def main(jobs: int, in_flight: int = 2) -> int:
-    """Run the jobs, in_flight at a time (2 jobs on 2 cores: half the wall time of one)."""
-    running, failed = [], []
+def main(jobs: int, kinds: list[str], in_flight: int = 2) -> int:
+    """Run the jobs, kinds in turn, in_flight at a time (2 jobs on 2 cores: half the wall time)."""
+    running, failed, runs = [], {kind: [] for kind in kinds}, dict.fromkeys(kinds, 0)
     for j in range(jobs):
-        running.append((j, start_job()))
+        kind = kinds[j % len(kinds)]
+        runs[kind] += 1
+        running.append((j, kind, start_job(kind)))
         while len(running) >= in_flight or (running and j == jobs - 1):
-            k, pids = running.pop(0)
+            k, job_kind, pids = running.pop(0)
             if any(codes := exit_codes(pids)):
-                failed.append(f"job {k}: exit codes {codes}")
-    print(f"{len(failed)} of {jobs} two-rank jobs failed", *failed, sep="\n", flush=True)
-    return 1 if failed else 0
+                failed[job_kind].append(f"job {k} ({job_kind}): exit codes {codes}")
+    counts = ", ".join(f"{kind} {len(failed[kind])} of {runs[kind]}" for kind in runs)
+    lines = [line for kind in runs for line in failed[kind]]
+    n_failed = len(lines)
+    print(f"{n_failed} of {jobs} two-rank jobs failed ({counts})", *lines, sep="\n", flush=True)
+    return 1 if n_failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))
+    KINDS = (sys.argv[2] if len(sys.argv) > 2 else "DP,ZeRO-2,DP,ZeRO-3").split(",")
+    sys.exit(main(int(sys.argv[1]), KINDS))

@@ -1,0 +1,617 @@
+"""03_ddp.py: ZeRO stages 1, 2 and 3 proven equal to one process, to PyTorch's own versions, and
+counted against the paper's formulas (Rajbhandari et al. 2019, arXiv 1910.02054).
+
+The worked example: N ranks each take ROWS sequences per step of a 2-block GPT whose sizes are
+odd on purpose (C = 33, V = 255), so the flat buffers need padding. With Ψ parameters in fp32 and
+AdamW, one rank holds after backward (bytes):
+    DP 16Ψ,   ZeRO-1 8Ψ + 8Ψ/N,   ZeRO-2 4Ψ + 12Ψ/N,   ZeRO-3 16Ψ/N (+ the gathered units),
+and sends 2(N-1)/N·Ψ words per step (ZeRO-3: one more all-gather, of every block). Padding makes
+each flat buffer a multiple of N (Ψ_pad ≥ Ψ), and AdamW keeps a 4-byte step per tensor it steps.
+
+Every stage runs train.py's recipe: AdamW with weight decay on matrices only (two param groups),
+the tied wte/lm_head matrix, three steps. The single process runs here, in the test; the ranks
+in spawned gloo worlds, one per world size, with every case inside it.
+"""
+
+import contextlib
+import functools
+import gc
+import importlib
+import io
+import math
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
+
+ddp = importlib.import_module("03_ddp")
+model_lib = importlib.import_module("02_model")
+
+SEED, STEPS, ROWS, T, LR, MICRO = 1234, 3, 2, 16, 1e-3, 2
+WORLD_SIZES = [2, 4]
+STAGES = [0, 1, 2, 3]
+CONFIG = model_lib.GPTConfig.from_preset(
+    "tiny", n_layer=2, n_head=3, n_embd=33, vocab_size=255, block_size=T
+)
+# Tolerances, measured on this model (3 AdamW steps, lr 1e-3):
+# - gradients: a sum over the batch in one process, per-rank sums then a reduce-scatter here:
+#   fp32 rounding of values up to ~0.3, measured at most 4.5e-8. 1e-7 absolute + 1e-5
+#   relative; a wrong / N or a rank's data missing is off by the gradient itself (~1e-2).
+# - weights after AdamW: its update m/sqrt(v) ~ ±1 per element turns a rounding difference in a
+#   gradient near 0 into a fraction of lr; measured at most 1.2e-6 (N = 2), 7.9e-7 (N = 4).
+#   5e-6 absolute; without one rank's data they are 6e-3 away (test_the_comparison_can_fail).
+# - against torch's own versions: bit for bit with N = 2 (a sum of two numbers has one order,
+#   and x/2 is exact); with N = 4 the sums run in another order: measured 7.1e-7, PARAM_TOL.
+GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
+PARAM_TOL = dict(rtol=1e-5, atol=5e-6)
+EXACT = dict(rtol=0, atol=0)
+
+
+def build(seed: int = SEED):
+    torch.manual_seed(seed)
+    return model_lib.GPT(CONFIG)
+
+
+def param_groups(model) -> list:
+    """train.py's: weight decay on matrices only."""
+    ps = list(model.parameters())  # the tied wte/lm_head matrix once
+    return [
+        {"params": [p for p in ps if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def batch(step: int, dp_rank: int, micro: int = 0):
+    g = torch.Generator().manual_seed((step * 100 + dp_rank) * 100 + micro)
+    rows = torch.randint(0, CONFIG.vocab_size, (ROWS, T + 1), generator=g)  # (ROWS, T+1)
+    return rows[:, :-1], rows[:, 1:]  # (ROWS, T) each
+
+
+def names(model) -> dict:
+    return {p: n for n, p in model.named_parameters()}  # the tied matrix: transformer.wte.weight
+
+
+def snapshot(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def full_weights(model, wrapper) -> dict:
+    with wrapper.gathered() if hasattr(wrapper, "gathered") else contextlib.nullcontext():
+        return snapshot(model)
+
+
+def make(stage: int, seed: int = SEED):
+    model = build(seed)
+    wrapper, opt = ddp.zero_data_parallel(
+        model, stage, param_groups(model), torch.optim.AdamW, lr=LR
+    )
+    return model, wrapper, opt
+
+
+def grad_pieces(model, opt) -> list:
+    """(name, offset, piece): this rank's averaged gradient of the parameter's
+    view(-1)[offset : offset + len(piece)], its grad_shards() cut at the parameters' borders in
+    each flat buffer (ZeRO); stage 0: every whole p.grad."""
+    n = names(model)
+    if not isinstance(opt, ddp.ZeroOptimizer):
+        return [(n[p], 0, p.grad.reshape(-1).clone()) for p in model.parameters()]
+    shards, out = opt.grad_shards(), []  # ZeRO-1 reduces here
+    assert len(shards) == len(opt.flats)
+    for f, shard in zip(opt.flats, shards):
+        for p, o in f.offset.items():
+            a, b = max(o, f.lo), min(o + p.numel(), f.lo + f.S)  # p ∩ this rank's slice
+            if a < b:
+                out.append((n[p], a - o, shard[a - f.lo : b - f.lo].clone()))
+    return out
+
+
+@functools.cache
+def reference(world: int, micro: int = 1, clip: float = 0.0) -> dict:
+    """One process, the concatenated batch of every rank: losses, gradients per step, weights."""
+    model = build()
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)
+    out = {"loss": [], "grads": [], "norm": []}
+    for step in range(STEPS):
+        pieces = [batch(step, r, m) for r in range(world) for m in range(micro)]
+        x, y = torch.cat([x for x, _ in pieces]), torch.cat([y for _, y in pieces])
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        out["loss"].append(loss.item())
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if clip:
+            out["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+    with torch.no_grad():
+        out["eval"] = model(*batch(99, 0))[1].item()
+    out["weights"] = snapshot(model)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# What every rank runs
+# ---------------------------------------------------------------------------------------------
+class CollectiveLog:
+    """Records (op, bytes of the full buffer) for every collective this rank issues."""
+
+    OPS = {"all_gather_single": 0, "reduce_scatter_single": 1, "all_reduce": 0, "broadcast": 0}
+
+    def __init__(self):
+        self.log, self.real = [], {}
+
+    def __enter__(self):
+        for op, arg in self.OPS.items():
+            real = self.real[op] = getattr(dist, op)
+
+            def fake(*args, _real=real, _op=op, _arg=arg, **kwargs):
+                self.log.append((_op, ddp.nbytes(args[_arg])))
+                return _real(*args, **kwargs)
+
+            setattr(dist, op, fake)
+        return self
+
+    def __exit__(self, *exc):
+        for op, real in self.real.items():
+            setattr(dist, op, real)
+
+
+def case_stages(rank, world):
+    """Every stage: STEPS AdamW steps. Per step: this rank's loss, its gradient pieces and the
+    collectives of forward + backward and of the optimizer step. Then an evaluation under
+    no_grad, and the full weights."""
+    out = {}
+    for stage in STAGES:
+        res = {"loss": [], "pieces": [], "log_backward": [], "log_step": []}
+        model, wrapper, opt = make(stage)
+        for step in range(STEPS):
+            with CollectiveLog() as log:
+                opt.zero_grad(set_to_none=True)
+                _, loss = wrapper(*batch(step, rank))
+                loss.backward()
+                n = len(log.log)  # then the gradient pieces (ZeRO-1 reduces here) and the step
+                res["pieces"].append(grad_pieces(model, opt))
+                opt.step()
+            res["log_backward"].append(log.log[:n])
+            res["log_step"].append(log.log[n:])
+            res["loss"].append(loss.item())
+        with torch.no_grad():
+            res["eval"] = wrapper(*batch(99, 0))[1].item()
+        res["weights"] = full_weights(model, wrapper)
+        res["stats"] = dict(getattr(opt, "stats", {}))
+        if stage == 3:
+            res["gathered"] = gathered_during_forward(model, wrapper, *batch(0, rank))
+        out[stage] = res
+    return out
+
+
+def live_bytes() -> int:
+    """Bytes of every tensor storage alive in this process, each once, found by gc (not by 03),
+    and the gradients of those tensors (autograd's p.grad has no Python object until read)."""
+    gc.collect()
+    tensors = [t for t in gc.get_objects() if issubclass(type(t), torch.Tensor)]
+    tensors += [t.grad for t in tensors if t.is_leaf and t.grad is not None]
+    return sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
+    )
+
+
+def case_memory(rank, world):
+    """Every stage: the bytes of the tensors alive after the second backward (AdamW's state
+    exists since the first step), the batch and the loss gone, less those alive before the
+    model was built. And 03's own memory_per_rank at that moment."""
+    out = {}
+    for stage in STAGES:
+        before = live_bytes()
+        model, wrapper, opt = make(stage)
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            loss = wrapper(*batch(step, rank))[1]
+            loss.backward()
+            if step == 0:
+                opt.step()
+        del loss
+        out[stage] = {"alive": live_bytes() - before, "measured": ddp.memory_per_rank(model, opt)}
+        del model, wrapper, opt
+    return out
+
+
+def gathered_during_forward(model, wrapper, x, y) -> list:
+    """ZeRO-3: bytes of the full weights in memory while each block runs its forward."""
+    seen = []
+
+    def count(*_):
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in model.parameters()}
+        seen.append(sum(s.nbytes() for s in storages.values()))
+
+    handles = [b.register_forward_pre_hook(count) for b in model.transformer.h]  # after ours
+    wrapper(x, y)[1].backward()
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def case_torch(rank, world):
+    """torch's versions on the same model, groups and data: ZeroRedundancyOptimizer with DDP
+    (ZeRO-1/2's update), FSDP2's fully_shard on every block, then the root (ZeRO-3)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    out = {}
+    model = build()
+    dp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = ZeroRedundancyOptimizer(param_groups(model), torch.optim.AdamW, lr=LR)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        dp(*batch(step, rank))[1].backward()
+        opt.step()
+    out["zero_redundancy"] = snapshot(model)
+    model = build()
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        model(*batch(step, rank))[1].backward()
+        opt.step()
+    out["fsdp2"] = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return out
+
+
+def case_no_sync(rank, world):
+    """MICRO microbatches per step, all but the last backward under no_sync()."""
+    out = {}
+    for stage in STAGES[1:]:
+        model, wrapper, opt = make(stage)
+        calls = []
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            for m in range(MICRO):
+                with wrapper.no_sync() if m < MICRO - 1 else contextlib.nullcontext():
+                    _, loss = wrapper(*batch(step, rank, m))
+                    (loss / MICRO).backward()  # the mean over microbatches: one big batch
+                calls.append(opt.stats["reduce_scatter_calls"])
+            opt.step()
+        out[stage] = {"weights": full_weights(model, wrapper), "calls": calls}
+    return out
+
+
+def case_clip(rank, world):
+    """Clipping on the shards: the global norm from every rank's grad_shards(), then the shards
+    scaled, for a max norm below the actual one (so the clip changes the update)."""
+    out = {}
+    for stage in STAGES[1:]:
+        model, wrapper, opt = make(stage)
+        norms = []
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            wrapper(*batch(step, rank))[1].backward()
+            shards = opt.grad_shards()
+            squares = sum(g.pow(2).sum() for g in shards)  # the padding adds 0
+            dist.all_reduce(squares)
+            norm = squares.sqrt()
+            for g in shards:
+                g.mul_(torch.clamp(CLIP / (norm + 1e-6), max=1.0))  # as clip_grad_norm_
+            norms.append(norm.item())
+            opt.step()
+        out[stage] = {"weights": full_weights(model, wrapper), "norms": norms}
+    return out
+
+
+CLIP = 0.5  # below this model's gradient norm (1 to 1.6), so clipping acts every step
+
+
+def case_checkpoint(rank, world):
+    """Train 2 steps, save this rank's shard, train 1 more. A fresh model (another seed) that
+    loads the shard must take that last step bit for bit alike. A shard of another stage or
+    another rank is refused, in one line."""
+    out, saved = {}, {}
+    for stage in STAGES[1:]:
+        model, wrapper, opt = make(stage)
+        for step in range(STEPS):
+            if step == 2:
+                opt.param_groups[0]["lr"] = 3e-3  # a changed hyperparameter must come back
+                buf = io.BytesIO()
+                torch.save(opt.state_dict(), buf)
+                saved[stage] = buf.getvalue()
+            opt.zero_grad(set_to_none=True)
+            wrapper(*batch(step, rank))[1].backward()
+            opt.step()
+        fresh, fresh_wrapper, fresh_opt = make(stage, seed=SEED + 1)
+        fresh_opt.load_state_dict(torch.load(io.BytesIO(saved[stage]), weights_only=True))
+        lr = fresh_opt.param_groups[0]["lr"]
+        fresh_opt.zero_grad(set_to_none=True)
+        fresh_wrapper(*batch(2, rank))[1].backward()
+        fresh_opt.step()
+        a, b = full_weights(model, wrapper), full_weights(fresh, fresh_wrapper)
+        out[stage] = {"a": a, "b": b, "lr": lr}
+    errors = {}
+    _, _, opt3 = make(3)
+    shard2 = torch.load(io.BytesIO(saved[2]), weights_only=True)
+    other_rank = {**shard2, "layout": {**shard2["layout"], "dp_rank": (rank + 1) % world}}
+    for name, shard in [("stage", shard2), ("rank", other_rank)]:
+        target = opt3 if name == "stage" else make(2)[2]
+        try:
+            target.load_state_dict(shard)
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    return out
+
+
+def case_pipeline_chunks(rank, world):
+    """Two pipeline chunks on one rank, one ZeroOptimizer over both chunks' units (as a pipeline
+    builds it: zero_data_parallel takes one module): ZeRO-2 wraps each chunk, ZeRO-3 refuses."""
+    out = {}
+    for stage in (2, 3):
+        chunks = [build(), build()]
+        params = [p for c in chunks for p in c.parameters()]
+        units = [u for c in chunks for u in ddp.zero_units(c)]
+        opt = ddp.ZeroOptimizer(params, torch.optim.AdamW, units=units, stage=stage, lr=LR)
+        try:
+            wrappers = [ddp.ZeroDataParallel(c, opt) for c in chunks]
+            out[stage] = [len(w.flats) for w in wrappers]
+        except ValueError as e:
+            out[stage] = str(e)
+    return out
+
+
+CASES = {
+    "stages": case_stages,
+    "memory": case_memory,
+    "torch": case_torch,
+    "no_sync": case_no_sync,
+    "clip": case_clip,
+    "checkpoint": case_checkpoint,
+    "pipeline_chunks": case_pipeline_chunks,
+}
+
+
+def _world(rank, world):
+    results = {}
+    for name, case in CASES.items():
+        try:
+            results[name] = case(rank, world)
+        except Exception:  # noqa: BLE001 - reported by the test that reads this case
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+@functools.cache
+def world_results(world: int) -> list:
+    return run_ranks(_world, world, timeout=150)
+
+
+def results(world: int, case: str) -> list:
+    per_rank = [r[case] for r in world_results(world)]
+    for r, res in enumerate(per_rank):
+        if "error" in res:
+            pytest.fail(f"case {case!r} raised on rank {r}:\n{res['error']}")
+    return per_rank
+
+
+def assert_states_close(actual: dict, expected: dict, **tol):
+    assert actual.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(actual[k], expected[k], **tol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The expected numbers, from parameter counts and N alone
+# ---------------------------------------------------------------------------------------------
+def flat_sizes(world: int) -> list:
+    """(unit, numel, padded numel) per flat buffer, in backward order: the blocks last first,
+    then the root (embeddings, ln_f, the tied head); in each, matrices then vectors."""
+    model = build()
+    blocks = list(model.transformer.h)
+    in_blocks = {p for b in blocks for p in b.parameters()}
+    root = [p for p in model.parameters() if p not in in_blocks]
+    out = []
+    for unit, ps in [*((f"h.{i}", list(blocks[i].parameters())) for i in (1, 0)), ("root", root)]:
+        matrices = sum(p.numel() for p in ps if p.dim() >= 2)
+        for numel in (matrices, sum(p.numel() for p in ps if p.dim() < 2)):
+            out.append((unit, numel, math.ceil(numel / world) * world))
+    return out
+
+
+PSI = build().num_params()  # 36,003 (wte and lm_head one matrix)
+
+
+def test_the_worked_example_needs_padding():
+    """Ψ counted by hand, and the flat buffers not all multiples of 2 or 4 (padding is tested)."""
+    C, V, L = 33, 255, 2
+    block = 2 * C + 3 * C * C + 3 * C + C * C + C + 2 * C + 4 * C * C + 4 * C + 4 * C * C + C
+    assert PSI == V * C + T * C + L * block + 2 * C == sum(n for _, n, _ in flat_sizes(2))
+    for world in WORLD_SIZES:
+        assert any(n % world for _, n, _ in flat_sizes(world)), "no flat buffer needs padding"
+
+
+# ---------------------------------------------------------------------------------------------
+# The tests
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_stage_equals_one_process(world, stage):
+    """Loss (the ranks' mean), every gradient reassembled from the ranks' shards (each element
+    exactly once), every weight after three AdamW steps, and an evaluation under no_grad."""
+    ref = reference(world)
+    per_rank = [res[stage] for res in results(world, "stages")]
+    for step in range(STEPS):
+        mean_loss = sum(res["loss"][step] for res in per_rank) / world
+        assert mean_loss == pytest.approx(ref["loss"][step], rel=1e-6, abs=0)
+        grads = {n: torch.zeros(g.numel()) for n, g in ref["grads"][step].items()}
+        covered = {n: torch.zeros(g.numel()) for n, g in ref["grads"][step].items()}
+        for res in per_rank if stage > 0 else per_rank[:1]:  # DP: every rank holds all of it
+            for name, offset, piece in res["pieces"][step]:
+                grads[name][offset : offset + len(piece)] = piece
+                covered[name][offset : offset + len(piece)] += 1
+        for name, g in ref["grads"][step].items():
+            assert torch.equal(covered[name], torch.ones_like(covered[name])), name
+            torch.testing.assert_close(grads[name].view_as(g), g, **GRAD_TOL, msg=name)
+    for res in per_rank:
+        assert_states_close(res["weights"], ref["weights"], **PARAM_TOL)
+        assert res["eval"] == pytest.approx(ref["eval"], rel=1e-5)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_equals_torch_zero_redundancy_optimizer_or_fsdp2(world, stage):
+    """ZeRO-1 and 2 update as DDP + torch's ZeroRedundancyOptimizer; ZeRO-3 as FSDP2."""
+    for ours, torch_res in zip(results(world, "stages"), results(world, "torch")):
+        theirs = torch_res["fsdp2" if stage == 3 else "zero_redundancy"]
+        assert_states_close(ours[stage]["weights"], theirs, **(EXACT if world == 2 else PARAM_TOL))
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_the_comparison_can_fail(world):
+    """Without rank 1's data, or with the gradient summed but not divided by N, the same checks
+    fail: they see every rank's share and the mean."""
+    ours = results(world, "stages")[0][2]
+    without_rank1 = reference(world - 1)  # ranks 0 .. N-2: rank N-1's rows missing
+    with pytest.raises(AssertionError):
+        assert_states_close(ours["weights"], without_rank1["weights"], **PARAM_TOL)
+    name, offset, piece = ours["pieces"][0][0]
+    expected = reference(world)["grads"][0][name].reshape(-1)[offset : offset + len(piece)]
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(piece * world, expected, **GRAD_TOL)  # SUM without / N
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_collectives_per_step_match_the_formula(world, stage):
+    """Recorded on every rank, not taken from 03's counters: the same (op, bytes) sequence on
+    every rank (NCCL's rule); reduce-scatters in the fixed flat order; and the bytes.
+    Per step: a reduce-scatter of every flat gradient and an all-gather of every flat weight
+    buffer: each rank sends (N-1)/N of each, 2(N-1)/N·Ψ_pad words, Ψ_pad = Ψ + padding (< N
+    per flat). ZeRO-3 all-gathers every block again for backward (not the root, which stays
+    gathered): (N-1)/N·(3Ψ_pad - root) words. ZeRO-1 communicates in step(), 2 and 3 in
+    backward (3: forward too), and 1 and 2 all-gather the weights in step()."""
+    sizes = flat_sizes(world)
+    padded = [4 * pad for _, _, pad in sizes]  # bytes of each flat buffer, in backward order
+    blocks = [4 * pad for unit, _, pad in sizes if unit != "root"]
+    psi_pad = sum(pad for _, _, pad in sizes)
+    assert 0 <= psi_pad - PSI < world * len(sizes)
+    per_rank = results(world, "stages")
+    for res in per_rank:
+        res = res[stage]
+        for step in range(STEPS):
+            backward, step_log = res["log_backward"][step], res["log_step"][step]
+            assert backward == per_rank[0][stage]["log_backward"][step]  # same on every rank
+            assert step_log == per_rank[0][stage]["log_step"][step]
+            log = backward + step_log
+            rs = [b for op, b in log if op == "reduce_scatter_single"]
+            ag = [b for op, b in log if op == "all_gather_single"]
+            assert rs == padded, "reduce-scatters: one per flat, in the fixed backward order"
+            assert {op for op, _ in log} <= {"reduce_scatter_single", "all_gather_single"}
+            in_step = [op for op, _ in step_log]
+            if stage == 1:  # every reduce-scatter, then every all-gather
+                expected = ["reduce_scatter_single"] * len(rs) + ["all_gather_single"] * len(ag)
+                assert in_step == expected
+            else:
+                assert "reduce_scatter_single" not in in_step  # during backward
+            if stage < 3:
+                assert sorted(ag) == sorted(padded)
+                words = (world - 1) / world * (sum(rs) + sum(ag)) / 4
+                assert words == pytest.approx(2 * (world - 1) / world * psi_pad)
+            else:
+                assert sorted(ag) == sorted(padded + blocks)  # forward: all; backward: blocks
+                root = psi_pad - sum(blocks) / 4
+                words = (world - 1) / world * (sum(rs) + sum(ag)) / 4
+                assert words == pytest.approx((world - 1) / world * (3 * psi_pad - root))
+        logs = res["log_backward"] + res["log_step"]  # and 03's own counters agree with them
+        recorded = [b for log in logs for op, b in log if op == "reduce_scatter_single"]
+        assert res["stats"]["reduce_scatter_bytes"] == sum(recorded)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("stage", STAGES)
+def test_memory_per_rank_matches_the_formula(world, stage):
+    """After backward (AdamW's state exists: second step), the bytes of every tensor alive in
+    the rank (found by gc), against the formula for Ψ_pad parameters (the flat buffers' padding
+    included; DP has none) plus AdamW's 4-byte step per tensor it steps (ZeRO: one per flat
+    shard). ZeRO-1's full gradients are autograd's p.grad, unpadded. And 03's memory_per_rank
+    splits the same bytes into weights, gradients and state."""
+    sizes = flat_sizes(world)
+    psi = PSI if stage == 0 else sum(pad for _, _, pad in sizes)
+    n_tensors = len(list(build().parameters())) if stage == 0 else len(sizes)
+    formula = ddp.zero_memory_formula(stage, psi, world) + 4 * n_tensors
+    weights = 4 * psi / world if stage == 3 else 4 * psi
+    grads = {0: 4 * psi, 1: 4 * psi, 2: 4 * psi / world, 3: 4 * psi / world}[stage]
+    state = 8 * psi / (1 if stage == 0 else world) + 4 * n_tensors
+    assert weights + grads + state == pytest.approx(formula, abs=1e-6)  # the formula's terms
+    if stage == 1:
+        formula, grads = formula - 4 * (psi - PSI), 4 * PSI
+    for res in results(world, "memory"):
+        res = res[stage]
+        assert res["alive"] == pytest.approx(formula, abs=1e-6), res["measured"]
+        m = res["measured"]
+        assert (m["params"], m["grads"], m["optimizer"]) == (weights, grads, state), m
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_zero3_holds_the_root_and_at_most_two_blocks_while_a_block_runs(world):
+    """ZeRO-3's 'one gathered unit', counted honestly: while block i runs its forward, the full
+    weights in memory are the root's (gathered from the start of forward to the end of
+    backward) and block i's, plus block i+1's if it is being prefetched."""
+    sizes = flat_sizes(world)
+    root = sum(4 * pad for unit, _, pad in sizes if unit == "root")
+    block = {u: sum(4 * pad for v, _, pad in sizes if v == u) for u, _, _ in sizes}
+    expected = [root + block["h.0"] + block["h.1"], root + block["h.1"]]
+    for res in results(world, "stages"):
+        assert res[3]["gathered"] == expected
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_no_sync_accumulation_is_one_big_batch_with_one_reduce_round(world, stage):
+    expected = reference(world, micro=MICRO)
+    n_flats = len(flat_sizes(world))
+    for res in results(world, "no_sync"):
+        res = res[stage]
+        assert_states_close(res["weights"], expected["weights"], **PARAM_TOL)
+        # after every backward: the reduce-scatters so far; none inside no_sync()
+        after = [n_flats * (s + (m == MICRO - 1)) for s in range(STEPS) for m in range(MICRO)]
+        if stage == 1:  # ZeRO-1 reduces in step(), after the last backward
+            after = [n_flats * s for s in range(STEPS) for m in range(MICRO)]
+        assert res["calls"] == after, res["calls"]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clipping_on_the_shards_equals_clip_grad_norm(world, stage):
+    """The global norm from grad_shards() on every rank equals one process's, and scaling the
+    shards before the step equals torch.nn.utils.clip_grad_norm_."""
+    expected = reference(world, clip=CLIP)
+    for res in results(world, "clip"):
+        res = res[stage]
+        assert res["norms"] == pytest.approx(expected["norm"], rel=1e-5)
+        assert all(n > CLIP for n in res["norms"])
+        assert_states_close(res["weights"], expected["weights"], **PARAM_TOL)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_a_sharded_checkpoint_resumes_bit_for_bit_and_refuses_another_layout(world):
+    per_rank = results(world, "checkpoint")
+    for res in per_rank:
+        for stage in [1, 2, 3]:
+            assert res[stage]["lr"] == 3e-3
+            assert_states_close(res[stage]["b"], res[stage]["a"], **EXACT)
+        errors = res["errors"]
+        assert errors["stage"] is not None and "stage 2, here 3" in errors["stage"], errors
+        assert errors["rank"] is not None and "dp_rank" in errors["rank"], errors
+        assert "\n" not in errors["stage"] + errors["rank"]
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_zero3_refuses_several_pipeline_chunks_per_rank(world):
+    """ZeRO-2: each chunk's wrapper takes its own flats (2 blocks and the root, one param group);
+    ZeRO-3: every microbatch would all-gather every unit again, so the wrapper refuses, in one
+    line."""
+    for res in results(world, "pipeline_chunks"):
+        assert res[2] == [3, 3], res
+        assert "ZeRO-3 with several pipeline chunks per rank is refused" in res[3], res
+        assert "\n" not in res[3]
