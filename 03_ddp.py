@@ -4,51 +4,39 @@ The idea in one sentence: N replicas that start identical and apply identical up
 identical, and averaging gradients makes the update identical to one process on the whole batch.
 
 The math. A global batch of N·B sequences is split into N rank batches of B. The loss is a mean
-over tokens and every rank has B·T of them, so it is the mean of the per-rank means; the gradient
-is linear:
-    L = 1/N · Σ_r L_r     =>     ∇L = 1/N · Σ_r ∇L_r
-All-reduce (SUM) the gradients, divide by N (gloo has no AVG), take the same optimizer step.
+over tokens, and every rank has B·T of them, so it is the mean of the per-rank means; the
+gradient is linear:     L = 1/N · Σ_r L_r     =>     ∇L = 1/N · Σ_r ∇L_r
+All-reduce (SUM) the gradients, divide by N (gloo has no AVG), take the same optimizer step. A
+ring all-reduce of S bytes is a reduce-scatter then an all-gather, each N-1 hops of S/N bytes:
+    t ≈ 2(N-1)/N · S / bandwidth + 2(N-1) · latency          (per call; ~2S sent, whatever N)
+The latency is per call, so gradients travel in buckets, each reduced while backward (last layer
+first) computes the earlier layers (PyTorch DDP, Li et al. 2020, arXiv 2006.15704).
 
-The cost. A ring all-reduce of S bytes is a reduce-scatter then an all-gather, each N-1 hops of
-S/N bytes, so every rank sends (and receives) 2(N-1)/N · S bytes, about 2S whatever N is:
-    t ≈ 2(N-1)/N · S / bandwidth + 2(N-1) · latency          (per all-reduce call)
-The latency is paid per call, so gradients travel in buckets; backward makes them last layer
-first, so a full bucket is reduced while backward computes the earlier layers (PyTorch DDP,
-Li et al. 2020, arXiv 2006.15704).
-
-ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054): stop holding N copies. In fp32 with AdamW a
-parameter costs 4 bytes of weight, 4 of gradient and 8 of state (m, v): 16Ψ for Ψ of them, on
-every rank. Split the all-reduce into its halves and shard what lies between: a unit's weights
-(a block; the rest of the model is the root unit) are one flat buffer padded to a multiple of N,
-rank r owns slice r. Who holds what (N = 2; [####] all of it, [##  ] rank 0's half):
+ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054): in fp32 with AdamW a parameter costs 4 bytes of
+weight, 4 of gradient and 8 of state (m, v): 16Ψ for Ψ of them, on every rank. Split the all-reduce
+into halves and shard what lies between: a unit's weights (a block; the rest is the root unit) are
+a flat buffer padded to a multiple of N, rank r owns slice r (N = 2; [##  ]: rank 0's half):
               weights  grads    m, v     bytes per rank      words sent per rank and step
     DP (0)    [####]   [####]   [####]   16Ψ                 2(N-1)/N·Ψ  all-reduce
     ZeRO-1    [####]   [####]   [##  ]   8Ψ + 8Ψ/N           2(N-1)/N·Ψ  reduce-scatter
     ZeRO-2    [####]   [##  ]   [##  ]   4Ψ + 12Ψ/N          2(N-1)/N·Ψ    + all-gather
     ZeRO-3    [##  ]   [##  ]   [##  ]   16Ψ/N + units       3(N-1)/N·Ψ  + gathers again
-ZeRO-1: backward as usual; at the step, reduce-scatter the gradients (rank r gets the mean of
-slice r), step slice r, all-gather the weights. ZeRO-2: the reduce-scatters run from gradient
-hooks during backward, unit by unit, and each full gradient is freed at once. ZeRO-3: weights
-too; a unit is all-gathered just before its forward (the next one's prefetched), freed, gathered
-again for its backward: one more all-gather of Ψ (less the root, which stays gathered).
-
-Simple first, then the real thing: NaiveDataParallel (after backward, the loop calls
-all_reduce_gradients(): one blocking all-reduce per tensor), DataParallel (flat buckets, each
-all-reduced from a gradient hook the moment it is full), ZeroOptimizer (ZeRO-1 by itself), and
-ZeroDataParallel (ZeRO-2 and 3, FSDP-style). zero_data_parallel(module, stage, ...) chooses.
+ZeRO-1: at the step, reduce-scatter the gradients (rank r gets the mean of slice r), step slice r,
+all-gather the weights. ZeRO-2: the reduce-scatters run from gradient hooks during backward, unit
+by unit, each full gradient freed at once. ZeRO-3: weights too; a unit is all-gathered just before
+its forward (the next one prefetched), freed, gathered again for its backward (not the root).
 
 Launch:  python 03_ddp.py [--ranks N]                             (runs torchrun for you)
          torchrun --standalone --nproc_per_node=2 03_ddp.py      (or 4; CPU/gloo or GPUs/NCCL)
 It checks every variant against one process and prints bytes per rank for stages 0-3 next to
 the formulas. Step times, traffic, torch DDP, FSDP2, GPT-2's sizes: bench/bench_ddp.py.
 
-What changed from 02_model.py: nothing inside the GPT. Data parallelism wraps the model, hooks its
-parameters' gradients and shards the optimizer; rank r trains on its own rows of the batch
-(train.py: 01_data.py's loader with (dp_rank, dp_size), so ranks read disjoint windows).
+What changed from 02_model.py: nothing inside the GPT; rank r trains it on its own rows (train.py:
+01's loader given dp_rank, dp_size). Simple first: NaiveDataParallel, then DataParallel (buckets
+overlapped with backward); ZeroOptimizer (ZeRO-1), then ZeroDataParallel (ZeRO-2/3).
 
-Left out on purpose: DDP's find_unused_parameters (an unused parameter is an error here, not a
-hang), gradient compression and bf16 communication hooks, bucket rebuilding from the observed
-gradient order, ZeRO's offload to CPU/NVMe and ZeRO++, FSDP2's per-parameter (DTensor) shards.
+Left out on purpose: DDP's find_unused_parameters (unused: an error here), gradient compression
+and bf16 hooks, bucket rebuilding, ZeRO's CPU/NVMe offload and ZeRO++, FSDP2's DTensor shards.
 """
 
 import argparse
@@ -57,7 +45,6 @@ import importlib
 import os
 import sys
 import weakref
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -70,26 +57,22 @@ SUM = dist.ReduceOp.SUM  # never AVG: gloo does not have it
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, int, torch.device]:
-    """Join the torchrun job (env://): (rank, local_rank, world_size, device). nccl on CUDA, else
-    gloo; the device is set *before* init, so NCCL binds each rank to its own GPU; a finite
-    timeout turns a hang (a rank that skipped a collective) into an error. Already initialised
-    (the tests' spawned ranks): reuse the group. Without torchrun: a world of one, no group."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
-        backend = "nccl" if device.type == "cuda" else "gloo"
+    """Join the torchrun job: (rank, local_rank, world_size, device); nccl on CUDA, else gloo. The
+    timeout turns a hang (a rank skipped a collective) into an error. Initialised: reused."""
+    local_rank, cuda = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # before init: NCCL binds each rank to its own GPU
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:  # (no torchrun: a world of one)
         # device_id (NCCL): bind the communicators to this GPU now; no subgroup guesses it later
-        device_id = device if device.type == "cuda" else None
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device_id)
+        kw = dict(timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
+        dist.init_process_group("nccl" if cuda else "gloo", **kw)
     if dist.is_initialized():
         return dist.get_rank(), local_rank, dist.get_world_size(), device
     return 0, 0, 1, device
 
 
 def print0(*args, **kwargs) -> None:
-    """print on global rank 0 only (or always, when not distributed)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
 
@@ -112,14 +95,12 @@ def broadcast_from_first_rank(module: nn.Module, group) -> None:
         dist.broadcast(t.detach(), src=src, group=group)
 
 
-# ---------------------------------------------------------------------------------------------
-# Simple first: after backward, all-reduce every gradient, one tensor at a time
-# ---------------------------------------------------------------------------------------------
+# ------------------------------ simple first: after backward, all-reduce every gradient in turn
 class NaiveDataParallel(nn.Module):
-    """Broadcast the parameters once; after every backward the loop calls all_reduce_gradients()
-    (after 06's accumulate_gradients or 05's pipeline_step: once). Nothing overlaps: communication
-    starts when backward has ended. Every trainable parameter needs a gradient. no_sync() is a
-    no-op for loops written for DataParallel (not calling all_reduce_gradients() is the no-sync)."""
+    """Broadcast the parameters once; the loop calls all_reduce_gradients() after backward (after
+    06's accumulate_gradients or 05's pipeline_step: once). Nothing overlaps the communication."""
+
+    no_sync = contextlib.nullcontext  # a no-op: not calling all_reduce_gradients() is the no-sync
 
     def __init__(self, module: nn.Module, group=None):
         super().__init__()
@@ -131,10 +112,6 @@ class NaiveDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        yield
 
     def all_reduce_gradients(self) -> None:
         """Call between backward() and optimizer.step(): p.grad becomes the mean over ranks."""
@@ -149,20 +126,17 @@ class NaiveDataParallel(nn.Module):
         self.stats["syncs"] += 1
 
 
-# ---------------------------------------------------------------------------------------------
-# The real thing: flat buckets, all-reduced asynchronously while backward is still running
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class Bucket:
-    params: list  # in backward order
-    views: list  # views[i]: params[i]'s slice of buffer, shaped like params[i]
-    buffer: torch.Tensor  # (sum of numels,) one dtype, one device
-    ready: int = 0  # gradients copied in during this backward
+# ----------------- the real thing: flat buckets, all-reduced asynchronously while backward runs
+class Bucket:  # parameters (backward order, one dtype and device), their gradients' flat buffer
+    def __init__(self, params: list):
+        self.params, self.ready = params, 0  # ready: gradients copied in during this backward
+        numels = [p.numel() for p in params]
+        self.buffer = params[0].new_zeros(sum(numels))  # (sum of numels,)
+        self.views = [v.view_as(p) for v, p in zip(self.buffer.split(numels), params)]  # p's slice
 
 
 def make_buckets(params, cap_mb: float | None) -> list[Bucket]:
-    """Pack params, last-registered first (≈ the order backward produces their gradients), into
-    buckets of at most cap_mb (a bigger parameter gets a bucket of its own; None: no cap)."""
+    """Pack params, last-registered first (≈ backward's order), in buckets of ≤ cap_mb (None: ∞)."""
     cap = float("inf") if cap_mb is None else cap_mb * 2**20
     groups, size = [], 0
     for p in reversed(params):
@@ -173,43 +147,22 @@ def make_buckets(params, cap_mb: float | None) -> list[Bucket]:
             size = 0
         groups[-1].append(p)
         size += nbytes(p)
-    buckets = []
-    for group in groups:
-        buffer = group[0].new_zeros(sum(p.numel() for p in group))  # (sum of numels,)
-        views = [v.view_as(p) for v, p in zip(buffer.split([p.numel() for p in group]), group)]
-        buckets.append(Bucket(group, views, buffer))
-    return buckets
+    return [Bucket(group) for group in groups]
 
 
 def weak_hook(owner, method: str, *bound):
-    """A hook that calls owner.method(*bound, *args) while owner lives. (A bound method would keep
-    a wrapper alive, and communicating, as long as the parameters it hooks.)"""
+    """A hook calling owner.method(*bound, *args) while owner lives (a bound method keeps it)."""
     ref = weakref.ref(owner)
-
-    def call(*args):
-        if (target := ref()) is not None:
-            return getattr(target, method)(*bound, *args)
-
-    return call
-
-
-def _remove_hooks(handles) -> None:
-    for handle in handles:
-        handle.remove()
+    return lambda *args: None if (o := ref()) is None else getattr(o, method)(*bound, *args)
 
 
 class DataParallel(nn.Module):
-    """Bucketed and overlapped data parallelism (PyTorch DDP's design, arXiv 2006.15704).
+    """Bucketed and overlapped, as PyTorch DDP: a gradient hook copies p.grad / N into its bucket,
+    a full bucket's all-reduce starts while backward goes on, and a callback at its end waits, then
+    sets each p.grad to a view of its bucket. A missing gradient: an error naming it, not a hang.
+    The hooks hold the wrapper weakly: `model = DataParallel(model.module)` leaves one; close()."""
 
-    The loop calls nothing: a gradient hook copies p.grad / N into its bucket's flat buffer, and
-    a full bucket's all-reduce (SUM) starts while backward computes earlier layers. An autograd
-    callback at the end of backward (as torch DDP's) waits for them and hands each parameter its
-    mean gradient as a view of its bucket (DDP's gradient_as_bucket_view). No gradient for a
-    parameter: an error naming it, not a hang. bucket_mb=None: one bucket per dtype and device.
-    group: the DP group (default: the world); in a 3D grid, the ranks holding the same shard of
-    the model (any module). The hooks hold the wrapper weakly and a freed wrapper removes them
-    (as torch DDP's reducer), so `model = DataParallel(model.module)` leaves one wrapper
-    communicating; close() removes them at once."""
+    forward = NaiveDataParallel.forward
 
     def __init__(self, module: nn.Module, bucket_mb: float | None = 25.0, group=None):
         ok = bucket_mb is None or (isinstance(bucket_mb, int | float) and bucket_mb > 0)
@@ -224,26 +177,22 @@ class DataParallel(nn.Module):
         self.buckets = make_buckets(self.params, bucket_mb)
         self._where = {p: (bk, i) for bk in self.buckets for i, p in enumerate(bk.params)}
         self._done, self._sync, self._queued = set(), True, False  # _done: copied in this pass
-        # _works[b]: bucket b's all-reduce. subtle: the last pass's are kept too. Launched inside
-        # backward, one copies a Python object, and freed by a gloo thread while Python exits it
-        # aborts the process (tests/ddp_exit_job.py). They hold only the buckets, alive anyway.
+        # _works[b]: bucket b's all-reduce. subtle: kept a pass longer: one launched in backward
+        # holds a Python object, and freed by gloo as Python exits it aborts (tests/ddp_exit_job.py)
         self._works, self._previous_works = [], []
         hook = weak_hook(self, "_hook")
         handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
-        self._detach = weakref.finalize(self, _remove_hooks, handles)
+        self._detach = [weakref.finalize(self, handle.remove) for handle in handles]
 
     def close(self) -> None:
         """Stop synchronising: remove the gradient hooks now, not when the wrapper is freed."""
-        self._detach()
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        for detach in self._detach:
+            detach()
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes run inside skip communication; gradients just add up in p.grad.
-        subtle: decided when backward runs, not by the forward pass as torch DDP's, which is what
-        a pipeline schedule needs: m backward passes, only the last one outside no_sync()."""
+        """Inside, backward only adds up p.grad. subtle: decided when backward runs (torch DDP: at
+        forward), as a pipeline needs: m backward passes, the last one outside no_sync()."""
         previous, self._sync = self._sync, False
         try:
             yield
@@ -254,8 +203,7 @@ class DataParallel(nn.Module):
         if not self._sync:
             return
         if not self._queued:  # first gradient of this backward pass: finish when autograd does
-            self._queued = True
-            self._previous_works, self._works = self._works, []  # see __init__
+            self._queued, self._previous_works, self._works = True, self._works, []  # see __init__
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._copy_in(p)
         self._launch_full_buckets()
@@ -269,8 +217,7 @@ class DataParallel(nn.Module):
         self._done.add(p)
 
     def _launch_full_buckets(self) -> None:
-        # subtle: strictly in index order, whatever order the gradients finish in on each rank:
-        # else rank 0's bucket 3 would be summed with rank 1's bucket 2
+        # subtle: in index order, whatever order gradients finish in (or buckets 2 and 3 mix)
         while len(self._works) < len(self.buckets):
             bucket = self.buckets[len(self._works)]
             if bucket.ready < len(bucket.params):
@@ -295,10 +242,8 @@ class DataParallel(nn.Module):
         self._done.clear()
         if missing:
             raise RuntimeError(
-                f"DataParallel: no gradient in this backward for {', '.join(missing)}. Every "
-                "rank all-reduces every trainable parameter, so the other ranks would wait "
-                "forever: make it take part in the loss on every rank, or freeze it "
-                "(requires_grad_(False)) before wrapping."
+                f"DataParallel: no gradient in this backward for {', '.join(missing)}: the other "
+                "ranks would wait for it forever (use it in every loss, or requires_grad_(False))"
             )
         assert len(self._works) == len(self.buckets), "every bucket must be launched by now"
         for p, (bucket, i) in self._where.items():  # subtle: the next synced backward
@@ -306,14 +251,10 @@ class DataParallel(nn.Module):
         self.stats["syncs"] += 1
 
 
-# ---------------------------------------------------------------------------------------------
-# ZeRO: shard what every rank holds N times (Rajbhandari et al. 2019, arXiv 1910.02054)
-# ---------------------------------------------------------------------------------------------
+# -------------- ZeRO: shard what every rank holds N times (Rajbhandari et al. 2019, 1910.02054)
 class FlatParameter:
-    """Parameters (one unit, param group and dtype) as one flat buffer `full`, zero-padded to N·S
-    elements; their .data become views into it. Rank r owns full[r·S:(r+1)·S]: `shard`, which
-    its optimizer steps, a view of `full` (ZeRO-1/2) or its own memory (ZeRO-3: `full` has
-    memory only while gathered). `grad`: the full flat gradient, until reduced."""
+    """Parameters (one unit, param group, dtype) as views into one flat buffer `full`, padded to
+    N·S. Rank r steps `shard` = full[r·S:(r+1)·S]: a view (ZeRO-1/2) or its own (3: full freed)."""
 
     def __init__(self, params: list, unit, rank: int, world: int, shard_params: bool):
         self.params, self.unit, self.numels = params, unit, [p.numel() for p in params]
@@ -326,7 +267,7 @@ class FlatParameter:
         self.lo = rank * self.S  # this rank's slice: [lo, lo + S)
         mine = self.full[self.lo : self.lo + self.S]  # (S,)
         self.shard = nn.Parameter(mine.clone() if shard_params else mine)
-        self.grad, self.ready, self.work, self.gathered = None, 0, None, True
+        self.grad, self.ready, self.work, self.gathered = None, 0, None, True  # grad: (N·S,)
         if shard_params:
             self.free()
 
@@ -334,8 +275,7 @@ class FlatParameter:
         self.full.untyped_storage().resize_(0)  # autograd saved of them sees the next gather
         self.gathered = False
 
-    def take_grad(self, p) -> None:
-        """p.grad moves into the flat gradient, adding (no_sync passes accumulate there)."""
+    def take_grad(self, p) -> None:  # p.grad moves in, adding (no_sync passes accumulate here)
         if self.grad is None:
             self.grad = self.full.new_zeros(self.full.shape)  # the padding stays 0
         o = self.offset[p]
@@ -345,12 +285,9 @@ class FlatParameter:
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """optimizer_cls stepping only this rank's shard of every FlatParameter: 1/N of the state.
-    param_groups list the model's parameters (LR schedules work); each is flattened apart, so its
-    hyperparameters (weight decay) reach its shards. units: modules flattened together, each
-    taking what earlier ones left (default: one). Alone, it is ZeRO-1, the simple version:
-    backward leaves full gradients in p.grad; step() reduce-scatters them (rank r gets the mean
-    of its slice), steps the shard and all-gathers the weights."""
+    """optimizer_cls stepping this rank's shard of every FlatParameter: 1/N of the state. A flat per
+    param group (its weight decay, LR schedule) and unit (a module, less earlier units). Alone it is
+    ZeRO-1: step() reduce-scatters the gradients backward left, steps, all-gathers the weights."""
 
     def __init__(self, params, optimizer_cls, group=None, *, units=None, stage=1, **kwargs):
         super().__init__(params, kwargs)
@@ -372,24 +309,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shard_groups = [{**g, "params": s} for g, s in zip(self.param_groups, shards)]
         self.local = optimizer_cls(shard_groups, **kwargs)
         for g, local_g in zip(self.param_groups, self.local.param_groups):
-            for k, v in local_g.items():  # optimizer_cls's defaults, visible to schedulers
-                g.setdefault(k, v)
+            g.update({**local_g, **g})  # optimizer_cls's defaults, visible to schedulers
         self.state = self.local.state  # this rank's shards' state only
         self.stats = {"reduce_scatter_calls": 0, "reduce_scatter_bytes": 0}
         self.stats.update(all_gather_calls=0, all_gather_bytes=0)
         self._reduced, self._works, self._old_works, self._last_reduced = False, [], [], None
+        numels = [f.numels for f in self.flats]  # what a checkpoint's shards must fit:
+        self._layout = dict(stage=stage, dp_rank=self.rank, dp_size=self.world, flats=numels)
 
     def add_param_group(self, param_group: dict) -> None:
-        if hasattr(self, "local"):  # the buffers are cut once: a later group would be left out
-            raise NotImplementedError(
-                "ZeroOptimizer.add_param_group after construction is not supported: pass every "
-                "param group to ZeroOptimizer(...) (a group may start with lr=0)"
-            )
+        if hasattr(self, "local"):  # the buffers are cut once (a group may start at lr=0 instead)
+            raise NotImplementedError("add_param_group: give every group to ZeroOptimizer(...)")
         super().add_param_group(param_group)
 
     def _all_gather(self, flat: FlatParameter):
-        """Start gathering every rank's shard into flat.full (its memory first: ZeRO-3). ZeRO-1/2:
-        in place, the input (the shard) is this rank's slice of the output."""
+        """Start gathering the shards into flat.full (ZeRO-3: its memory first; else in place)."""
         full, shard = flat.full, flat.shard.detach()
         full.untyped_storage().resize_(nbytes(full))
         work = dist.all_gather_single(full, shard, group=self.group, async_op=True)
@@ -398,8 +332,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._works.append(work)  # kept a step: ZeRO-3 gathers in backward (DataParallel._works)
         return work
 
-    def _reduce_scatter(self, flat: FlatParameter) -> tuple:
-        """Start SUMming every rank's slice r of the flat gradient onto rank r."""
+    def _reduce_scatter(self, flat: FlatParameter) -> tuple:  # SUM every rank's slice r onto r
         for p in flat.params:  # ZeRO-1: still in p.grad; ZeRO-2/3: the hooks moved them
             if p.grad is not None:
                 flat.take_grad(p)
@@ -421,18 +354,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             flat.grad, self._last_reduced = None, work  # freed at the next _finish or step()
 
     def reduce_gradients(self) -> None:
-        """ZeRO-1: reduce-scatter every flat's gradient now, in order, once per step (step() calls
-        it). ZeRO-2/3: nothing to do, the hooks did it during backward."""
+        """ZeRO-1: reduce-scatter the gradients in flat order, once per zero_grad() (2/3: hooks)."""
         if self.stage == 1 and not self._reduced:
             self._finish([self._reduce_scatter(f) for f in self.flats])
             self._reduced = True
 
-    def grad_shards(self) -> list:
-        """After backward, this rank's averaged gradient of each flat's slice [lo, lo + S) (the
-        padding 0): the ranks' shards hold every gradient element once. Scale them in place to
-        clip (the norm: all-reduce their squares). ZeRO-1 reduces first: call it on every rank."""
+    def grad_pieces(self) -> list:
+        """(p, offset, piece) per p overlapping this rank's [lo, lo + S): piece is a view of
+        f.shard.grad, the mean gradient of p.view(-1)[offset : offset + len(piece)] (norm: all
+        ranks' squares; clip: scale in place). ZeRO-1 reduces first: every rank must call it."""
         self.reduce_gradients()
-        return [f.shard.grad for f in self.flats if f.shard.grad is not None]
+        pieces = []
+        for f in (f for f in self.flats if f.shard.grad is not None):
+            for p, o in f.offset.items():
+                a, b = max(o, f.lo), min(o + p.numel(), f.lo + f.S)  # p ∩ [lo, lo + S)
+                if a < b:
+                    pieces.append((p, a - o, f.shard.grad[a - f.lo : b - f.lo]))
+        return pieces
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -441,34 +379,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g, local_g in zip(self.param_groups, self.local.param_groups):
             local_g.update({k: v for k, v in g.items() if k != "params"})  # e.g. a new lr
         self.local.step()  # only this rank's shards move
-        if self.stage < 3:  # (ZeRO-3 gathers them when the next forward needs them)
-            self._gather_all()
-        self._reduced, self._old_works, self._works = False, self._works, []
+        self._gather_all()
+        self._old_works, self._works = self._works, []  # (the shards keep the gradients it used)
         self._last_reduced = None  # (its gloo thread has long let go of it)
 
-    def _gather_all(self) -> None:
-        for work in [self._all_gather(f) for f in self.flats]:
+    def _gather_all(self) -> None:  # ZeRO-1/2 (ZeRO-3 gathers a unit when a forward needs it)
+        for work in [self._all_gather(f) for f in self.flats] if self.stage < 3 else []:
             work.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=True)  # the gradients live in the shards: freed
+        self._reduced = False  # subtle: here, not in step(), which a loss scaler may skip
         for f in self.flats:
             f.grad = f.shard.grad = None
-
-    def _layout(self) -> dict:
-        numels = [f.numels for f in self.flats]
-        return {"stage": self.stage, "dp_rank": self.rank, "dp_size": self.world, "flats": numels}
 
     def state_dict(self) -> dict:
         """A sharded checkpoint: this rank's shards of the state and of the weights."""
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-        shards = [f.shard.detach().clone() for f in self.flats]
-        local = self.local.state_dict()
-        return {"layout": self._layout(), "param_groups": hyper, "shards": shards, "local": local}
+        shards, local = [f.shard.detach().clone() for f in self.flats], self.local.state_dict()
+        return {"layout": {**self._layout}, "param_groups": hyper, "shards": shards, "local": local}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Shard, state and weights (ZeRO-1/2 then all-gather the weights: every rank calls it)."""
-        saved, here = state_dict.get("layout") or {}, self._layout()
+        saved, here = state_dict.get("layout") or {}, self._layout
         if diff := [k for k, v in here.items() if saved.get(k) != v]:  # its shards would not fit
             pairs = [f"{k} {saved.get(k)!s:.24}, here {here[k]!s:.24}" for k in diff]
             raise ValueError(f"this ZeroOptimizer shard was saved with {'; '.join(pairs)}")
@@ -477,25 +410,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             g.update(saved)
         self.local.load_state_dict(state_dict["local"])
-        if self.stage < 3:
-            self._gather_all()
+        self._gather_all()
 
 
 def zero_units(module: nn.Module) -> list:
-    """FSDP's wrapping of a GPT (or 05's PipelineChunk), in backward order: each block of
-    transformer.h, the last first, then the root, the module itself (embeddings, ln_f, head)."""
+    """FSDP's units of a GPT (or 05's PipelineChunk): the blocks, last first, then the root."""
     h = getattr(getattr(module, "transformer", None), "h", [])
     return [*reversed(list(h.values() if isinstance(h, nn.ModuleDict) else h)), module]
 
 
 class ZeroDataParallel(nn.Module):
-    """ZeRO-1, 2 or 3 (optimizer.stage) around a module whose weights optimizer has flattened.
-    ZeRO-1: no hooks. ZeRO-2: a gradient hook moves each gradient into its flat buffer; a full
-    flat starts its reduce-scatter (in flat order), freed when the next one starts. ZeRO-3 adds
-    unit hooks: all-gather before its forward (prefetching the next unit's), free after it,
-    gather again from a hook on its output (its backward is next), free when its gradients are
-    in. The root stays gathered from forward to the end of backward (as FSDP2's). no_sync():
-    passes accumulate in the flat buffers. No gradient counts as zero (all ranks reduce all)."""
+    """ZeRO-1, 2 or 3 (optimizer.stage) around a module optimizer has flattened, with the hooks of
+    ZeRO-2 and 3 (see the top); the root's weights stay gathered until the end of backward (as
+    FSDP2's). A missing gradient counts as zero (every rank reduces every flat)."""
 
     forward, no_sync = DataParallel.forward, DataParallel.no_sync
 
@@ -504,11 +431,10 @@ class ZeroDataParallel(nn.Module):
         self.module, self.opt, self.stage = module, optimizer, optimizer.stage
         units, self.stats = zero_units(module), optimizer.stats
         self.flats = [f for f in optimizer.flats if any(f.unit is u for u in units)]
-        if self.stage == 3 and len(self.flats) < len(optimizer.flats):  # another chunk's units
-            raise ValueError(
-                "ZeRO-3 with several pipeline chunks per rank is refused: every microbatch "
-                "would all-gather every unit again; use ZeRO-1/2 or one chunk per rank"
-            )
+        # pipeline chunks: one ZeroOptimizer, a ZeroDataParallel around each (with ZeRO-3 every
+        # microbatch would all-gather every unit again)
+        if self.stage == 3 and len(self.flats) < len(optimizer.flats):
+            raise ValueError("ZeRO-3 with several pipeline chunks per rank is refused: use ZeRO-2")
         self._unit_flats = {u: [f for f in self.flats if f.unit is u] for u in units}
         self._sync, self._in_backward, self._next, self._pending = True, False, 0, []
         for f in self.flats if self.stage >= 2 else []:
@@ -524,8 +450,7 @@ class ZeroDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def gathered(self):
-        """Full weights in self.module inside (export, evaluation outside the wrapper): ZeRO-3
-        gathers every unit, then frees them. Every rank must enter it."""
+        """Full weights in self.module inside (export, evaluation): every rank must enter it."""
         units = [u for u, fs in self._unit_flats.items() if not all(f.gathered for f in fs)]
         for u in units:
             self._gather(u)
@@ -556,20 +481,18 @@ class ZeroDataParallel(nn.Module):
         grad = torch.is_grad_enabled()
         for t in output if isinstance(output, tuple) else (output,):
             if grad and torch.is_tensor(t) and t.requires_grad:  # fires just before its backward
-                t.register_hook(lambda _, u=unit: self._pre_backward(u))
+                t.register_hook(lambda _, u=unit: self._start_backward(u))
         if not self._in_backward and (unit is not self.module or not grad):
             self._free(unit)  # (in backward it is activation recomputation: backward frees it)
 
-    def _pre_backward(self, unit) -> None:
-        self._start_backward()
-        self._gather(unit, prefetch=self._before[unit])
-
-    def _start_backward(self) -> None:
+    def _start_backward(self, unit=None) -> None:
         if not self._in_backward:  # the first hook of this backward pass
             self._in_backward, self._next = True, 0
             for f in self.flats:
                 f.ready = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if unit is not None:  # ZeRO-3, from a hook on the unit's output: its backward is next
+            self._gather(unit, prefetch=self._before[unit])
 
     def _grad_hook(self, flat: FlatParameter, p: torch.Tensor) -> None:
         self._start_backward()
@@ -581,8 +504,8 @@ class ZeroDataParallel(nn.Module):
             self._launch()
 
     def _launch(self, everything: bool = False) -> None:
-        # subtle: strictly in flat order (backward order, unit by unit), never in the order the
-        # hooks arrive: every rank must issue the same collectives in the same order (NCCL's rule)
+        # subtle: in flat order, never in hook order: the same collectives in the same order on
+        # every rank (NCCL's rule)
         while self._next < len(self.flats):
             flat = self.flats[self._next]
             if not everything and flat.ready < len(flat.params):
@@ -604,23 +527,18 @@ class ZeroDataParallel(nn.Module):
 def zero_data_parallel(
     module, stage: int, param_groups, optimizer_cls, group=None, bucket_mb=25.0, **kwargs
 ):
-    """The one place that chooses the stage: -> (model, optimizer). Stage 0: DataParallel
-    (bucket_mb: its buckets) and a plain optimizer_cls; 1-3: ZeroDataParallel and a ZeroOptimizer
-    flattening zero_units(module). (Several pipeline chunks: one ZeroOptimizer over all their
-    units, a ZeroDataParallel around each.)"""
+    """The one place that chooses the stage: (model, optimizer); stage 0: DataParallel, no ZeRO."""
     assert stage in (0, 1, 2, 3), f"the ZeRO stage must be 0, 1, 2 or 3, got {stage!r}"
     if stage == 0:
         return DataParallel(module, bucket_mb, group), optimizer_cls(param_groups, **kwargs)
     broadcast_from_first_rank(module, _dp_group(group))  # identical, then cut into shards
-    optimizer = ZeroOptimizer(
-        param_groups, optimizer_cls, group, units=zero_units(module), stage=stage, **kwargs
-    )
-    return ZeroDataParallel(module, optimizer), optimizer
+    units = zero_units(module)
+    opt = ZeroOptimizer(param_groups, optimizer_cls, group, units=units, stage=stage, **kwargs)
+    return ZeroDataParallel(module, opt), opt
 
 
 def memory_per_rank(module: nn.Module, optimizer) -> dict:
-    """Bytes this rank holds now: the distinct storages of the weights (the module's, the
-    shards), gradients and optimizer state (a view counts with its buffer; a freed one is 0)."""
+    """Bytes held now, by kind: distinct storages (a view counts with its buffer; freed: 0)."""
     flats = getattr(optimizer, "flats", [])
     params = [*module.parameters(), *(f.shard for f in flats)]
     grads = [g for g in [p.grad for p in params] + [f.grad for f in flats] if g is not None]
@@ -633,16 +551,12 @@ def memory_per_rank(module: nn.Module, optimizer) -> dict:
 
 
 def zero_memory_formula(stage: int, psi: float, world: int) -> float:
-    """Bytes per rank for Ψ fp32 parameters with AdamW: 4Ψ weights + 4Ψ gradients + 8Ψ (m, v),
-    the sharded ones / N (ZeRO-3: plus the gathered units)."""
+    """Bytes per rank, Ψ fp32 parameters, AdamW: 4Ψ weights + 4Ψ grads + 8Ψ (m, v), sharded / N."""
     return 4 * psi * [4, 2 + 2 / world, 1 + 3 / world, 4 / world][stage]
 
 
-# ---------------------------------------------------------------------------------------------
-# The demo: every variant equals one process; memory per rank next to its formula
-# ---------------------------------------------------------------------------------------------
+# ------------------------ the demo: every variant equals one process; bytes per rank vs formula
 PRESET, T, B, STEPS, SEED = "small", 64, 4, 3, 1337  # 02's ~0.8M GPT on bytes; B rows per rank
-BUCKET_MB = 1.0  # a few buckets for this GPT (25 MB would be one)
 FORMULAS = {"DP": "16Ψ", "ZeRO-1": "8Ψ + 8Ψ/N", "ZeRO-2": "4Ψ + 12Ψ/N", "ZeRO-3": "16Ψ/N + units"}
 
 
@@ -656,55 +570,44 @@ def train_step(model, opt, x, y) -> torch.Tensor:
     return loss.detach()
 
 
-def make_variant(name: str, config, device) -> tuple:
-    """(model, AdamW): the same GPT from the same seed, alone (on every rank) or wrapped."""
-    torch.manual_seed(SEED)
-    m = model_lib.GPT(config).to(device)
-    AdamW, kw = torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1)
-    if name in ("one process", "naive"):
-        return (NaiveDataParallel(m) if name == "naive" else m), AdamW(m.parameters(), **kw)
-    stage = 0 if name == "DP" else int(name[-1])  # stage 0: the bucketed DataParallel
-    return zero_data_parallel(m, stage, m.parameters(), AdamW, None, BUCKET_MB, **kw)
-
-
 def run_demo(rank: int, world: int, device) -> None:
     config = model_lib.GPTConfig.from_preset(PRESET, vocab_size=256, block_size=T)
     batches = model_lib.byte_batches(T, B * world, STEPS, SEED, device)  # each (N·B, T)
     mine = slice(rank * B, (rank + 1) * B)  # this rank's rows of the global batch
+    AdamW, kw = torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1)
     names, losses, weights, memory = ("one process", "naive", *FORMULAS), [], [], {}
     for name in names:
-        model, opt = make_variant(name, config, device)
+        torch.manual_seed(SEED)  # the same GPT, alone (on every rank) or wrapped
+        m = model_lib.GPT(config).to(device)
+        if name in FORMULAS:  # stage 0: DataParallel, 1 MB buckets (a few for this GPT)
+            stage = 0 if name == "DP" else int(name[-1])
+            model, opt = zero_data_parallel(m, stage, m.parameters(), AdamW, None, 1.0, **kw)
+        else:
+            model, opt = NaiveDataParallel(m) if name == "naive" else m, AdamW(m.parameters(), **kw)
         rows = slice(None) if name == "one process" else mine  # all N·B rows, or its B
         losses.append(sum(train_step(model, opt, x[rows], y[rows]) for x, y in batches) / world)
         with model.gathered() if isinstance(model, ZeroDataParallel) else contextlib.nullcontext():
             weights.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
         if name in FORMULAS:  # one more backward: the bytes held then, as before a step
             opt.zero_grad(set_to_none=True)
-            x, y = batches[-1]
-            model(x[mine], y[mine])[1].backward()
+            model(*(t[mine] for t in batches[-1]))[1].backward()
             memory[name] = memory_per_rank(model.module, opt)
     losses, psi = torch.stack(losses), len(weights[0])  # weights: (Ψ,) each
     errors = torch.stack([(w - weights[0]).abs().max() for w in weights])
     dist.all_reduce(losses, op=SUM)  # the mean of the ranks' losses: the global batch's loss
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)  # the worst rank
-    print0(
-        f"\n03 · data parallelism on {world} ranks ({dist.get_backend()}, {device.type}): GPT "
-        f"'{PRESET}', Ψ = {psi:,}, T={T}, bytes; B={B} a rank, {B * world} all"
-    )
+    print0(f"\n03 · data parallelism on {world} ranks ({dist.get_backend()}), GPT '{PRESET}'")
     print0(f"\n1. every variant == one process, after {STEPS} AdamW steps (max |Δ|)")
     print0(f"   {'':<8} {'Σ losses':>9} {'weights':>9}")
     for name, loss, error in list(zip(names, losses - losses[0], errors))[1:]:
         print0(f"   {name:<8} {abs(loss):9.1e} {error:9.1e}")
     print0("   fp32 rounding: sums in another order (AdamW's m/sqrt(v) magnifies it where g ~ 0)")
-    print0(f"\n2. bytes per rank after backward (fp32, AdamW), measured | formula; N = {world}")
+    print0(f"\n2. bytes per rank after backward (fp32, AdamW), measured | formula; Ψ = {psi:,}")
     for stage, (name, m) in enumerate(memory.items()):
-        formula = zero_memory_formula(stage, psi, world)
-        print0(
-            f"   {name:<6} weights {m['params']:10,} + grads {m['grads']:10,} + m, v "
-            f"{m['optimizer']:10,} = {sum(m.values()):10,} | {FORMULAS[name]:<13}{formula:11,.0f}"
-        )
-    print0("   (measured - formula: padding to N·S, AdamW's 4-byte steps; ZeRO-3 gathers units")
-    print0("   only while they compute.) Times, traffic, GPT-2 sizes: python bench/bench_ddp.py")
+        cells = f"weights {m['params']:10,} + grads {m['grads']:10,} + m, v {m['optimizer']:10,}"
+        formula = f"{FORMULAS[name]:<13}{zero_memory_formula(stage, psi, world):11,.0f}"
+        print0(f"   {name:<6} {cells} = {sum(m.values()):10,} | {formula}")
+    print0("   (the difference: padding to N·S, AdamW's 4-byte steps; ZeRO-3 gathers units in use)")
 
 
 def relaunch_with_torchrun(ranks: int, argv, script: str) -> None:
@@ -722,8 +625,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # subtle: --ranks, not --nproc, which torchrun would take for its own --nproc-per-node
     parser.add_argument("--ranks", type=int, default=2, help="ranks to start outside torchrun")
-    args = parser.parse_args(argv)
-    if args.ranks < 1:
+    if (args := parser.parse_args(argv)).ranks < 1:
         parser.error("--ranks must be >= 1")
     if "WORLD_SIZE" not in os.environ:
         return relaunch_with_torchrun(args.ranks, argv, __file__)

@@ -93,19 +93,12 @@ def make(stage: int, seed: int = SEED):
 
 def grad_pieces(model, opt) -> list:
     """(name, offset, piece): this rank's averaged gradient of the parameter's
-    view(-1)[offset : offset + len(piece)], its grad_shards() cut at the parameters' borders in
-    each flat buffer (ZeRO); stage 0: every whole p.grad."""
+    view(-1)[offset : offset + len(piece)], from ZeroOptimizer.grad_pieces() (ZeRO-1 reduces
+    there); stage 0: every whole p.grad. Cloned: the pieces are views the next step overwrites."""
     n = names(model)
     if not isinstance(opt, ddp.ZeroOptimizer):
         return [(n[p], 0, p.grad.reshape(-1).clone()) for p in model.parameters()]
-    shards, out = opt.grad_shards(), []  # ZeRO-1 reduces here
-    assert len(shards) == len(opt.flats)
-    for f, shard in zip(opt.flats, shards):
-        for p, o in f.offset.items():
-            a, b = max(o, f.lo), min(o + p.numel(), f.lo + f.S)  # p ∩ this rank's slice
-            if a < b:
-                out.append((n[p], a - o, shard[a - f.lo : b - f.lo].clone()))
-    return out
+    return [(n[p], offset, piece.clone()) for p, offset, piece in opt.grad_pieces()]
 
 
 @functools.cache
@@ -280,28 +273,53 @@ def case_no_sync(rank, world):
 
 
 def case_clip(rank, world):
-    """Clipping on the shards: the global norm from every rank's grad_shards(), then the shards
-    scaled, for a max norm below the actual one (so the clip changes the update)."""
+    """Clipping on the shards, as train.py does it: the global norm from every rank's
+    grad_pieces(), then the pieces scaled in place, for a max norm below the actual one (so the
+    clip changes the update). Only views of the shards' gradients can carry the scaling into
+    step(); and the pieces must cover exactly the shards' real elements (not the padding)."""
     out = {}
     for stage in STAGES[1:]:
         model, wrapper, opt = make(stage)
-        norms = []
+        norms, views, covered = [], [], []
         for step in range(STEPS):
             opt.zero_grad(set_to_none=True)
             wrapper(*batch(step, rank))[1].backward()
-            shards = opt.grad_shards()
-            squares = sum(g.pow(2).sum() for g in shards)  # the padding adds 0
+            pieces = [piece for _, _, piece in opt.grad_pieces()]
+            shard_grads = {f.shard.grad.untyped_storage().data_ptr() for f in opt.flats}
+            views.append(all(g.untyped_storage().data_ptr() in shard_grads for g in pieces))
+            real = sum(max(0, min(f.S, sum(f.numels) - f.lo)) for f in opt.flats)  # no padding
+            covered.append((sum(len(g) for g in pieces), real))
+            squares = sum(g.pow(2).sum() for g in pieces)  # every element once over the ranks
             dist.all_reduce(squares)
             norm = squares.sqrt()
-            for g in shards:
+            for g in pieces:
                 g.mul_(torch.clamp(CLIP / (norm + 1e-6), max=1.0))  # as clip_grad_norm_
             norms.append(norm.item())
             opt.step()
-        out[stage] = {"weights": full_weights(model, wrapper), "norms": norms}
+        weights = full_weights(model, wrapper)
+        out[stage] = {"weights": weights, "norms": norms, "views": views, "covered": covered}
     return out
 
 
 CLIP = 0.5  # below this model's gradient norm (1 to 1.6), so clipping acts every step
+
+
+def case_skipped_step(rank, world):
+    """A step a loss scaler skips (fp16 overflow): backward, grad_pieces() (where the scaler finds
+    the inf), zero_grad() and no step(). The STEPS normal steps after it must equal a run that
+    never had it."""
+    out = {}
+    for stage in STAGES[1:]:
+        model, wrapper, opt = make(stage)
+        wrapper(*batch(0, rank, micro=1))[1].backward()  # another batch: its gradient must go
+        opt.grad_pieces()
+        opt.zero_grad(set_to_none=True)
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            wrapper(*batch(step, rank))[1].backward()
+            opt.step()
+        out[stage] = {"weights": full_weights(model, wrapper), "stats": dict(opt.stats)}
+    return out
 
 
 def case_checkpoint(rank, world):
@@ -366,6 +384,7 @@ CASES = {
     "torch": case_torch,
     "no_sync": case_no_sync,
     "clip": case_clip,
+    "skipped_step": case_skipped_step,
     "checkpoint": case_checkpoint,
     "pipeline_chunks": case_pipeline_chunks,
 }
@@ -583,14 +602,33 @@ def test_no_sync_accumulation_is_one_big_batch_with_one_reduce_round(world, stag
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_clipping_on_the_shards_equals_clip_grad_norm(world, stage):
-    """The global norm from grad_shards() on every rank equals one process's, and scaling the
-    shards before the step equals torch.nn.utils.clip_grad_norm_."""
+    """The global norm from grad_pieces() on every rank equals one process's, and scaling the
+    pieces in place before the step equals torch.nn.utils.clip_grad_norm_: they are views of the
+    shards' gradients, covering each rank's real elements and none of the padding."""
     expected = reference(world, clip=CLIP)
     for res in results(world, "clip"):
         res = res[stage]
         assert res["norms"] == pytest.approx(expected["norm"], rel=1e-5)
         assert all(n > CLIP for n in res["norms"])
+        assert all(res["views"]), "a piece is a copy: scaling it would not reach step()"
+        assert all(n == real for n, real in res["covered"]), res["covered"]
         assert_states_close(res["weights"], expected["weights"], **PARAM_TOL)
+    real = [res[stage]["covered"][0][1] for res in results(world, "clip")]
+    assert sum(real) == PSI, real  # the ranks' pieces together: every element of Ψ once
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_the_loss_scaler_skips_leaves_no_trace(world, stage):
+    """The bug: zero_grad() did not reset ZeRO-1's "reduced this step" flag. After a skipped step
+    (grad_pieces() reduced, step() never came) the next step() reduce-scattered nothing: no
+    gradient reached the shards, AdamW skipped them, and a step was silently lost (on the code
+    before the fix: ZeRO-1 fails here, 2 and 3 pass). One reduce-scatter round per real step."""
+    expected = reference(world)["weights"]
+    for res in results(world, "skipped_step"):
+        assert_states_close(res[stage]["weights"], expected, **PARAM_TOL)
+        rounds = res[stage]["stats"]["reduce_scatter_calls"] / len(flat_sizes(world))
+        assert rounds == STEPS + 1, res[stage]["stats"]  # the skipped one, then every step
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
