@@ -426,14 +426,14 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
     return model
 
 
-def grad_norm_squared(params, group, device) -> torch.Tensor:
-    """The whole model's squared gradient norm on every TP rank: shards summed, copies once."""
+def grad_norm_squared(grads, group, device) -> torch.Tensor:
+    """Σ g² over (parameter, gradient) pairs, the same on every TP rank: shards summed, copies once."""
     sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
-    for p in (p for p in params if p.grad is not None):
+    for p, g in grads:
         if getattr(p, "tensor_parallel", False):  # a slice: the ranks' squares add up
-            sharded += p.grad.float().pow(2).sum()
+            sharded += g.float().pow(2).sum()
         else:  # a copy, alike on every rank: counted once
-            replicated += p.grad.float().pow(2).sum()
+            replicated += g.float().pow(2).sum()
     return _all_reduce(sharded, group) + replicated
 
 

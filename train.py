@@ -32,17 +32,18 @@ schedule, global-norm clipping, evaluation, checkpoints, logs, a plot, MFU, expo
 """
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
 import os
-import re
 import resource
 import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ ddp_lib = importlib.import_module("03_ddp")
 tp_lib = importlib.import_module("04_tensor_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
+gpus = importlib.import_module("bench.gpus")  # PEAK_FLOPS, peak_flops, mfu: MFU's denominator
 
 # what `python 01_data.py --tokenizer T` writes, per T; the default --data-dir, prepared if missing
 DEFAULT_DATA = dict(bpe="data/stdlib-bpe4096", gpt2="data/stdlib-gpt2", char="data/stdlib-char")
@@ -73,7 +75,7 @@ class TrainConfig:
     schedule: str = flag("1f1b", "gpipe, 1f1b (at most pp microbatches' activations alive) or interleaved (05)")
     virtual_stages: int = flag(1, "model chunks per pipeline rank; > 1 needs interleaved")
     sequence_parallel: bool = flag(False, "with --tp: also shard LayerNorm/dropout activations along the sequence (04)")
-    zero: bool = flag(False, "ZeRO-1: shard the AdamW state over the data-parallel group (03)")
+    zero: int = flag(0, "ZeRO stage over the DP group (03): 1 shards AdamW's state, 2 also the gradients, 3 also the weights")
     batch_size: int = flag(32, "global batch: sequences per optimizer step, all DP ranks (32 x 128 tokens on a CPU)")
     micro_batch_size: int = flag(8, "sequences per microbatch per DP rank")
     block_size: int = flag(0, "tokens per sequence = the model's context (no untrained positions); 0 = the preset's")
@@ -152,12 +154,15 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
         if value not in choices:
             raise ConfigError(f"--{name} {value}: use one of {', '.join(filter(None, choices))}")
     for name, on, dim, size, what in (  # a flag that would silently do nothing is a mistake
-        ("--zero", cfg.zero, "--dp", cfg.dp, "shards AdamW's state over the DP replicas"),
+        ("--zero", cfg.zero, "--dp", cfg.dp, "shards over the DP replicas"),
         ("--sequence-parallel", cfg.sequence_parallel, "--tp", cfg.tp, "shards over TP ranks"),
         ("--virtual-stages", cfg.virtual_stages > 1, "--pp", cfg.pp, "cuts pipeline ranks"),
     ):
         if on and size == 1:
             raise ConfigError(f"{name} {what}, but {dim} is 1: it would do nothing")
+    if cfg.zero > 3 or (cfg.zero == 3 and cfg.pp > 1):  # (03's ZeroDataParallel refuses it too)
+        why = "re-gathers every block for every microbatch" if cfg.zero == 3 else "is 0 to 3"
+        raise ConfigError(f"--zero {cfg.zero}{' with --pp' * (cfg.pp > 1)}: a stage {why}")
     B, per_step = cfg.batch_size, cfg.micro_batch_size * cfg.dp
     if B % per_step:  # whole microbatches
         split = f"--micro-batch-size {cfg.micro_batch_size} x --dp {cfg.dp} = {per_step}"
@@ -246,14 +251,6 @@ class Grid:
     pp_group: object = None
     embed_group: object = None  # {first, last} pipeline stage, for the tied embeddings
 
-    @property
-    def pp_is_first(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def pp_is_last(self) -> bool:
-        return self.pp_rank == self.pp - 1
-
 
 def build_grid(cfg: TrainConfig, rank: int, world: int) -> Grid:
     """Every rank creates every group, in order (dist.new_group is a collective); keeps its own."""
@@ -292,6 +289,7 @@ class Run:  # everything one training step needs, built once
     dtype: torch.dtype
     chunks: list  # this rank's model chunk(s), DP-wrapped when dp > 1
     optimizer: torch.optim.Optimizer
+    scaled: object  # what the scaler unscales and steps: the optimizer (ZeRO: its shards' view)
     scaler: object  # 06's DynamicLossScaler, enabled for fp16 only
     train: object  # 01's DataLoaders
     val: object
@@ -313,8 +311,6 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device: torch.device)
     if cfg.compile:
         for chunk in chunks:
             chunk.compile()  # in place: parameter names (and checkpoints) are unchanged
-    if grid.dp > 1:
-        chunks = [ddp_lib.DataParallel(c, group=grid.dp_group) for c in chunks]
     # Dropout streams, none shared: replicated activations draw from the default generator, seeded
     # per (stage, replica), so alike on TP peers (their copies must stay copies); sharded ones
     # (heads; with SP, token shards) from 04's tracker, seeded seed + 1 + world + global rank.
@@ -322,27 +318,39 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device: torch.device)
     return chunks
 
 
-def build_optimizer(cfg: TrainConfig, modules, grid: Grid, device: torch.device):
-    """AdamW, decay on matrices only; fused on CUDA; ZeRO-1 over the DP group with --zero."""
-    params = [p for mod in modules for p in mod.parameters()]  # disjoint chunks: each p once
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-    kwargs = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
-    if cfg.zero and grid.dp > 1:
-        return ddp_lib.ZeroOptimizer(groups, torch.optim.AdamW, group=grid.dp_group, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device: torch.device) -> tuple:
+    """AdamW (decay on matrices only, fused on CUDA) and, with dp > 1, 03's data parallelism over
+    the DP group at --zero's stage: -> (chunks, DP-wrapped; optimizer; what the scaler steps)."""
+    params = [p for c in chunks for p in c.parameters()]  # disjoint chunks: each p once
+    tied = [t for t in map(pp_lib.tied_parameter, chunks) if t is not None] if grid.pp > 1 else []
+    matrices = [p for p in params if p.dim() >= 2 and all(p is not t for t in tied)]
+    # subtle: ZeRO flattens each group apart, so alone in its group the tied matrix is cut alike
+    # on the first and last stage: their shards' gradients can be summed (train_step)
+    groups = [{"params": matrices, "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+              {"params": tied, "weight_decay": cfg.weight_decay}]  # fmt: skip
+    AdamW, kw = torch.optim.AdamW, dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    kw["fused"] = device.type == "cuda"
+    if cfg.zero:  # (dp > 1: checked) one ZeroOptimizer over every chunk's units
+        units = [u for c in chunks for u in ddp_lib.zero_units(c)]
+        opt = ddp_lib.ZeroOptimizer(groups, AdamW, grid.dp_group, units=units, stage=cfg.zero, **kw)
+        shards = [f.shard for f in opt.flats]  # their .grad: this rank's (reduced) gradients
+        scaled = SimpleNamespace(param_groups=[{"params": shards}], step=opt.step)
+        return [ddp_lib.ZeroDataParallel(c, opt) for c in chunks], opt, scaled
+    if grid.dp > 1:
+        chunks = [ddp_lib.DataParallel(c, group=grid.dp_group) for c in chunks]
+    return chunks, (opt := AdamW(groups, **kw)), opt
 
 
 def build_run(cfg: TrainConfig, gpt_config, grid: Grid, device: torch.device) -> Run:
     T, dtype = gpt_config.block_size, resolve_dtype(cfg, device)  # context = --block-size
-    chunks = build_chunks(cfg, gpt_config, grid, device)
-    optimizer = build_optimizer(cfg, [getattr(c, "module", c) for c in chunks], grid, device)
+    wrapped = data_parallel(cfg, build_chunks(cfg, gpt_config, grid, device), grid, device)
     scaler = mp_lib.make_scaler(dtype)  # group None: every rank of the world skips together
     per_rank = cfg.batch_size // cfg.dp  # this DP rank's share of every batch
     loader_args = (per_rank, T, cfg.seed, grid.dp_rank, cfg.dp, device)
     loaders = [data_lib.DataLoader(cfg.data_dir, split, *loader_args) for split in ("train", "val")]
     m = per_rank // cfg.micro_batch_size
-    return Run(cfg, grid, gpt_config, device, dtype, chunks, optimizer, scaler, *loaders, T, m)
+    return Run(cfg, grid, gpt_config, device, dtype, *wrapped, scaler, *loaders, T, m)
 
 
 # ----------------------------------------------------------------------------------------- one step
@@ -362,16 +370,28 @@ def pipeline(run: Run, x: torch.Tensor, y: torch.Tensor, **kwargs):
     return pp_lib.pipeline_step(*args, **kwargs)
 
 
-def global_grad_norm(run: Run) -> torch.Tensor:
-    """The whole model's gradient L2 norm, the same on every rank: squares summed over TP shards
-    (replicated parameters once: 04) and stages (not the last stage's tied copy: 05 synced it)."""
+def gradients(run: Run) -> list:
+    """(parameter, gradient) pairs; under ZeRO, this rank's pieces of the averaged gradients in
+    its shards (03's grad_pieces: ZeRO-1 reduce-scatters there, so every DP rank calls it)."""
+    if run.cfg.zero:
+        return [(p, piece) for p, _, piece in run.optimizer.grad_pieces()]
+    return [(p, p.grad) for m in run.modules() for p in m.parameters() if p.grad is not None]
+
+
+def global_grad_norm(run: Run, grads) -> torch.Tensor:
+    """The whole model's gradient L2 norm, the same on every rank, from (parameter, gradient)
+    pairs: squares summed over TP shards (replicated parameters once: 04), stages (not the last
+    stage's tied copy: 05 synced it) and, under ZeRO, DP ranks (each holds pieces of the shards)."""
     tied = [pp_lib.tied_parameter(m) for m in run.modules() if run.grid.pp > 1 and not m.is_first]
-    params = [p for mod in run.modules() for p in mod.parameters() if all(p is not t for t in tied)]
+    grads = [(p, g) for p, g in grads if all(p is not t for t in tied)]
     if run.grid.tp > 1:
-        squares = tp_lib.grad_norm_squared(params, run.grid.tp_group, run.device)
+        squares = tp_lib.grad_norm_squared(grads, run.grid.tp_group, run.device)
     else:
-        grads = (p.grad for p in params if p.grad is not None)
-        squares = sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=run.device))
+        squares = sum(
+            (g.float().pow(2).sum() for _, g in grads), torch.zeros((), device=run.device)
+        )
+    if run.cfg.zero:
+        squares = all_reduce_sum(squares, run.grid.dp_group, run.grid.dp)
     return all_reduce_sum(squares, run.grid.pp_group, run.grid.pp).sqrt()
 
 
@@ -394,15 +414,20 @@ def train_step(run: Run, step: int) -> dict:
             loss = pipeline(run, x, y, loss_scale=run.scaler.get_scale(), **kwargs).loss.clone()
         loss = all_reduce_sum(loss, grid.pp_group, grid.pp)
     loss = all_reduce_sum(loss, grid.dp_group, grid.dp)  # the replicas' shares add up to the loss
-    run.scaler.unscale_(run.optimizer)  # true gradients before measuring and clipping them
-    norm = global_grad_norm(run)
+    grads = gradients(run)
+    if cfg.zero >= 2 and grid.embed_group is not None:  # 05 found no p.grad: sum the shards'
+        tied = [pp_lib.tied_parameter(m) for m in run.modules()]
+        for piece in (g for p, g in grads if any(p is t for t in tied)):
+            dist.all_reduce(piece, group=grid.embed_group)  # alike cut on both: data_parallel
+    run.scaler.unscale_(run.scaled)  # true gradients before measuring and clipping them
+    norm = global_grad_norm(run, grads)
     if cfg.grad_clip > 0:  # clip_grad_norm_'s scaling (never up), by the true global norm
-        params = [p for mod in run.modules() for p in mod.parameters()]
+        params = [p for group in run.scaled.param_groups for p in group["params"]]
         torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, norm)
     lr = lr_at(cfg, step)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    run.scaler.step(run.optimizer)  # skipped (on every rank) when fp16 gradients overflowed
+    run.scaler.step(run.scaled)  # skipped (on every rank) when fp16 gradients overflowed
     run.scaler.update()
     return {"loss": loss.item(), "lr": lr, "grad_norm": norm.item()}
 
@@ -486,7 +511,12 @@ def save_checkpoint(run: Run, step: int) -> None:
     rng = {"torch": torch.get_rng_state()}
     if run.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(run.device)
-    shard = {"model": [mod.state_dict() for mod in run.modules()],
+    models = []  # ZeRO-3 holds 1/N of each weight: gathered and copied (then freed), per chunk
+    for chunk, mod in zip(run.chunks, run.modules()):
+        with chunk.gathered() if cfg.zero == 3 else contextlib.nullcontext():
+            state = mod.state_dict()
+            models.append({k: v.clone() for k, v in state.items()} if cfg.zero == 3 else state)
+    shard = {"model": models,
              "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
              "rng": rng, "tp_rng": None if tp_rng is None else tp_rng.state_dict(),
              "step": step,  # the data position too: batches are a pure function of the step
@@ -531,7 +561,8 @@ def load_checkpoint(run: Run) -> int:
             continue
         try:  # a shard that reads but does not fit (another model) is no damage: stop
             for mod, state in zip(run.modules(), shard["model"], strict=True):
-                mod.load_state_dict(state)  # copies into the parameters, on their device
+                if run.cfg.zero < 3:  # (ZeRO-3: the optimizer's shards below are the weights)
+                    mod.load_state_dict(state)  # copies into the parameters, on their device
             run.optimizer.load_state_dict(shard["optimizer"])  # casts to each parameter's device
             if shard["scaler"]:
                 run.scaler.load_state_dict(shard["scaler"])
@@ -610,50 +641,6 @@ def sample(model_pt, prompt: str, n_tokens: int, seed: int = 0) -> str:
     return tok.decode(out[0].tolist())
 
 
-# -------------------------------------------------------- MFU: the peak FLOP/s each GPU could reach
-# Dense peak FLOP/s per GPU (tensor cores, without the 2:4 sparsity doubling datasheets print next
-# to them; fp16/bf16 with fp32 accumulation, as PyTorch uses). Key: a piece of
-# torch.cuda.get_device_name(), e.g. "NVIDIA H100 80GB HBM3". Sources: NVIDIA datasheets (V100,
-# A100, H100, H200, L4, T4) and whitepapers (GA102 appendix A: RTX 3090; Ada: RTX 4090). subtle:
-# NVIDIA publishes no A10G (AWS G5) datasheet; its row is the commonly quoted 70/35 TFLOP/s, which
-# public bf16 matmul measurements (~69) support, not the A10's 125: the least certain row.
-PEAK_FLOPS = {
-    "V100-SXM2": {"fp16": 125e12, "fp32": 15.7e12},  # Volta: no bf16, no tf32
-    "V100-PCIE": {"fp16": 112e12, "fp32": 14e12},
-    "T4": {"fp16": 65e12, "fp32": 8.1e12},  # Turing: no bf16, no tf32
-    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},  # 40 and 80 GB
-    "A10G": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 35e12},
-    "RTX 3090": {"bf16": 71e12, "fp16": 71e12, "tf32": 35.6e12, "fp32": 35.6e12},
-    "L4": {"bf16": 121e12, "fp16": 121e12, "tf32": 60e12, "fp32": 30.3e12},
-    "RTX 4090": {"bf16": 165.2e12, "fp16": 165.2e12, "tf32": 82.6e12, "fp32": 82.6e12},
-    "H100": {"bf16": 989.5e12, "fp16": 989.5e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM
-    "H100 PCIe": {"bf16": 756.5e12, "fp16": 756.5e12, "tf32": 378e12, "fp32": 51e12},
-    "H200": {"bf16": 989.5e12, "fp16": 989.5e12, "tf32": 494.5e12, "fp32": 67e12},  # SXM
-}
-
-
-def peak_flops(device_name: str, dtype: str) -> float | None:
-    """Dense peak FLOP/s of one `device_name` GPU in `dtype` ("bf16", "fp16", "tf32", "fp32"),
-    or None when the card or dtype is not in PEAK_FLOPS: an unknown peak is never guessed."""
-    # words that mark a different card with other peaks ("H100 NVL", "RTX 3090 Ti", "RTX 4090 D",
-    # a laptop part): a name with one of these only matches a key that names it too
-    variants = {"nvl", "ti", "super", "d", "laptop", "mobile", "max"}
-    words = re.findall(r"[a-z0-9]+", device_name.lower())
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # most specific first: "H100 PCIe"
-        key_words = re.findall(r"[a-z0-9]+", key.lower())  # whole words: "L4" is not "L40S"
-        if any(words[i : i + len(key_words)] == key_words for i in range(len(words))):
-            other_card = (set(words) - set(key_words)) & variants
-            return None if other_card else PEAK_FLOPS[key].get(dtype)
-    return None
-
-
-def mfu(tokens_per_s, flops_per_token, n_devices, peak_flops_per_device) -> float | None:
-    """MFU: achieved model FLOP/s (tokens_per_s: global) over all devices' peak; None if unknown."""
-    if peak_flops_per_device is None:
-        return None
-    return tokens_per_s * flops_per_token / (n_devices * peak_flops_per_device)
-
-
 # ----------------------------------------------------------------------- logging, preemption, plots
 class Logger:
     """Rank 0 prints one line per --log-interval and appends the same fields to metrics.jsonl."""
@@ -665,7 +652,7 @@ class Logger:
         self.step_start, self.step_last = start_step, start_step - 1
         self.flops = model_lib.flops_per_token(run.gpt_config, run.T)
         gpu = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu"
-        self.peak = peak_flops(gpu, {v: k for k, v in mp_lib.DTYPES.items()}[run.dtype])
+        self.peak = gpus.peak_flops(gpu, {v: k for k, v in mp_lib.DTYPES.items()}[run.dtype])
         if run.grid.rank == 0:  # on resume: drop rows logged after the checkpoint, and torn lines
             self.path.parent.mkdir(parents=True, exist_ok=True)
             text = self.path.read_text(errors="replace") if self.path.is_file() else ""
@@ -686,7 +673,7 @@ class Logger:
         now, world, cfg = time.perf_counter(), self.run.grid.world, self.run.cfg
         tok_s = self.tokens_per_step * (step - self.step_last) / (now - self.t_last)
         self.t_last, self.step_last = now, step
-        util = mfu(tok_s, self.flops, world, self.peak)
+        util = gpus.mfu(tok_s, self.flops, world, self.peak)
         mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS (Linux: KiB)
         if self.run.device.type == "cuda":  # on a GPU: its peak allocation instead
             mem = torch.cuda.max_memory_allocated(self.run.device)

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the numbered files live there
 model_lib = importlib.import_module("02_model")
 mp = importlib.import_module("06_mixed_precision")
-train = importlib.import_module("train")  # peak_flops, mfu
+gpus = importlib.import_module("bench.gpus")  # peak_flops, mfu
 
 MODES = ("fp32", "tf32", "bf16 autocast", "fp16 autocast + scaler", "fp16 by hand")
 
@@ -176,8 +176,8 @@ def main(argv=None):
         base = base or r["ms"]
         tokens_per_s = args.batch_size * T / (r["ms"] / 1e3)
         dtype = {"fp32": "fp32", "tf32": "tf32"}.get(mode, mode[:4])
-        peak = train.peak_flops(name, dtype) if cuda else None
-        mfu = train.mfu(tokens_per_s, model_lib.flops_per_token(config, T), 1, peak)
+        peak = gpus.peak_flops(name, dtype) if cuda else None
+        mfu = gpus.mfu(tokens_per_s, model_lib.flops_per_token(config, T), 1, peak)
         mfu_text = f"{mfu:.1%}" if mfu is not None else "-"
         print(f"{mode:<24} {r['ms']:>9.2f} {tokens_per_s:>10,.0f} {base / r['ms']:>7.2f}x "
               f"{mfu_text:>6} {r['memory'] / 2**20:>10,.1f} {r['losses'][-1]:>7.3f} "

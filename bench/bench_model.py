@@ -9,7 +9,7 @@ must produce our logits: the two compute the same function.
 One training step = forward, backward, AdamW step, on a fixed batch. The two models alternate
 step by step, so drift in the machine's speed hits both alike; the median step time is reported,
 with the model FLOP/s it achieves (tokens/s x 02's flops_per_token; MFU divides that by a GPU's
-peak, train.py's peak_flops; a CPU has no entry). First it prints every preset's shape, size and
+peak, bench/gpus.py's peak_flops; a CPU has no entry). First it prints every preset's shape, size and
 FLOPs/token with attention's share of them (02_model.py's demo prints the sizes only).
 Target: ours at least as fast per step as the reference on CPU.
 

@@ -164,11 +164,11 @@ def test_flops_per_token_hand_count():
 
 def test_peak_flops_and_mfu():
     """Dense (not 2:4 sparse) datasheet peaks; unknown devices and dtypes are None, not guesses.
-    The table and mfu() live in train.py, the one file that measures MFU.
+    The table and mfu() live in bench/gpus.py (train.py's logs and the benchmarks read them).
 
     MFU by hand: 400,000 tokens/s x 1e9 FLOPs/token on 2 GPUs of 1e15 FLOP/s = 4e14 / 2e15 = 0.2."""
-    train = importlib.import_module("train")
-    peak = train.peak_flops
+    gpus = importlib.import_module("bench.gpus")
+    peak = gpus.peak_flops
     assert peak("NVIDIA H100 80GB HBM3", "bf16") == 989.5e12  # 1979 "with sparsity" / 2
     assert peak("NVIDIA H100 PCIe", "bf16") == 756.5e12  # the more specific key wins
     assert peak("NVIDIA A100-SXM4-40GB", "tf32") == 156e12
@@ -179,8 +179,8 @@ def test_peak_flops_and_mfu():
     assert peak("NVIDIA GeForce RTX 3090 Ti", "bf16") is None
     assert peak("Some Future Accelerator", "bf16") is None
 
-    assert train.mfu(4e5, 1e9, 2, 1e15) == pytest.approx(0.2)
-    assert train.mfu(4e5, 1e9, 2, peak("cpu", "fp32")) is None
+    assert gpus.mfu(4e5, 1e9, 2, 1e15) == pytest.approx(0.2)
+    assert gpus.mfu(4e5, 1e9, 2, peak("cpu", "fp32")) is None
 
 
 # --------------------------------------------------------------------------- training

@@ -435,7 +435,7 @@ def case_grad_norm(rank, tp, group):
             _, loss = model(*batch(4))
             loss.backward()
         expected = sum(p.grad.pow(2).sum() for p in full.parameters())
-        got = tp_lib.grad_norm_squared(tpm.parameters(), group, "cpu")
+        got = tp_lib.grad_norm_squared([(p, p.grad) for p in tpm.parameters()], group, "cpu")
         close(got, expected, f"sp={sp}: squared grad norm")
 
 

@@ -88,43 +88,54 @@ def test_accumulation_x4_equals_one_batch(data_dir, tmp_path, reference):
 
 
 def test_two_rank_layouts_equal_one_process(data_dir, tmp_path, reference):
-    """dp=2 (+ZeRO-1), tp=2 (+sequence parallelism), pp=2 under every schedule: same curve."""
+    """dp=2 (+ZeRO 1, 2, 3), tp=2 (+sequence parallelism), pp=2 under every schedule: same curve.
+    fp16 (06's loss scaler) with the pipeline and with ZeRO-2, whose gradients the scaler finds
+    in the optimizer's shards, not in p.grad."""
+    dp2, pp2 = ["--dp", "2", "--micro-batch-size", "2"], ["--pp", "2", "--micro-batch-size", "2"]
     configs = [
-        ("dp2", ["--dp", "2", "--micro-batch-size", "2"]),
-        ("dp2-zero", ["--dp", "2", "--micro-batch-size", "2", "--zero"]),
+        ("dp2", dp2),
+        *[(f"dp2-zero{z}", dp2 + ["--zero", z]) for z in "123"],
         ("tp2", ["--tp", "2", "--micro-batch-size", "4"]),
         ("tp2-sp", ["--tp", "2", "--micro-batch-size", "4", "--sequence-parallel"]),
-        ("pp2-gpipe", ["--pp", "2", "--micro-batch-size", "2", "--schedule", "gpipe"]),
-        ("pp2-1f1b", ["--pp", "2", "--micro-batch-size", "2", "--schedule", "1f1b"]),
-        (
-            "pp2-interleaved",
-            [
-                "--pp",
-                "2",
-                "--micro-batch-size",
-                "2",
-                "--schedule",
-                "interleaved",
-                "--virtual-stages",
-                "2",
-            ],
-        ),  # fmt: skip
-        ("pp2-fp16", ["--pp", "2", "--micro-batch-size", "2", "--dtype", "fp16"]),
+        ("pp2-gpipe", pp2 + ["--schedule", "gpipe"]),
+        ("pp2-1f1b", pp2 + ["--schedule", "1f1b"]),
+        ("pp2-interleaved", pp2 + ["--schedule", "interleaved", "--virtual-stages", "2"]),
+        ("pp2-fp16", pp2 + ["--dtype", "fp16"]),
+        ("dp2-zero2-fp16", dp2 + ["--zero", "2", "--dtype", "fp16"]),
     ]
-    results = run_ranks(_train_configs, 2, data_dir, str(tmp_path), configs, timeout=240)[0]
+    results = run_ranks(_train_configs, 2, data_dir, str(tmp_path), configs, timeout=300)[0]
     for (name, _), got in zip(configs, results):
-        if name.endswith("fp16"):  # the pipeline with loss scaling: 16-bit rounding, as above
-            torch.testing.assert_close(torch.tensor([r["loss"] for r in got]),
-                                       torch.tensor([r["loss"] for r in reference]), rtol=2e-3,
-                                       atol=0)  # fmt: skip
+        if name.endswith("fp16"):  # loss scaling: 16-bit rounding, as in the 16-bit test below
+            for key in ("loss", "grad_norm"):  # a norm of scaled gradients is x 65536
+                torch.testing.assert_close(torch.tensor([r[key] for r in got]),
+                                           torch.tensor([r[key] for r in reference]), rtol=2e-3,
+                                           atol=0, msg=lambda m, k=key, n=name: f"{n}, {k}: {m}")  # fmt: skip
         else:
             assert_same_curve(got, reference, name)
 
 
+def test_zero_composes_with_tp_and_pp_on_4_ranks(data_dir, tmp_path, reference):
+    """ZeRO shards inside the DP group: stage 3 with TP (+SP: the norm counts each piece of a
+    replicated LayerNorm once), stage 2 with 1F1B (the tied embedding's shard gradients summed
+    over the first and last stage), stage 1 with two interleaved chunks (one optimizer)."""
+    dp2 = ["--dp", "2", "--micro-batch-size", "2"]
+    configs = [
+        ("dp2-tp2-zero3-sp", dp2 + ["--tp", "2", "--zero", "3", "--sequence-parallel"]),
+        ("dp2-pp2-zero2", dp2 + ["--pp", "2", "--zero", "2", "--micro-batch-size", "1"]),
+        ("dp2-pp2-zero1-interleaved", dp2 + ["--pp", "2", "--zero", "1", "--micro-batch-size",
+                                             "1", "--schedule", "interleaved", "--virtual-stages", "2"]),
+    ]  # fmt: skip
+    results = run_ranks(_train_configs, 4, data_dir, str(tmp_path), configs, timeout=300)[0]
+    for (name, _), got in zip(configs, results):
+        assert_same_curve(got, reference, name)
+
+
 def test_3d_parallel_on_8_ranks_equals_one_process(data_dir, tmp_path, reference):
-    configs = [("dp2-tp2-pp2", ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batch-size", "2"])]
-    results = run_ranks(_train_configs, 8, data_dir, str(tmp_path), configs, timeout=300)[0]
-    assert_same_curve(results[0], reference, "dp2 x tp2 x pp2")
+    dp2_tp2_pp2 = ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batch-size", "2"]
+    configs = [("dp2-tp2-pp2", dp2_tp2_pp2), ("dp2-tp2-pp2-zero2", dp2_tp2_pp2 + ["--zero", "2"])]
+    results = run_ranks(_train_configs, 8, data_dir, str(tmp_path), configs, timeout=420)[0]
+    for (name, _), got in zip(configs, results):
+        assert_same_curve(got, reference, name)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -168,8 +179,9 @@ def _straight_and_resumed(rank, world, data_dir, tmp, extra):
 @pytest.mark.parametrize(
     "world, extra",
     [(1, ["--micro-batch-size", "4", "--dropout", "0.1"]),
-     (4, ["--dp", "2", "--tp", "2", "--micro-batch-size", "2", "--dropout", "0.1"])],
-    ids=["1-rank", "dp2-tp2"],
+     (4, ["--dp", "2", "--tp", "2", "--micro-batch-size", "2", "--dropout", "0.1"]),
+     (2, ["--dp", "2", "--zero", "3", "--micro-batch-size", "2", "--dropout", "0.1"])],
+    ids=["1-rank", "dp2-tp2", "dp2-zero3"],
 )  # fmt: skip
 def test_resume_is_bit_identical(data_dir, tmp_path, world, extra):
     """Dropout on, so the RNG states must be restored too. Losses are compared with ==."""
@@ -392,7 +404,7 @@ def _sharded_logits(rank, world, data_dir, tmp):
     x = torch.arange(2 * 32).view(2, 32) % 200  # (B, T) ids
     chunk, grid = run.modules()[0], run.grid
     with torch.no_grad():
-        if grid.pp_is_first:
+        if grid.pp_rank == 0:
             dist.send(chunk(x), dist.get_global_rank(grid.pp_group, 1), group=grid.pp_group)
             return None
         h = torch.empty(2, 32, gpt_config.n_embd)
@@ -464,7 +476,10 @@ def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tm
         (["--batch-size", "8192", "--micro-batch-size", "8192"], 1,
          "train split: DATA/train.bin holds 4008 windows of 32+1 tokens, but one step needs"),
         (["--out-dir", "DATA/meta.json/run"], 1, "DATA/meta.json is a file, not a folder"),
-        (["--zero"], 1, "--zero shards AdamW's state over the DP replicas, but --dp is 1"),
+        (["--zero", "1"], 1, "--zero shards over the DP replicas, but --dp is 1"),
+        (["--dp", "2", "--zero", "4"], 2, "--zero 4: a stage is 0 to 3"),
+        (["--dp", "2", "--pp", "2", "--zero", "3"], 4,
+         "--zero 3 with --pp: a stage re-gathers every block for every microbatch"),
         (["--sequence-parallel"], 1, "--sequence-parallel shards over TP ranks, but --tp is 1"),
         (["--virtual-stages", "2", "--schedule", "interleaved"], 1, "but --pp is 1"),
         (["--tokenizer", "gpt2"], 1, "--tokenizer gpt2, but --data-dir DATA was prepared with"),
@@ -474,6 +489,7 @@ def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tm
          "virtual-needs-interleaved", "interleaved-microbatches", "block-size", "data-dir", "dropout",
          "n-layer", "lr", "lr-nan", "grad-clip", "warmup", "eval-interval", "ckpt-interval",
          "steps-this-run", "negative-sizes", "batch-over-data", "out-dir-file", "zero-at-dp1",
+         "zero-4", "zero3-with-pp",
          "sp-at-tp1", "virtual-at-pp1", "tokenizer-mismatch", "tokenizer-unknown"],
 )  # fmt: skip
 def test_bad_configurations_fail_fast_with_one_line(data_dir, argv, world, message):
@@ -493,7 +509,7 @@ def test_resume_with_another_layout_or_a_fresh_run_over_old_ones_is_refused(data
                                       "--resume", "--tp", "2"])  # fmt: skip
     with pytest.raises(train.ConfigError, match="written with --tp 1, this run has --tp 2"):
         train.validate(cfg, 2)
-    changed = [(["--zero"], "--zero False, this run has --zero True"),  # was a KeyError
+    changed = [(["--zero", "2"], "--zero 0, this run has --zero 2"),  # was a KeyError
                (["--seed", "7"], "--seed 1337, this run has --seed 7"),  # these passed silently
                (["--batch-size", "16"], "--batch-size 8, this run has --batch-size 16"),
                (["--micro-batch-size", "4"], "--micro-batch-size 8, this run has "),

@@ -57,7 +57,7 @@ def _clipped_norms(argv, rank, world):
     for step, clip in ((0, 1000.0), (1, 0.01)):
         cfg.grad_clip = clip
         norm = train.train_step(run, step)["grad_norm"]  # .grad holds what AdamW used
-        got.append((norm, train.global_grad_norm(run).item()))
+        got.append((norm, train.global_grad_norm(run, train.gradients(run)).item()))
     return got
 
 
@@ -88,10 +88,12 @@ def test_evaluation_and_clipping_under_dp_tp_pp_equal_one_process(data_dir, tmp_
     """Catches: an evaluation that forgets the SUM over DP or PP, divides by m or dp twice, or
     evaluates only one replica's share (every multi-rank test ran with evaluation off before);
     clipping that scales gradients up when the norm is below --grad-clip, or clips each rank by
-    its own shard's norm; the fp16 pipeline's gradient norm measured on scaled gradients."""
+    its own shard's norm (ZeRO: its pieces of the shards); the fp16 pipeline's gradient norm measured on scaled gradients."""
     ref_train, ref_val = reference_with_eval
     layouts = [
         ("dp2", ["--dp", "2", "--micro-batch-size", "2"]),
+        ("dp2-zero1", ["--dp", "2", "--micro-batch-size", "2", "--zero", "1"]),  # the shards
+        ("dp2-zero3", ["--dp", "2", "--micro-batch-size", "2", "--zero", "3"]),  # clipped
         ("tp2", ["--tp", "2", "--micro-batch-size", "4"]),
         ("pp2-fp16", ["--pp", "2", "--micro-batch-size", "2", "--dtype", "fp16"]),
     ]
@@ -275,7 +277,7 @@ def test_auto_dtype_is_bf16_only_on_a_gpu_that_has_it(monkeypatch):
 
 
 def test_the_fused_adamw_of_cuda_runs_on_the_cpu_and_equals_the_plain_one(data_dir, tmp_path):  # noqa: F811
-    """build_optimizer asks for fused AdamW on CUDA. Torch has a fused CPU kernel too, so the
+    """data_parallel asks for fused AdamW on CUDA. Torch has a fused CPU kernel too, so the
     same branch (fused=True, our groups, betas and eps) runs here on the CPU parameters: three
     steps land where the plain AdamW lands. Tolerance: the fused kernel orders its float32
     arithmetic differently, ~1e-7 relative per step; a wrong beta or eps is off by far more."""
@@ -283,9 +285,9 @@ def test_the_fused_adamw_of_cuda_runs_on_the_cpu_and_equals_the_plain_one(data_d
     params = []
     for device in ("cuda", "cpu"):  # "cuda": only the optimizer's choice; the tensors stay CPU
         cfg, run = build(argv, 0, 1)
-        optimizer = train.build_optimizer(cfg, run.modules(), run.grid, torch.device(device))
+        _, optimizer, _ = train.data_parallel(cfg, run.modules(), run.grid, torch.device(device))
         assert optimizer.defaults["fused"] is (device == "cuda")
-        run.optimizer = optimizer
+        run.optimizer = run.scaled = optimizer
         for step in range(3):
             train.train_step(run, step)
         params.append([p.detach().clone() for p in run.modules()[0].parameters()])
