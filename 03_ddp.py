@@ -36,7 +36,8 @@ What changed from 02_model.py: nothing inside the GPT; rank r trains it on its o
 overlapped with backward); ZeroOptimizer (ZeRO-1), then ZeroDataParallel (ZeRO-2/3).
 
 Left out on purpose: DDP's find_unused_parameters (unused: an error here), gradient compression
-and bf16 hooks, bucket rebuilding, ZeRO's CPU/NVMe offload and ZeRO++, FSDP2's DTensor shards.
+and bf16 hooks, bucket rebuilding, ZeRO's CPU/NVMe offload and ZeRO++, FSDP2's DTensor shards and
+its gathers in bf16 (under autocast, ZeRO-3 keeps autocast's 16-bit weight copies to backward).
 """
 
 import argparse
@@ -54,6 +55,7 @@ import torch.nn as nn
 model_lib = importlib.import_module("02_model")
 
 SUM = dist.ReduceOp.SUM  # never AVG: gloo does not have it
+eager = torch.compiler.disable
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, int, torch.device]:
@@ -422,7 +424,8 @@ def zero_units(module: nn.Module) -> list:
 class ZeroDataParallel(nn.Module):
     """ZeRO-1, 2 or 3 (optimizer.stage) around a module optimizer has flattened, with the hooks of
     ZeRO-2 and 3 (see the top); the root's weights stay gathered until the end of backward (as
-    FSDP2's). A missing gradient counts as zero (every rank reduces every flat)."""
+    FSDP2's). A missing gradient counts as zero: every rank must use the same parameters, as every
+    rank reduces every flat in one order. no_sync(): whole gradients (4Ψ) until the synced pass."""
 
     forward, no_sync = DataParallel.forward, DataParallel.no_sync
 
@@ -445,8 +448,9 @@ class ZeroDataParallel(nn.Module):
         self._after = dict(zip(forward, [*forward[1:], None]))  # the unit to prefetch
         self._before = dict(zip(backward, [*backward[1:], None]))
         for u in units if self.stage == 3 else []:
-            u.register_forward_pre_hook(weak_hook(self, "_gather", u, self._after[u]))
-            u.register_forward_hook(weak_hook(self, "_post_forward", u))
+            # (torch.compile runs them eagerly: it cannot trace the storage resizing)
+            u.register_forward_pre_hook(eager(weak_hook(self, "_gather", u, self._after[u])))
+            u.register_forward_hook(eager(weak_hook(self, "_post_forward", u)))
 
     @contextlib.contextmanager
     def gathered(self):

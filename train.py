@@ -332,6 +332,8 @@ def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device: torch.devi
     AdamW, kw = torch.optim.AdamW, dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     kw["fused"] = device.type == "cuda"
     if cfg.zero:  # (dp > 1: checked) one ZeroOptimizer over every chunk's units
+        for c in chunks:  # (DataParallel does it too) the replicas identical, then cut into shards
+            ddp_lib.broadcast_from_first_rank(c, grid.dp_group)
         units = [u for c in chunks for u in ddp_lib.zero_units(c)]
         opt = ddp_lib.ZeroOptimizer(groups, AdamW, grid.dp_group, units=units, stage=cfg.zero, **kw)
         shards = [f.shard for f in opt.flats]  # their .grad: this rank's (reduced) gradients
@@ -511,11 +513,14 @@ def save_checkpoint(run: Run, step: int) -> None:
     rng = {"torch": torch.get_rng_state()}
     if run.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(run.device)
-    models = []  # ZeRO-3 holds 1/N of each weight: gathered and copied (then freed), per chunk
-    for chunk, mod in zip(run.chunks, run.modules()):
+    models = []  # ZeRO-3 holds 1/N of each weight: gather a chunk, and DP rank 0 copies it to
+    for chunk, mod in zip(run.chunks, run.modules()):  # the CPU for --export (resume: the shards)
         with chunk.gathered() if cfg.zero == 3 else contextlib.nullcontext():
             state = mod.state_dict()
-            models.append({k: v.clone() for k, v in state.items()} if cfg.zero == 3 else state)
+            if cfg.zero == 3:
+                copy = run.grid.dp_rank == 0
+                state = {k: v.to("cpu", copy=True) for k, v in state.items()} if copy else {}
+            models.append(state)
     shard = {"model": models,
              "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
              "rng": rng, "tp_rng": None if tp_rng is None else tp_rng.state_dict(),

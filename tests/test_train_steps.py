@@ -295,11 +295,19 @@ def test_the_fused_adamw_of_cuda_runs_on_the_cpu_and_equals_the_plain_one(data_d
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
 
 
+def _compiled_zero3(rank, world, argv):
+    train.main(argv)
+    return metrics(argv[argv.index("--out-dir") + 1]) if rank == 0 else None
+
+
 def test_compile_trains_like_eager(data_dir, tmp_path):  # noqa: F811
     """--compile compiles each chunk in place (inductor; on a GPU it emits Triton, here C++):
     the same losses as eager over three steps, and checkpoint names unchanged (the run exports).
-    Slow (~40 s of compilation on 2 cores), but it is the only proof that the flag works.
-    Tolerance: fused kernels reassociate float32 sums, ~1e-7 relative; a bug is off by 1e-2."""
+    Then with ZeRO-3 at dp 2, whose unit hooks free and regrow storage (inductor cannot lower
+    that: 03 runs them eagerly, and before it did the first step crashed).
+    Slow (~40 s of compilation on 2 cores each), but it is the only proof that the flag works.
+    Tolerance: fused kernels reassociate float32 sums, ~1e-7 relative; a bug is off by 1e-2.
+    At dp 2 the reduction order changes too: assert_same_curve's tolerance."""
     argv = BASE + ["--data-dir", data_dir, "--max-steps", "3"]
     run_main(argv + ["--out-dir", str(tmp_path / "eager")])
     run_main(argv + ["--out-dir", str(tmp_path / "compiled"), "--compile"])
@@ -307,3 +315,8 @@ def test_compile_trains_like_eager(data_dir, tmp_path):  # noqa: F811
     torch.testing.assert_close(torch.tensor([r["loss"] for r in compiled]),
                                torch.tensor([r["loss"] for r in eager]), rtol=1e-5, atol=1e-6)  # fmt: skip
     assert (tmp_path / "compiled" / "model.pt").is_file()
+    zero3 = argv + ["--out-dir", str(tmp_path / "zero3"), "--compile", "--dp", "2", "--zero", "3",
+                    "--micro-batch-size", "4"]  # fmt: skip
+    got = run_ranks(_compiled_zero3, 2, zero3, timeout=300)[0]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in got]),
+                               torch.tensor([r["loss"] for r in eager]), rtol=1e-4, atol=1e-5)  # fmt: skip
