@@ -6,21 +6,24 @@ identical, and averaging gradients makes the update identical to one process on 
 The math. A global batch of N·B sequences is split into N rank batches of B. The loss is a mean
 over tokens, and every rank has B·T of them, so it is the mean of the per-rank means; the
 gradient is linear:     L = 1/N · Σ_r L_r     =>     ∇L = 1/N · Σ_r ∇L_r
-All-reduce (SUM) the gradients, divide by N (gloo has no AVG), take the same optimizer step. A
-ring all-reduce of S bytes is a reduce-scatter then an all-gather, each N-1 hops of S/N bytes:
+All-reduce (SUM) the gradients, divide by N (gloo has no AVG), take the same optimizer step. A ring
+all-reduce of S bytes is a reduce-scatter (RS: rank r ends with the sum of slice r of everyone's)
+then an all-gather (AG: every rank gets every slice), each N-1 hops of S/N bytes:
     t ≈ 2(N-1)/N · S / bandwidth + 2(N-1) · latency          (per call; ~2S sent, whatever N)
 The latency is per call, so gradients travel in buckets, each reduced while backward (last layer
 first) computes the earlier layers (PyTorch DDP, Li et al. 2020, arXiv 2006.15704).
 
 ZeRO (Rajbhandari et al. 2019, arXiv 1910.02054): in fp32 with AdamW a parameter costs 4 bytes of
-weight, 4 of gradient and 8 of state (m, v): 16Ψ for Ψ of them, on every rank. Split the all-reduce
-into halves and shard what lies between: a unit's weights (a block; the rest is the root unit) are
-a flat buffer padded to a multiple of N, rank r owns slice r (N = 2; [##  ]: rank 0's half):
-              weights  grads    m, v     bytes per rank      words sent per rank and step
-    DP (0)    [####]   [####]   [####]   16Ψ                 2(N-1)/N·Ψ  all-reduce
-    ZeRO-1    [####]   [####]   [##  ]   8Ψ + 8Ψ/N           2(N-1)/N·Ψ  reduce-scatter
-    ZeRO-2    [####]   [##  ]   [##  ]   4Ψ + 12Ψ/N          2(N-1)/N·Ψ    + all-gather
-    ZeRO-3    [##  ]   [##  ]   [##  ]   16Ψ/N + units       3(N-1)/N·Ψ  + gathers again
+weight, 4 of gradient and 8 of state (m, v): 16Ψ for Ψ of them, on every rank. Between the
+reduce-scatter and the all-gather a rank needs only its slice of the mean gradient, so it need
+keep and step only 1/N of the state. A unit (a block; or the root: the GPT itself, holding what no
+block owns) is one flat 1-D buffer of its parameters, padded to N·S elements (S = ⌈numel/N⌉), and
+rank r owns slice r (N = 2; [##  ]: rank 0's half). Sent: elements per rank and step.
+              weights  grads    m, v     bytes per rank        sent      collectives
+    DP (0)    [####]   [####]   [####]   16Ψ                  2(N-1)/N·Ψ  all-reduce (= RS + AG)
+    ZeRO-1    [####]   [####]   [##  ]   8Ψ + 8Ψ/N            2(N-1)/N·Ψ  RS grads + AG weights
+    ZeRO-2    [####]   [##  ]   [##  ]   4Ψ + 12Ψ/N           2(N-1)/N·Ψ  RS grads + AG weights
+    ZeRO-3    [##  ]   [##  ]   [##  ]   16Ψ/N + gathered    ≤3(N-1)/N·Ψ  RS + AG fwd + AG bwd
 ZeRO-1: at the step, reduce-scatter the gradients (rank r gets the mean of slice r), step slice r,
 all-gather the weights. ZeRO-2: the reduce-scatters run from gradient hooks during backward, unit
 by unit, each full gradient freed at once. ZeRO-3: weights too; a unit is all-gathered just before
@@ -153,7 +156,7 @@ def make_buckets(params, cap_mb: float | None) -> list[Bucket]:
 
 
 def weak_hook(owner, method: str, *bound):
-    """A hook calling owner.method(*bound, *args) while owner lives (a bound method keeps it)."""
+    """Like `lambda *a: owner.method(*bound, *a)`, but does not keep owner alive (or calling)."""
     ref = weakref.ref(owner)
     return lambda *args: None if (o := ref()) is None else getattr(o, method)(*bound, *args)
 
@@ -261,7 +264,7 @@ class FlatParameter:
     def __init__(self, params: list, unit, rank: int, world: int, shard_params: bool):
         self.params, self.unit, self.numels = params, unit, [p.numel() for p in params]
         self.offset = {p: sum(self.numels[:i]) for i, p in enumerate(params)}  # by identity
-        self.S = -(-sum(self.numels) // world)  # ceil(numel / N)
+        self.S = (sum(self.numels) + world - 1) // world  # ceil(numel / N)
         self.full = params[0].new_zeros(world * self.S)  # (N·S,)
         for p, o in self.offset.items():
             self.full[o : o + p.numel()].copy_(p.detach().reshape(-1))
@@ -443,10 +446,10 @@ class ZeroDataParallel(nn.Module):
         for f in self.flats if self.stage >= 2 else []:
             for p in f.params:
                 p.register_post_accumulate_grad_hook(weak_hook(self, "_grad_hook", f))
-        forward = [module, *units[-2::-1]]  # the root, then the blocks in forward order
-        backward = [module, *units[:-1]]  # the root (its head), then the blocks backwards
-        self._after = dict(zip(forward, [*forward[1:], None]))  # the unit to prefetch
-        self._before = dict(zip(backward, [*backward[1:], None]))
+        fwd_order = [module, *units[-2::-1]]  # units [h3, h2, h1, h0, root] -> root, h0 .. h3
+        bwd_order = [module, *units[:-1]]  # root (its head first), h3 .. h0
+        self._after = dict(zip(fwd_order, [*fwd_order[1:], None]))  # the unit to prefetch
+        self._before = dict(zip(bwd_order, [*bwd_order[1:], None]))
         for u in units if self.stage == 3 else []:
             # (torch.compile runs them eagerly: it cannot trace the storage resizing)
             u.register_forward_pre_hook(eager(weak_hook(self, "_gather", u, self._after[u])))
@@ -556,12 +559,13 @@ def memory_per_rank(module: nn.Module, optimizer) -> dict:
 
 def zero_memory_formula(stage: int, psi: float, world: int) -> float:
     """Bytes per rank, Ψ fp32 parameters, AdamW: 4Ψ weights + 4Ψ grads + 8Ψ (m, v), sharded / N."""
-    return 4 * psi * [4, 2 + 2 / world, 1 + 3 / world, 4 / world][stage]
+    N = world
+    return [16 * psi, 8 * psi + 8 * psi / N, 4 * psi + 12 * psi / N, 16 * psi / N][stage]
 
 
 # ------------------------ the demo: every variant equals one process; bytes per rank vs formula
 PRESET, T, B, STEPS, SEED = "small", 64, 4, 3, 1337  # 02's ~0.8M GPT on bytes; B rows per rank
-FORMULAS = {"DP": "16Ψ", "ZeRO-1": "8Ψ + 8Ψ/N", "ZeRO-2": "4Ψ + 12Ψ/N", "ZeRO-3": "16Ψ/N + units"}
+FORMULAS = {"DP": "16Ψ", "ZeRO-1": "8Ψ + 8Ψ/N", "ZeRO-2": "4Ψ + 12Ψ/N", "ZeRO-3": "16Ψ/N"}
 
 
 def train_step(model, opt, x, y) -> torch.Tensor:
@@ -583,9 +587,9 @@ def run_demo(rank: int, world: int, device) -> None:
     for name in names:
         torch.manual_seed(SEED)  # the same GPT, alone (on every rank) or wrapped
         m = model_lib.GPT(config).to(device)
-        if name in FORMULAS:  # stage 0: DataParallel, 1 MB buckets (a few for this GPT)
+        if name in FORMULAS:  # stage 0: DataParallel, 1 MB buckets (4 for this GPT)
             stage = 0 if name == "DP" else int(name[-1])
-            model, opt = zero_data_parallel(m, stage, m.parameters(), AdamW, None, 1.0, **kw)
+            model, opt = zero_data_parallel(m, stage, m.parameters(), AdamW, bucket_mb=1.0, **kw)
         else:
             model, opt = NaiveDataParallel(m) if name == "naive" else m, AdamW(m.parameters(), **kw)
         rows = slice(None) if name == "one process" else mine  # all N·B rows, or its B
@@ -608,10 +612,10 @@ def run_demo(rank: int, world: int, device) -> None:
     print0("   fp32 rounding: sums in another order (AdamW's m/sqrt(v) magnifies it where g ~ 0)")
     print0(f"\n2. bytes per rank after backward (fp32, AdamW), measured | formula; Ψ = {psi:,}")
     for stage, (name, m) in enumerate(memory.items()):
-        cells = f"weights {m['params']:10,} + grads {m['grads']:10,} + m, v {m['optimizer']:10,}"
+        cells = f"weights {m['params']:10,} + grads {m['grads']:10,} + state {m['optimizer']:10,}"
         formula = f"{FORMULAS[name]:<13}{zero_memory_formula(stage, psi, world):11,.0f}"
         print0(f"   {name:<6} {cells} = {sum(m.values()):10,} | {formula}")
-    print0("   (the difference: padding to N·S, AdamW's 4-byte steps; ZeRO-3 gathers units in use)")
+    print0("   (+ AdamW's 4-byte step count per stepped tensor, + padding to N·S: try --ranks 3)")
 
 
 def relaunch_with_torchrun(ranks: int, argv, script: str) -> None:

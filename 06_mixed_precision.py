@@ -48,7 +48,7 @@ and accumulation against one batch. Modes side by side: bench/bench_mixed_precis
 What changed from 05: 05 cut batches into microbatches to fill a pipeline; here they come back as
 accumulation steps, and training gets a dtype. The one new collective is the scaler's inf check,
 a 4-byte all-reduce (MAX) over all ranks: DP, TP and PP ranks hold different gradients and must
-skip the same step (a rank stepping alone would desync replicas or hang ZeRO's broadcasts).
+skip the same step (a rank stepping alone would desync replicas or hang ZeRO's all-gathers).
 Left out on purpose: fp8 (e4m3/e5m2, per-tensor scales), stochastic rounding, 16-bit optimizer
 states. Paper: Micikevicius et al., "Mixed Precision Training", ICLR 2018, arXiv 1710.03740.
 """

@@ -160,7 +160,7 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
     ):
         if on and size == 1:
             raise ConfigError(f"{name} {what}, but {dim} is 1: it would do nothing")
-    if cfg.zero > 3 or (cfg.zero == 3 and cfg.pp > 1):  # (03's ZeroDataParallel refuses it too)
+    if cfg.zero > 3 or (cfg.zero == 3 and cfg.pp > 1):  # (03: refused for several chunks a rank)
         why = "re-gathers every block for every microbatch" if cfg.zero == 3 else "is 0 to 3"
         raise ConfigError(f"--zero {cfg.zero}{' with --pp' * (cfg.pp > 1)}: a stage {why}")
     B, per_step = cfg.batch_size, cfg.micro_batch_size * cfg.dp
