@@ -1,8 +1,9 @@
 """train.py · everything together: 3D-parallel (DP x TP x PP) GPT training, launched by torchrun.
 
 The idea: build the same GPT on every rank, cut it with tensor parallelism (04) inside a node and
-pipeline parallelism (05) across nodes, replicate that with data parallelism (03), train it in
-mixed precision (06), and checkpoint (resumable bit for bit), evaluate, log and measure each step.
+pipeline parallelism (05) across nodes, replicate that with data parallelism (03; --zero 1-3
+shards the replicas' optimizer state, gradients, weights), train it in mixed precision (06), and
+checkpoint (resumable bit for bit), evaluate, log and measure each step.
 
 The grid: rank = (pp_rank * dp + dp_rank) * tp + tp_rank, i.e. torch.arange(world).view(pp, dp,
 tp). TP varies fastest, so TP peers share a node and its NVLink; PP slowest, so only pipeline
