@@ -29,6 +29,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -185,4 +186,25 @@ def _collect(procs, out_dir: str, timed_out: list[int], timeout: float):
             errors.append(f"--- rank {r} died without a result (exit code {p.exitcode}) ---")
     if errors:
         raise RankError(f"{len(errors)} of {len(procs)} ranks failed:\n" + "\n".join(errors))
+    return results
+
+
+def run_cases(rank: int, world_size: int, cases: dict) -> dict:
+    """Every case(rank, world_size) of one spawned world: run_ranks(run_cases, N, CASES). A case
+    that raises records its traceback instead, so the others still run (case_results reports it)."""
+    results = {}
+    for name, case in cases.items():
+        try:
+            results[name] = case(rank, world_size)
+        except Exception:  # noqa: BLE001 - reported by the test that reads this case
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def case_results(per_rank: list, case: str) -> list:
+    """Each rank's result for one case of run_cases; a case that raised on any rank fails."""
+    results = [r[case] for r in per_rank]
+    for r, res in enumerate(results):
+        if isinstance(res, dict) and "error" in res:
+            pytest.fail(f"case {case!r} raised on rank {r}:\n{res['error']}")
     return results

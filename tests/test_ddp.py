@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.distributed import RankError, run_ranks
+from tests.distributed import RankError, case_results, run_cases, run_ranks
 
 ddp = importlib.import_module("03_ddp")
 model_lib = importlib.import_module("02_model")
@@ -363,31 +363,14 @@ CASES = {
 }
 
 
-def _world(rank, world):
-    """Run every case; a failing case records its traceback instead of ending the world."""
-    results = {}
-    for name, case in CASES.items():
-        if name == "subgroups" and world != 4:
-            continue
-        try:
-            results[name] = case(rank, world)
-        except Exception:  # noqa: BLE001 - reported by the test that reads this case
-            results[name] = {"error": traceback.format_exc()}
-    return results
-
-
 @functools.cache
 def world_results(world: int) -> list[dict]:
-    return run_ranks(_world, world, timeout=150)
+    cases = {k: c for k, c in CASES.items() if k != "subgroups" or world == 4}  # needs 2 x 2
+    return run_ranks(run_cases, world, cases, timeout=150)
 
 
 def results(world: int, case: str) -> list:
-    """Each rank's result for one case; a case that raised on any rank fails the test."""
-    per_rank = [r[case] for r in world_results(world)]
-    for r, res in enumerate(per_rank):
-        if isinstance(res, dict) and "error" in res:
-            pytest.fail(f"case {case!r} raised on rank {r}:\n{res['error']}")
-    return per_rank
+    return case_results(world_results(world), case)
 
 
 def _named(key, message):

@@ -19,13 +19,12 @@ import gc
 import importlib
 import io
 import math
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import run_ranks
+from tests.distributed import case_results, run_cases, run_ranks
 
 ddp = importlib.import_module("03_ddp")
 model_lib = importlib.import_module("02_model")
@@ -390,27 +389,13 @@ CASES = {
 }
 
 
-def _world(rank, world):
-    results = {}
-    for name, case in CASES.items():
-        try:
-            results[name] = case(rank, world)
-        except Exception:  # noqa: BLE001 - reported by the test that reads this case
-            results[name] = {"error": traceback.format_exc()}
-    return results
-
-
 @functools.cache
 def world_results(world: int) -> list:
-    return run_ranks(_world, world, timeout=150)
+    return run_ranks(run_cases, world, CASES, timeout=150)
 
 
 def results(world: int, case: str) -> list:
-    per_rank = [r[case] for r in world_results(world)]
-    for r, res in enumerate(per_rank):
-        if "error" in res:
-            pytest.fail(f"case {case!r} raised on rank {r}:\n{res['error']}")
-    return per_rank
+    return case_results(world_results(world), case)
 
 
 def assert_states_close(actual: dict, expected: dict, **tol):
