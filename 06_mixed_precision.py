@@ -1,4 +1,4 @@
-"""06 · Mixed precision and gradient accumulation: 16-bit math, fp32 memory, exact big batches.
+"""06 · Memory: mixed precision, gradient accumulation and activation recomputation.
 
 The idea in one sentence: run the forward and backward in 16-bit numbers (half the bytes, and on
 a GPU's tensor cores many times fp32's FLOP/s), keep what accumulates small changes (weights,
@@ -36,42 +36,52 @@ Gradient accumulation: k microbatches must give one batch's gradient of
     L = (1/N) Σ_microbatches Σ_tokens ℓ_t,   N = target tokens in the WHOLE step (all DP ranks),
 so each microbatch back-propagates its summed loss / N. The mean of microbatch means,
 (1/k) Σ_i (1/n_i) Σ_t ℓ_t, over-weights short microbatches when the n_i differ (padding, masks):
-in October 2024 Unsloth showed that Hugging Face Transformers' Trainer did that; transformers
-4.46 fixed it by passing the step's token count (num_items_in_batch). With DP, N is all-reduced
-(SUM) and, as DP averages gradients, each rank multiplies its loss by dp. no_sync() on all but
-the last microbatch: one all-reduce round per step, not k.
+Hugging Face Transformers' Trainer did that until 4.46 (found by Unsloth, October 2024). With
+DP, N is all-reduced (SUM) and, as DP averages gradients, each rank multiplies its loss by dp.
+no_sync() on all but the last microbatch: one all-reduce round per step, not k.
 
-Launch: python 06_mixed_precision.py   (seconds on a CPU; --help for flags). It prints what
-underflows in fp16 without and with S and in bf16 (and draws it), our scaler against GradScaler,
-and accumulation against one batch. Modes side by side: bench/bench_mixed_precision.py
+Recomputation (Chen et al. 2016, arXiv 1604.06174; Korthikanti et al. 2022, arXiv 2205.05198):
+what the forward keeps for the backward grows as B·T·L; after ZeRO it is what stops a bigger
+batch. 02's GPTConfig.recompute keeps less and redoes the rest in the backward. Bytes per token
+and layer (dropout 0), r per residual-stream number, a per matmul operand (4 in fp32, 2 in 16 bits):
+  none       2(C+2)r + 14Ca + 4nh   LayerNorm inputs, mean, rstd; c_attn's input C, q|k|v 3C, the
+                                    attention output C, c_fc's input C, GELU's input and output 8C;
+                                    flash attention's fp32 log-sum-exp per head
+  selective  Cr + 10Ca + 4nh        the block's input, its matmuls' outputs (3C, C, 4C, C) and
+                                    attention's: LayerNorm, GELU, dropout and adds are redone
+  full       Cr                     the block's input: the whole block is redone
+Full runs each forward twice: 8N FLOPs per token, not 6N (MFU counts 6N, the hardware's HFU 8N);
+selective redoes elementwise ops only, no matmul.
 
-What changed from 05: 05 cut batches into microbatches to fill a pipeline; here they come back as
-accumulation steps, and training gets a dtype. The one new collective is the scaler's inf check,
-a 4-byte all-reduce (MAX) over all ranks: DP, TP and PP ranks hold different gradients and must
-skip the same step (a rank stepping alone would desync replicas or hang ZeRO's all-gathers).
-Left out on purpose: fp8 (e4m3/e5m2, per-tensor scales), stochastic rounding, 16-bit optimizer
-states. Paper: Micikevicius et al., "Mixed Precision Training", ICLR 2018, arXiv 1710.03740.
+Launch: python 06_mixed_precision.py   (seconds on a CPU; --help). It prints what underflows in
+fp16 without and with S and in bf16, accumulation against one batch, and recomputation's bytes.
+bench/bench_mixed_precision.py: the modes side by side, our scaler against GradScaler, figures.
+
+What changed from 05: 05's microbatches come back as accumulation steps, and training gets a
+dtype. The one new collective is the scaler's inf check, a 4-byte all-reduce (MAX) over all
+ranks: DP, TP and PP ranks hold different gradients and must skip the same step (a rank stepping
+alone would desync replicas or hang ZeRO's all-gathers). Left out on purpose: fp8, stochastic
+rounding, 16-bit optimizer states. Paper: Micikevicius et al., ICLR 2018, arXiv 1710.03740.
 """
 
 import argparse
 import contextlib
+import dataclasses
+import gc
 import importlib
 import math
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 model_lib = importlib.import_module("02_model")
 
 IGNORE = -1  # 02's cross_entropy_loss ignores targets == -1 (padding, masked prompts)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def smallest_subnormal(dtype: torch.dtype) -> float:
-    """The smallest positive number of a float dtype: min normal x eps = 2^(emin - mantissa)."""
-    return torch.finfo(dtype).tiny * torch.finfo(dtype).eps  # exact: both are powers of two
 
 
 # --------------------------------------------------------------------------- the loss scaler
@@ -95,15 +105,8 @@ class DynamicLossScaler:
     either one can load. enabled=False (bf16, fp32) turns every method into a pass-through.
     """
 
-    def __init__(
-        self,
-        init_scale=2.0**16,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=2000,
-        enabled=True,
-        group=None,
-    ):
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000, enabled=True, group=None):  # fmt: skip
         assert init_scale > 0, f"init_scale must be > 0, got {init_scale}"
         assert growth_factor > 1.0, f"growth_factor must be > 1, got {growth_factor}"
         assert 0.0 < backoff_factor < 1.0, f"backoff_factor must be in (0, 1), got {backoff_factor}"
@@ -205,8 +208,8 @@ class DynamicLossScaler:
 
 
 def make_scaler(dtype: torch.dtype, group=None, **kwargs) -> DynamicLossScaler:
-    """The scaler for a training dtype: only fp16 needs one, as its 5 exponent bits flush small
-    gradients to zero; bf16 has fp32's exponent range, so for bf16 and fp32 it passes through."""
+    """The scaler for a dtype: only fp16's 5 exponent bits flush small gradients to zero; for
+    bf16 (fp32's exponent range) and fp32 it passes everything through."""
     return DynamicLossScaler(enabled=dtype == torch.float16, group=group, **kwargs)
 
 
@@ -242,8 +245,7 @@ class MasterWeights:
         return self.master
 
     def grads_to_master(self) -> None:
-        """fp32 copies of the 16-bit gradients (exact: every 16-bit number is an fp32 number);
-        the 16-bit ones are freed. The master grads still carry the loss scale S."""
+        """fp32 copies of the 16-bit gradients (exact), which are freed; still scaled by S."""
         for w, m in zip(self.working, self.master):
             m.grad, w.grad = (None if w.grad is None else w.grad.float()), None
 
@@ -282,8 +284,8 @@ def count_tokens(targets: torch.Tensor) -> torch.Tensor:
 
 
 def global_token_count(microbatches, group=None) -> int:
-    """N: real target tokens in this step's microbatches, summed over the DP group (SUM).
-    Every DP rank must call it (it is a collective) before its first backward of the step."""
+    """N: real target tokens in this step's microbatches, summed over the DP group: a collective
+    every DP rank calls before its first backward of the step."""
     n = sum(count_tokens(y) for _, y in microbatches)  # 0-dim, on the targets' device
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
@@ -323,41 +325,81 @@ def accumulate_mean_of_means(model, microbatches) -> None:
 # --------------------------------------------------------------------------- activation memory
 
 
-def tensor_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views and tied weights counted once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+class _Allocations(TorchDispatchMode):
+    """Sees every op a forward runs and keeps a weak reference to each storage it allocates."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = {}  # address -> (weak reference, bytes) of the latest storage there
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        out, inputs = op(*args, **(kwargs or {})), _storages((args, kwargs))
+        for address, storage in _storages(out).items():
+            if address not in inputs:  # new memory, not a view of an input (a weight's .t())
+                self.made[address] = (StorageWeakRef(storage), storage.nbytes())
+        return out
 
 
-def saved_activation_bytes(model, fn):
-    """fn()'s result, and the bytes autograd saved for the backward (the activations), not
-    counting the parameters themselves (saved by reference, not copied)."""
-    saved, params = [], {p.untyped_storage().data_ptr() for p in model.parameters()}
+def _storages(tree) -> dict:
+    tensors = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
 
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved.append(t)
-        return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+def saved_activation_bytes(fn):
+    """fn()'s result, and the bytes its forward allocated that are alive when it returns, less the
+    result's: what autograd, a checkpoint or autocast's cache holds for the backward, per storage
+    (a saved-tensors hook would miss what selective recomputation keeps: checkpoint stores it)."""
+    allocations = _Allocations()
+    with allocations:
         out = fn()
-    return out, tensor_bytes(saved)
+    gc.collect()  # what only a reference cycle kept alive is not held for the backward
+    returned = _storages(out)
+    alive = [(a, n) for a, (ref, n) in allocations.made.items() if not ref.expired()]
+    return out, sum(n for address, n in alive if address not in returned)
 
 
-def activation_formula(config, B: int, T: int, mode: str) -> int:
-    """Bytes saved for the backward of 02's GPT in `mode` ("fp32", "bf16 autocast", "fp16
-    autocast + scaler" or "fp16 by hand", as train_step runs them). Per token and layer: the
-    LayerNorms' inputs 2C (the residual stream) with mean and rstd; matmul operands 14C: c_attn
-    input C, q|k|v 3C, attention output C (= c_proj's input), c_fc input C, GELU input 4C and
-    output 4C; attention's fp32 log-sum-exp per head. Then ln_f (C + stats), lm_head's input C,
-    the fp32 log-softmax V, the int64 ids and targets; once per batch the T int64 positions
-    (wpe's backward) and the loss's fp32 token count. autocast keeps 16-bit weight copies too."""
+def activation_formula(config, B: int, T: int, mode: str, recompute: str = "none") -> int:
+    """Bytes held for the backward of 02's GPT (dropout 0) in `mode` ("fp32", "bf16 autocast",
+    "fp16 autocast + scaler" or "fp16 by hand"): per token, L layers (the table at the top), ln_f
+    (C + stats), lm_head's input C, the fp32 log-softmax V; per batch the T int64 positions (wpe's
+    backward), the loss's token count and autocast's 16-bit copies of weights and biases."""
     C, L, V, nh = config.n_embd, config.n_layer, config.padded_vocab_size, config.n_head
     a = 4 if mode == "fp32" else 2  # matmul operands: 16-bit under autocast and by hand
     r = 2 if mode == "fp16 by hand" else 4  # residual stream: fp32 unless the model is 16-bit
-    per_token = L * (2 * (C + 2) * r + 14 * C * a + 4 * nh) + (C + 2) * r + C * a + 4 * V + 16
-    weight_copies = 2 * (L * 12 * C * C + V * C) if "autocast" in mode else 0
+    layer = {"none": 2 * (C + 2) * r + 14 * C * a + 4 * nh, "full": C * r,
+             "selective": C * r + 10 * C * a + 4 * nh}[recompute]  # fmt: skip
+    per_token = L * layer + (C + 2) * r + C * a + 4 * V
+    biases = 9 * C if config.bias else 0  # c_attn 3C, attn.c_proj C, c_fc 4C, mlp.c_proj C
+    weight_copies = 2 * (L * (12 * C * C + biases) + V * C) if "autocast" in mode else 0
     return B * T * per_token + 8 * T + 4 + weight_copies
+
+
+def recompute_demo(config, args):
+    """Each recompute mode on one batch: the bytes held for the backward, in all and per layer
+    (L layers' less L - 1 layers'), against the formula; with dropout, the gradients."""
+    [(x, y)] = model_lib.byte_batches(config.block_size, args.batch_size, 1, args.seed, args.device)
+    (B, T), L, none = x.shape, config.n_layer, None
+    print(f"\nrecomputation (02), fp32, B·T = {B * T} tokens, {L} blocks: bytes held for backward")
+    print("recompute   held KB formula   one layer, per token: measured formula   grads == none's")
+    for mode in model_lib.RECOMPUTE:
+        held, formula = {}, {}
+        for layers, dropout in ((L - 1, 0.0), (L, 0.0), (L, 0.1)):  # last: with dropout masks
+            torch.manual_seed(args.seed)
+            change = dict(recompute=mode, dropout=dropout, n_layer=layers)
+            model = model_lib.GPT(dataclasses.replace(config, **change)).to(args.device)
+            (_, loss), held[layers, dropout] = saved_activation_bytes(lambda m=model: m(x, y))
+            loss.backward()
+            formula[layers] = activation_formula(model.config, B, T, "fp32", mode)
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        none = none if none is not None else grads
+        one_layer = [
+            (held[L, 0.0] - held[L - 1, 0.0]) / (B * T),
+            (formula[L] - formula[L - 1]) / (B * T),
+        ]
+        print(f"{mode:<10} {held[L, 0.0] / 1024:>8.1f} {formula[L] / 1024:>7.1f} {one_layer[0]:>30,.0f}"
+              f" {one_layer[1]:>7,.0f} {str(torch.equal(grads, none)):>17}")  # fmt: skip
+    print(f"(C = {config.n_embd}: none 64C + 16 + 4nh, selective 44C + 4nh, full 4C bytes; full "
+          "costs 8N FLOPs per token, not 6N; selective redoes no matmul)")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the demo
@@ -381,8 +423,11 @@ def underflow_demo(config, batches, args):
     grads = {k: torch.cat([t.abs().flatten() for t in ts]).cpu() for k, ts in grads.items()}
     grads = {name: g[g > 0] for name, g in grads.items()}  # the non-zeros
     S, fp16 = args.init_scale, torch.float16
-    scaled = f"fp16 x 2^{math.log2(S):.0f}"
-    cases = (("fp16", fp16, 1.0), (scaled, fp16, S), ("bf16", torch.bfloat16, 1.0))
+    cases = (
+        ("fp16", fp16, 1.0),
+        (f"fp16 x 2^{math.log2(S):.0f}", fp16, S),
+        ("bf16", torch.bfloat16, 1.0),
+    )
     print(f"gradients after {len(batches) - 1} fp32 steps, rounded   -> 0  subnormal  -> inf")
     for name, g in grads.items():
         for label, dtype, s in cases:
@@ -391,52 +436,10 @@ def underflow_demo(config, batches, args):
             sub = ((q != 0) & (q.abs() < torch.finfo(dtype).tiny)).float().mean()
             print(f"{name:<17} to {label:<12} {zero:>8.2%} {sub:>10.2%} {inf:>7.2%}")
     median, normal = grads["activation grads"].median(), torch.finfo(fp16).tiny
-    flush = smallest_subnormal(fp16) / 2  # below half the smallest subnormal: rounds to 0
+    flush = normal * torch.finfo(fp16).eps / 2  # half the smallest subnormal: below it, 0
     print(f"(median activation |g| {median:.1e}; fp16: subnormal < {normal:.1e}, 0 < {flush:.1e})")
-    plot_grad_histogram(grads, S, args.figure)
-
-
-def plot_grad_histogram(grads: dict, scale: float, path):
-    """The lesson's picture: log2 |gradient| as computed and times S, against fp16's range."""
-    from matplotlib.figure import Figure  # no pyplot: a file, never a window
-
-    fig = Figure(figsize=(9, 6))
-    axes = fig.subplots(2, 1, sharex=True)
-    bins, k = torch.arange(-50.0, 20.0, 0.5).numpy(), math.log2(scale)  # log2 |g| bins; S = 2^k
-    fp16 = torch.finfo(torch.float16)
-    lines = {"fp16 smallest subnormal (below: 0)": smallest_subnormal(torch.float16),
-             "fp16 smallest normal": fp16.tiny, "fp16 max": fp16.max}  # fmt: skip
-    for ax, (name, g) in zip(axes, grads.items()):
-        log2 = g.double().log2().numpy()
-        ax.hist(log2, bins=bins, alpha=0.6, label=f"{name}, as computed (fp32)")
-        ax.hist(log2 + k, bins=bins, histtype="step", linewidth=1.5, label=f"x S = 2^{k:.0f}")
-        for (text, x), style in zip(lines.items(), (":", "--", "-")):
-            ax.axvline(math.log2(x), color="k", linestyle=style, linewidth=1, label=text)
-        ax.set(ylabel="count")
-        ax.legend(loc="upper left", fontsize=8)
-    axes[0].set_title("Tiny GPT gradients against fp16's range: loss scaling shifts them right")
-    axes[1].set(xlabel="log2 |gradient|")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    print(f"wrote {path}\n")
-
-
-def scaler_demo(config, batches, args):
-    """DynamicLossScaler against torch.amp.GradScaler on the same fp16 autocast run, from S = 2^28,
-    so large that fp16's backward overflows by itself: the same scales (an overflow skips the step
-    and halves S) and the same losses, to the last bit."""
-    settings, device, runs = dict(init_scale=2.0**28, growth_interval=2), batches[0][0].device, []
-    print("fp16 autocast from S = 2^28, growth every 2 clean steps; log2 S after each step:")
-    for scaler in (DynamicLossScaler(**settings), torch.amp.GradScaler(device.type, **settings)):
-        torch.manual_seed(args.seed)  # the same init for both
-        model = model_lib.GPT(config).to(device)
-        optimizer, log2_scale = torch.optim.AdamW(model.parameters(), lr=args.lr), []
-        for x, y in batches:
-            loss = train_step(model, optimizer, scaler, None, torch.float16, x, y)
-            log2_scale.append(int(math.log2(scaler.get_scale())))
-        runs.append((log2_scale, loss))
-        print(f"{type(scaler).__name__:<18} {log2_scale}, last loss {loss!r}")
-    print(f"the same scales and losses, to the last bit: {runs[0] == runs[1]}\n")
+    print("as a histogram: python bench/bench_mixed_precision.py --underflow-figure FILE\n")
+    return grads
 
 
 def accumulation_demo(config, args):
@@ -470,16 +473,13 @@ def accumulation_demo(config, args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=formatter)
     parser.add_argument("--batch-size", type=int, default=8, help="rows per step; 2 per microbatch")
     parser.add_argument("--steps", type=int, default=50, help="fp32 steps before the gradients")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's; high for a short run")
     parser.add_argument("--init-scale", type=float, default=2.0**16, help="S, underflow table")
     parser.add_argument("--accum", type=int, default=4, help="microbatches; 4 token counts")
-    figure = "out/mixed_precision/grad_underflow.png"  # the README's: docs/grad_underflow.png
-    parser.add_argument("--figure", default=figure, help="the histogram; out/ is git-ignored")
     parser.add_argument("--seed", type=int, default=1337, help="init and batch seed: runs repeat")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", default=device, help="where it runs; a GPU when there is one")
@@ -492,8 +492,8 @@ def main(argv=None):
     batches = model_lib.byte_batches(T, B, args.steps + 1, args.seed, args.device)
 
     underflow_demo(config, batches, args)
-    scaler_demo(config, batches[:16], args)
     accumulation_demo(config, args)
+    recompute_demo(config, args)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 The idea: build the same GPT on every rank, cut it with tensor parallelism (04) inside a node and
 pipeline parallelism (05) across nodes, replicate that with data parallelism (03; --zero 1-3
-shards the replicas' optimizer state, gradients, weights), train it in mixed precision (06), and
-checkpoint (resumable bit for bit), evaluate, log and measure each step.
+shards the replicas' optimizer state, gradients, weights), train it in mixed precision with
+--recompute (06), checkpoint (resumable bit for bit), evaluate, log and measure each step.
 
 The grid: rank = (pp_rank * dp + dp_rank) * tp + tp_rank, i.e. torch.arange(world).view(pp, dp,
 tp). TP varies fastest, so TP peers share a node and its NVLink; PP slowest, so only pipeline
@@ -83,6 +83,8 @@ class TrainConfig:
     model: str = flag("small", f"02_model.py preset: {', '.join(model_lib.PRESETS)} (small: 4 layers x 128, for a CPU)")
     n_layer: int = flag(0, "number of blocks; 0 = the preset's")
     dropout: float = flag(0.0, "dropout probability (pretraining on plenty of data needs none)")
+    recompute: str = flag("none", "activations redone in the backward (02, 06): selective (LayerNorm, GELU, dropout; "
+                                  "no matmul) or full (each block's forward: 8N FLOPs a token, not 6N); none keeps all")
     dtype: str = flag("auto", "fp32, bf16 or fp16 (+ 06's loss scaler); auto = bf16 on a GPU that has it, else fp32")
     compile: bool = flag(False, "torch.compile each model chunk (GPU speed; slow first steps)")
     max_steps: int = flag(500, "optimizer steps, the LR schedule's length (500 x 4,096 tokens: the CPU job in ~5 min)")
@@ -151,6 +153,7 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"--dropout {cfg.dropout}: a probability, in [0, 1)")
     for name, value, choices in (("dtype", cfg.dtype, ("auto", *mp_lib.DTYPES)),
                                  ("model", cfg.model, tuple(model_lib.PRESETS)),
+                                 ("recompute", cfg.recompute, model_lib.RECOMPUTE),
                                  ("tokenizer", cfg.tokenizer, ("", *DEFAULT_DATA))):  # fmt: skip
         if value not in choices:
             raise ConfigError(f"--{name} {value}: use one of {', '.join(filter(None, choices))}")
@@ -197,7 +200,8 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
         raise ConfigError(f"--block-size {cfg.block_size} exceeds the context of {preset}")
     # the preset, its context cut to --block-size (no untrained positions), vocab padded for TP
     sizes = {k: getattr(cfg, k) for k in ("block_size", "n_layer") if getattr(cfg, k)}  # 0: preset
-    extra = dict(vocab_size=meta["vocab_size"], dropout=cfg.dropout, pad_vocab_multiple=64)
+    extra = dict(vocab_size=meta["vocab_size"], dropout=cfg.dropout, pad_vocab_multiple=64,
+                 recompute=cfg.recompute)  # fmt: skip
     try:  # GPTConfig's own checks (n_embd % n_head, ...), then 04's (whole heads per TP rank, ...)
         gpt_config = model_lib.GPTConfig.from_preset(cfg.model, **sizes, **extra)
         tp_lib.check_tp_config(gpt_config, cfg.tp)
@@ -656,7 +660,8 @@ class Logger:
         self.tokens_per_step = run.cfg.batch_size * run.T
         self.t_start = self.t_last = time.perf_counter()
         self.step_start, self.step_last = start_step, start_step - 1
-        self.flops = model_lib.flops_per_token(run.gpt_config, run.T)
+        self.flops = model_lib.flops_per_token(run.gpt_config, run.T)  # MFU's: the model's
+        self.hw_flops = self.flops + gpus.recompute_flops_per_token(run.gpt_config, run.T)  # HFU's
         gpu = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu"
         self.peak = gpus.peak_flops(gpu, {v: k for k, v in mp_lib.DTYPES.items()}[run.dtype])
         if run.grid.rank == 0:  # on resume: drop rows logged after the checkpoint, and torn lines
@@ -679,15 +684,16 @@ class Logger:
         now, world, cfg = time.perf_counter(), self.run.grid.world, self.run.cfg
         tok_s = self.tokens_per_step * (step - self.step_last) / (now - self.t_last)
         self.t_last, self.step_last = now, step
-        util = gpus.mfu(tok_s, self.flops, world, self.peak)
+        util, hw = (gpus.mfu(tok_s, f, world, self.peak) for f in (self.flops, self.hw_flops))
         mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS (Linux: KiB)
         if self.run.device.type == "cuda":  # on a GPU: its peak allocation instead
             mem = torch.cuda.max_memory_allocated(self.run.device)
         eta = (now - self.t_start) / (step + 1 - self.step_start) * (cfg.max_steps - step - 1)
         row = {"kind": "train", "step": step, **stats, "tokens": (step + 1) * self.tokens_per_step}
-        row.update(tokens_per_s=tok_s, tokens_per_s_per_gpu=tok_s / world, mfu=util)
+        row.update(tokens_per_s=tok_s, tokens_per_s_per_gpu=tok_s / world, mfu=util, hfu=hw)
         self.write({**row, "peak_mem_gb": mem / 1e9, "eta_s": eta})
         mfu_text = "n/a" if util is None else f"{100 * util:.1f}%"
+        mfu_text += f" (hfu {100 * hw:.1f}%)" if hw != util else ""  # full recomputation's
         rate = f"{tok_s:,.0f} tok/s ({tok_s / world:,.0f}/rank) | mfu {mfu_text}"
         ddp_lib.print0(f"step {step:5d} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
                        f"norm {stats['grad_norm']:.3f} | {rate} | mem {mem / 1e9:.2f} GB | "

@@ -5,6 +5,8 @@ batches (02's byte_batches: real text, so the loss curves mean something), in on
 
     python bench/bench_mixed_precision.py                          # GPU: GPT-2 124M, B=16, T=1024
     python bench/bench_mixed_precision.py --steps 150 --figure docs/mixed_precision_loss.png  # CPU
+    python bench/bench_mixed_precision.py --modes fp32 --underflow-figure docs/grad_underflow.png
+    python bench/bench_mixed_precision.py --preset small --vocab-size 4096 --modes fp32  # recompute
 
 On a GPU the memory column is torch.cuda.max_memory_allocated for that mode alone (each mode
 runs on its own, after the previous one is freed); on a CPU it is the sum of the components, and
@@ -13,12 +15,20 @@ state and the activations saved for the backward (06's saved_activation_bytes ag
 activation_formula). --figure writes the loss curves of every mode (the README's
 docs/mixed_precision_loss.png comes from the CPU line above). The speed-up is a tensor-core
 property: on a CPU without 16-bit matmul units, 16-bit is slower than fp32.
+
+Then, in the --recompute precision, 02's recomputation modes: ms per step, the activation bytes
+of one sequence held for the backward (measured, and 06's formula), the largest micro-batch that
+leaves them room in --budget-gb, and on a GPU the peak allocation. Last, 06's DynamicLossScaler
+against torch.amp.GradScaler on one fp16 run, and with --underflow-figure 06's underflow table
+drawn as a histogram.
 """
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import importlib
+import math
 import statistics
 import sys
 import time
@@ -56,11 +66,17 @@ def matmul_precision(mode: str):
         torch.set_float32_matmul_precision(previous)
 
 
+def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and tied weights counted once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
 def memory_table(model, optimizer, master, autocast_dtype, x, y, mode) -> dict:
     """{component: (measured bytes, formula bytes)} after training: one more forward/backward
     (no step) measures the parameters, gradients, AdamW state and saved activations."""
     with mp.autocast_context(autocast_dtype, x.device.type):
-        (_, loss), activations = mp.saved_activation_bytes(model, lambda: model(x, y))
+        (_, loss), activations = mp.saved_activation_bytes(lambda: model(x, y))
     loss.backward()
     if master:
         master.grads_to_master()
@@ -68,8 +84,8 @@ def memory_table(model, optimizer, master, autocast_dtype, x, y, mode) -> dict:
     masters = master.master if master else params
     N = sum(p.numel() for p in masters)
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    measured = [mp.tensor_bytes(params), mp.tensor_bytes(p.grad for p in params if p.grad is not None),
-                mp.tensor_bytes(state), activations]  # fmt: skip
+    measured = [tensor_bytes(params), tensor_bytes(p.grad for p in params if p.grad is not None),
+                tensor_bytes(state), activations]  # fmt: skip
     optimizer.zero_grad(set_to_none=True)
     formulas = [(2 + 4) * N if master else 4 * N,  # by hand: 16-bit working + fp32 master
                 4 * N,  # fp32 grads (by hand: the 16-bit ones are freed once copied up)
@@ -97,6 +113,103 @@ def run(mode: str, config, batches, args, device) -> dict:
             memory = sum(measured for measured, _ in table.values())
     ms = 1e3 * statistics.median(times[args.warmup :])
     return dict(ms=ms, memory=memory, table=table, losses=losses, skipped=scaler.skipped_steps)
+
+
+def plot_grad_histogram(grads: dict, scale: float, path):
+    """06's underflow table as a picture: log2 |gradient| as computed and times S, against fp16's
+    range (the README's docs/grad_underflow.png)."""
+    from matplotlib.figure import Figure  # no pyplot: a file, never a window
+
+    fig = Figure(figsize=(9, 6))
+    axes = fig.subplots(2, 1, sharex=True)
+    bins, k = torch.arange(-50.0, 20.0, 0.5).numpy(), math.log2(scale)  # log2 |g| bins; S = 2^k
+    fp16 = torch.finfo(torch.float16)
+    lines = {"fp16 smallest subnormal (below: 0)": fp16.tiny * fp16.eps,
+             "fp16 smallest normal": fp16.tiny, "fp16 max": fp16.max}  # fmt: skip
+    for ax, (name, g) in zip(axes, grads.items()):
+        log2 = g.double().log2().numpy()
+        ax.hist(log2, bins=bins, alpha=0.6, label=f"{name}, as computed (fp32)")
+        ax.hist(log2 + k, bins=bins, histtype="step", linewidth=1.5, label=f"x S = 2^{k:.0f}")
+        for (text, x), style in zip(lines.items(), (":", "--", "-")):
+            ax.axvline(math.log2(x), color="k", linestyle=style, linewidth=1, label=text)
+        ax.set(ylabel="count")
+        ax.legend(loc="upper left", fontsize=8)
+    axes[0].set_title("Tiny GPT gradients against fp16's range: loss scaling shifts them right")
+    axes[1].set(xlabel="log2 |gradient|")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    print(f"wrote {path}\n")
+
+
+def scaler_comparison(config, batches, args):
+    """DynamicLossScaler against torch.amp.GradScaler on one fp16 autocast run from S = 2^28 (so
+    large that the backward overflows): the same scales and losses, to the last bit."""
+    settings, device, runs = dict(init_scale=2.0**28, growth_interval=2), batches[0][0].device, []
+    print("fp16 autocast from S = 2^28, growth every 2 clean steps; log2 S after each step:")
+    for scaler in (mp.DynamicLossScaler(**settings), torch.amp.GradScaler(device.type, **settings)):
+        torch.manual_seed(args.seed)  # the same init for both
+        model = model_lib.GPT(config).to(device)
+        optimizer, log2_scale = torch.optim.AdamW(model.parameters(), lr=args.lr), []
+        for x, y in batches:
+            loss = mp.train_step(model, optimizer, scaler, None, torch.float16, x, y)
+            log2_scale.append(int(math.log2(scaler.get_scale())))
+        runs.append((log2_scale, loss))
+        print(f"{type(scaler).__name__:<18} {log2_scale}, last loss {loss!r}")
+    print(f"the same scales and losses, to the last bit: {runs[0] == runs[1]}\n")
+
+
+def recompute_rows(config, args, device, mode: str) -> list:
+    """Each recompute mode of 02 on `config` in 06's `mode`: ms per training step (median of
+    --steps at --batch-size), and the activation bytes held for the backward (06's
+    saved_activation_bytes) at B = 1 and 2: their difference is one sequence's, the rest is per
+    batch (autocast's weight copies); with activation_formula's, and on a GPU the peak."""
+    rows, dtype = [], mp.DTYPES[mode[:4]] if "autocast" in mode else torch.float32
+    batches = model_lib.byte_batches(
+        config.block_size, args.batch_size, args.steps, args.seed, device
+    )
+    for recompute in model_lib.RECOMPUTE:
+        torch.manual_seed(args.seed)
+        model = model_lib.GPT(dataclasses.replace(config, recompute=recompute)).to(device)
+        optimizer, scaler = torch.optim.AdamW(model.parameters(), lr=args.lr), mp.make_scaler(dtype)
+        held, formula = [], []
+        for B in (1, 2):
+            x, y = model_lib.byte_batches(config.block_size, B, 1, args.seed, device)[0]
+            with mp.autocast_context(dtype, device.type):  # (a new cache: weight copies again)
+                held.append(mp.saved_activation_bytes(lambda m=model, x=x, y=y: m(x, y))[1])
+            formula.append(mp.activation_formula(config, B, config.block_size, mode, recompute))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for x, y in batches:
+            t0 = time.perf_counter()
+            mp.train_step(model, optimizer, scaler, None, dtype, x, y)  # ends in .item(): synced
+            times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        per_sequence, per_batch = held[1] - held[0], 2 * held[0] - held[1]
+        rows.append(dict(recompute=recompute, ms=1e3 * statistics.median(times[args.warmup :]),
+                         sequence=per_sequence, batch=per_batch, peak=peak,
+                         formula=(formula[1] - formula[0], 2 * formula[0] - formula[1])))  # fmt: skip
+    return rows
+
+
+def print_recompute(config, args, device, mode: str):
+    """The recomputation table, and the largest micro-batch each mode fits in --budget-gb:
+    (budget - 16 bytes per parameter for fp32 weights, gradients and AdamW's two moments - the
+    per-batch bytes) / one sequence's bytes, both measured (flash attention: linear in T)."""
+    rows = recompute_rows(config, args, device, mode)
+    N, T, MB = model_lib.count_params(config), config.block_size, 1e6
+    free = args.budget_gb * 1e9 - 16 * N
+    print(f"\nrecomputation, {mode}, B = {args.batch_size}, T = {T}: activation bytes held for the "
+          f"backward, measured (06's formula); max B = ({args.budget_gb:g} GB - 16 x "
+          f"{N / 1e6:.1f}M parameters - per batch) / per sequence")  # fmt: skip
+    print(f"{'recompute':<10} {'ms/step':>9} {'x none':>7} {'MB per sequence':>22} "
+          f"{'MB per batch':>20} {'max B':>8}{'peak GB' if device.type == 'cuda' else '':>9}")  # fmt: skip
+    for r in rows:
+        sequence = f"{r['sequence'] / MB:,.2f} ({r['formula'][0] / MB:,.2f})"
+        batch = f"{r['batch'] / MB:,.2f} ({r['formula'][1] / MB:,.2f})"
+        peak = f"{r['peak'] / 1e9:>9.2f}" if r["peak"] is not None else ""
+        print(f"{r['recompute']:<10} {r['ms']:>9.1f} {r['ms'] / rows[0]['ms']:>6.2f}x {sequence:>22} "
+              f"{batch:>20} {int((free - r['batch']) // r['sequence']):>8,}{peak}")  # fmt: skip
 
 
 def print_memory(results: dict):
@@ -151,6 +264,12 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (0: torch's default)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     parser.add_argument("--figure", default="", help="write the loss curves here ('': none)")
+    parser.add_argument("--vocab-size", type=int, default=0, help="V (0: the preset's)")
+    recompute = "bf16 autocast" if cuda else "fp32"
+    parser.add_argument("--recompute", default=recompute, help="06's mode for the recomputation "
+                        "table (time, bytes held, max batch); '' skips it")  # fmt: skip
+    parser.add_argument("--budget-gb", type=float, default=80.0, help="memory for the max batch")
+    parser.add_argument("--underflow-figure", default="", help="draw 06's underflow table here")
     parser.add_argument("--seed", type=int, default=0, help="init and batch seed; runs repeat")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
@@ -160,6 +279,7 @@ def main(argv=None):
     device = torch.device("cuda" if cuda else "cpu")
     # bytes are token ids < 256, valid for every vocabulary; 64: tensor-core friendly V (50304)
     overrides = {"block_size": args.block_size} if args.block_size else {}
+    overrides.update({"vocab_size": args.vocab_size} if args.vocab_size else {})
     if args.preset.startswith("gpt2"):
         overrides["pad_vocab_multiple"] = 64
     config = model_lib.GPTConfig.from_preset(args.preset, **overrides)
@@ -171,7 +291,7 @@ def main(argv=None):
     print(f"{'mode':<24} {'ms/step':>9} {'tokens/s':>10} {'speed-up':>8} {'MFU':>6} "
           f"{'memory MB':>10} {'loss':>7} {'skipped':>7}")  # fmt: skip
     results, base = {}, None
-    for mode in [m for m in args.modes.split(",") if cuda or m != "tf32"]:  # tf32: a GPU mode
+    for mode in [m for m in args.modes.split(",") if m and (cuda or m != "tf32")]:  # tf32: GPU
         r = results[mode] = run(mode, config, batches, args, device)
         base = base or r["ms"]
         tokens_per_s = args.batch_size * T / (r["ms"] / 1e3)
@@ -187,10 +307,20 @@ def main(argv=None):
             torch.cuda.empty_cache()
     print("speed-up = fp32's ms/step / this mode's; memory: CUDA peak allocated, or on a CPU the "
           "sum of params, grads, AdamW state and saved activations")  # fmt: skip
-    if not cuda:
+    if not cuda and results:
         print_memory(results)
     if args.figure and "fp32" in results:
         plot_losses(results, args.figure)
+    if args.recompute:
+        print_recompute(config, args, device, args.recompute)
+    tiny = model_lib.GPTConfig.from_preset("tiny")  # 06's demo model, and its defaults below
+    demo = argparse.Namespace(seed=1337, lr=3e-3, init_scale=2.0**16)
+    tiny_batches = model_lib.byte_batches(tiny.block_size, 8, 51, demo.seed, device)
+    print()
+    scaler_comparison(tiny, tiny_batches[:16], demo)
+    if args.underflow_figure:
+        plot_grad_histogram(mp.underflow_demo(tiny, tiny_batches, demo), demo.init_scale,
+                            args.underflow_figure)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def bench(args, group, device):
         sp: tp_lib.apply_tensor_parallel(copy.deepcopy(full), group, sp) for sp in (False, True)
     }
     p_full = param_bytes(full)
-    _, act_full = mp_lib.saved_activation_bytes(full, lambda: full(x, y))
+    _, act_full = mp_lib.saved_activation_bytes(lambda: full(x, y))
     ms_full = ms_per_step(full, x, y, args) if dist.get_rank(group) == 0 else 0.0
     dist.barrier(group)  # the others wait while rank 0 times the whole model alone
     print0(
@@ -125,7 +125,7 @@ def bench(args, group, device):
     )
     for sp, model in variants.items():
         p = param_bytes(model)
-        _, act = mp_lib.saved_activation_bytes(model, lambda m=model: m(x, y))
+        _, act = mp_lib.saved_activation_bytes(lambda m=model: m(x, y))
         with count_comm() as log:
             _, loss = model(x, y)
             loss.backward()

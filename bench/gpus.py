@@ -51,6 +51,16 @@ def mfu(tokens_per_s, flops_per_token, n_devices, peak_flops_per_device) -> floa
     return tokens_per_s * flops_per_token / (n_devices * peak_flops_per_device)
 
 
+def recompute_flops_per_token(config, seq_len: int) -> int:
+    """The FLOPs per token that recomputation adds (HFU counts them, MFU does not): full redoes
+    each block's forward, 2 FLOPs per matmul weight (12C² a block) + attention's 4·nh·hs·T;
+    selective redoes no matmul (its elementwise ops are left out, as in 02's count)."""
+    C, L = config.n_embd, config.n_layer
+    if config.recompute != "full":
+        return 0
+    return L * (2 * 12 * C * C + 4 * config.n_head * config.head_dim * seq_len)
+
+
 if __name__ == "__main__":
     for card, peaks in PEAK_FLOPS.items():
         print(f"{card:<10} " + "  ".join(f"{k} {v / 1e12:6.1f} TFLOP/s" for k, v in peaks.items()))

@@ -1,6 +1,7 @@
 """06_mixed_precision.py: the loss scaler against torch.amp.GradScaler (1 and 2 ranks), fp32
 master weights against fp32 training, and gradient accumulation against one big batch."""
 
+import dataclasses
 import importlib
 from contextlib import contextmanager
 
@@ -48,9 +49,10 @@ def grads_of(model) -> list[torch.Tensor]:
     [(torch.float32, 2.0**-149), (torch.bfloat16, 2.0**-133), (torch.float16, 2.0**-24)],
 )
 def test_smallest_subnormal_is_the_first_number_after_zero(dtype, known):
-    """fp16: 5 exponent bits, emin = -14, 10 mantissa bits: 2^(-14-10) = 2^-24. Anything below
-    half of it rounds to 0, which is what happens to small fp16 gradients."""
-    sub = mp.smallest_subnormal(dtype)
+    """The smallest subnormal, smallest normal x eps as 06's underflow table computes it. fp16: 5
+    exponent bits, emin = -14, 10 mantissa bits: 2^(-14-10) = 2^-24. Anything below half of it
+    rounds to 0, which is what happens to small fp16 gradients."""
+    sub = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
     zero = torch.zeros((), dtype=dtype)
     assert sub == known == torch.nextafter(zero, torch.ones((), dtype=dtype)).item()
     assert torch.tensor(sub * 0.49, dtype=torch.float64).to(dtype).item() == 0.0
@@ -315,17 +317,25 @@ def test_an_overflowing_step_changes_no_parameter(path):
 # ---------------------------------------------------------------------------------------------
 # activation memory: measured == formula
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("recompute", model_lib.RECOMPUTE)
 @pytest.mark.parametrize(
     "mode", ["fp32", "bf16 autocast", "fp16 autocast + scaler", "fp16 by hand"]
 )
-def test_saved_activations_equal_the_formula(mode):
-    """What autograd saves for the backward, counted by saved_activation_bytes, equals
-    activation_formula to the byte, for the tiny GPT at B = 3, T = 32 and for a wider one (3
-    layers, 4 heads, C = 64) on a sequence shorter than its context (T = 12 < 16). A term the
-    formula misses or miscounts is off by whole multiples of B·T (the GELU output alone is
-    B·T·L·4C·2 bytes in 16 bits), never by rounding: the counts are exact integers."""
-    wider = model_lib.GPTConfig.from_preset("tiny", n_layer=3, n_head=4, n_embd=64, block_size=16)
-    for config, T in ((TINY, 32), (wider, 12)):
+def test_held_activations_equal_the_formula(mode, recompute):
+    """The bytes the forward leaves alive for the backward, counted by saved_activation_bytes,
+    equal activation_formula to the byte, in all and per layer (3 layers' less 2 layers'), for
+    every precision and recomputation: the tiny GPT at B = 3, T = 32 and a wider one (4 heads,
+    C = 64) on a sequence shorter than its context (T = 12 < 16). A term the formula misses or
+    miscounts is off by whole multiples of B·T (the GELU output alone is B·T·4C·2 bytes a layer
+    in 16 bits), never by rounding: the counts are exact integers. Under full recomputation a
+    layer holds only its input, C fp32 numbers a token; selective keeps the matmuls' outputs."""
+    wider = dict(n_head=4, n_embd=64, block_size=16)
+    held = {}
+    for name, T, layers in (("tiny", 32, 2), ("wider", 12, 3), ("wider", 12, 2)):
+        extra = wider if name == "wider" else {}
+        config = model_lib.GPTConfig.from_preset(
+            "tiny", n_layer=layers, recompute=recompute, **extra
+        )
         torch.manual_seed(0)
         model = model_lib.GPT(config)
         if mode == "fp16 by hand":
@@ -333,8 +343,38 @@ def test_saved_activations_equal_the_formula(mode):
         autocast = {"bf16 autocast": torch.bfloat16, "fp16 autocast + scaler": torch.float16}
         x, y = random_batches(1, B=3, T=T)[0]
         with mp.autocast_context(autocast.get(mode, torch.float32), "cpu"):
-            _, saved = mp.saved_activation_bytes(model, lambda m=model, x=x, y=y: m(x, y))
-        assert saved == mp.activation_formula(config, 3, T, mode), (config, saved)
+            _, held[name, layers] = mp.saved_activation_bytes(lambda m=model, x=x, y=y: m(x, y))
+        formula = mp.activation_formula(config, 3, T, mode, recompute)
+        assert held[name, layers] == formula, (name, layers, held[name, layers], formula)
+    one_layer = held["wider", 3] - held["wider", 2]  # B·T = 3·12 tokens, C = 64, nh = 4
+    C, nh, a, r = 64, 4, 4 if mode == "fp32" else 2, 2 if mode == "fp16 by hand" else 4
+    per_token = {"none": 2 * (C + 2) * r + 14 * C * a + 4 * nh,  # as 06's table: 64C + 16 + 4nh
+                 "selective": C * r + 10 * C * a + 4 * nh, "full": C * r}  # fmt: skip
+    weight_copies = 2 * (12 * C * C + 9 * C) if "autocast" in mode else 0  # a layer's, 16-bit
+    assert one_layer == 3 * 12 * per_token[recompute] + weight_copies
+
+
+def gradients(config, x, y, seed=0):
+    torch.manual_seed(seed)
+    model = model_lib.GPT(config)
+    torch.manual_seed(seed + 1)  # the dropout masks' stream
+    _, loss = model(x, y)
+    loss.backward()
+    return loss, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_recomputation_gives_the_same_loss_and_gradients_bit_for_bit(recompute):
+    """In fp32 with dropout 0.1 (embeddings, attention probabilities, both residual branches),
+    recomputing a block in the backward must draw the very same masks as its first forward:
+    torch.equal, not a tolerance, as the same ops run on the same numbers. A replay that did
+    not rewind the random state would drop other entries and change most gradients."""
+    config = model_lib.GPTConfig.from_preset("tiny", dropout=0.1, n_layer=3)
+    x, y = random_batches(1, B=3, T=32)[0]
+    loss, grads = gradients(config, x, y)
+    loss_r, grads_r = gradients(dataclasses.replace(config, recompute=recompute), x, y)
+    assert torch.equal(loss, loss_r)
+    assert all(torch.equal(g, h) for g, h in zip(grads, grads_r))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,6 +162,17 @@ def test_flops_per_token_hand_count():
     assert make_model(config).num_params(non_embedding=True) == 33_664
 
 
+def test_recomputed_flops_hand_count():
+    """HFU's extra FLOPs (bench/gpus.py, for train.py's log). Full recomputation redoes each
+    block's forward: its matmuls, 2 FLOPs per weight, 12 C^2 weights a block, and attention's
+    q k^T and att @ v, 2·T·hs each per head. tiny: C = 32, L = 2, nh = 2, hs = 16, T = 32:
+        2 (2 * 12 * 32^2 + 4 * 2 * 16 * 32) = 2 (24,576 + 4,096) = 57,344 FLOPs per token,
+    about a third of the blocks' 6N; selective redoes no matmul: 0; none: 0."""
+    gpus = importlib.import_module("bench.gpus")
+    for mode, extra in (("none", 0), ("selective", 0), ("full", 57_344)):
+        assert gpus.recompute_flops_per_token(tiny(recompute=mode), 32) == extra, mode
+
+
 def test_peak_flops_and_mfu():
     """Dense (not 2:4 sparse) datasheet peaks; unknown devices and dtypes are None, not guesses.
     The table and mfu() live in bench/gpus.py (train.py's logs and the benchmarks read them).
@@ -461,6 +472,8 @@ def test_config_validation_and_presets():
         GPTConfig(n_layer=0)
     with pytest.raises(ValueError, match="dropout"):
         GPTConfig(dropout=1.0)
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        GPTConfig(recompute="some")
     with pytest.raises(
         ValueError, match=r"unknown preset 'gpt3'; valid presets: tiny, small, gpt2"
     ):
