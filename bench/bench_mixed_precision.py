@@ -18,7 +18,8 @@ property: on a CPU without 16-bit matmul units, 16-bit is slower than fp32.
 
 Then, in the --recompute precision, 02's recomputation modes: ms per step, the activation bytes
 of one sequence held for the backward (measured, and 06's formula), the largest micro-batch that
-leaves them room in --budget-gb, and on a GPU the peak allocation. Last, 06's DynamicLossScaler
+leaves them room in --budget-gb, and the step's peak memory (a GPU's max_memory_allocated; on
+a CPU the weights and AdamW's state plus the most bytes the step's own tensors hold at once). Last, 06's DynamicLossScaler
 against torch.amp.GradScaler on one fp16 run, and with --underflow-figure 06's underflow table
 drawn as a histogram.
 """
@@ -158,11 +159,24 @@ def scaler_comparison(config, batches, args):
     print(f"the same scales and losses, to the last bit: {runs[0] == runs[1]}\n")
 
 
+class StepPeak(mp._Allocations):
+    """The most bytes alive at once among the tensors allocated inside (after every op: forward,
+    backward and optimizer), for a CPU, which has no torch.cuda.max_memory_allocated."""
+
+    peak = 0
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(op, types, args, kwargs)
+        self.made = {a: v for a, v in self.made.items() if not v[0].expired()}
+        self.peak = max(self.peak, sum(n for _, n in self.made.values()))
+        return out
+
+
 def recompute_rows(config, args, device, mode: str) -> list:
     """Each recompute mode of 02 on `config` in 06's `mode`: ms per training step (median of
     --steps at --batch-size), and the activation bytes held for the backward (06's
     saved_activation_bytes) at B = 1 and 2: their difference is one sequence's, the rest is per
-    batch (autocast's weight copies); with activation_formula's, and on a GPU the peak."""
+    batch (autocast's weight copies), with activation_formula's; and the step's peak memory."""
     rows, dtype = [], mp.DTYPES[mode[:4]] if "autocast" in mode else torch.float32
     batches = model_lib.byte_batches(
         config.block_size, args.batch_size, args.steps, args.seed, device
@@ -184,7 +198,13 @@ def recompute_rows(config, args, device, mode: str) -> list:
             t0 = time.perf_counter()
             mp.train_step(model, optimizer, scaler, None, dtype, x, y)  # ends in .item(): synced
             times.append(time.perf_counter() - t0)
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        else:  # one more step, watched: the weights and AdamW's state, plus the step's own peak
+            state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+            with StepPeak() as step:
+                mp.train_step(model, optimizer, scaler, None, dtype, *batches[-1])
+            peak = tensor_bytes(list(model.parameters()) + state) + step.peak
         per_sequence, per_batch = held[1] - held[0], 2 * held[0] - held[1]
         rows.append(dict(recompute=recompute, ms=1e3 * statistics.median(times[args.warmup :]),
                          sequence=per_sequence, batch=per_batch, peak=peak,
@@ -203,13 +223,12 @@ def print_recompute(config, args, device, mode: str):
           f"backward, measured (06's formula); max B = ({args.budget_gb:g} GB - 16 x "
           f"{N / 1e6:.1f}M parameters - per batch) / per sequence")  # fmt: skip
     print(f"{'recompute':<10} {'ms/step':>9} {'x none':>7} {'MB per sequence':>22} "
-          f"{'MB per batch':>20} {'max B':>8}{'peak GB' if device.type == 'cuda' else '':>9}")  # fmt: skip
+          f"{'MB per batch':>20} {'max B':>8} {'peak MB':>9}")  # fmt: skip
     for r in rows:
         sequence = f"{r['sequence'] / MB:,.2f} ({r['formula'][0] / MB:,.2f})"
         batch = f"{r['batch'] / MB:,.2f} ({r['formula'][1] / MB:,.2f})"
-        peak = f"{r['peak'] / 1e9:>9.2f}" if r["peak"] is not None else ""
         print(f"{r['recompute']:<10} {r['ms']:>9.1f} {r['ms'] / rows[0]['ms']:>6.2f}x {sequence:>22} "
-              f"{batch:>20} {int((free - r['batch']) // r['sequence']):>8,}{peak}")  # fmt: skip
+              f"{batch:>20} {int((free - r['batch']) // r['sequence']):>8,} {r['peak'] / MB:>9,.1f}")  # fmt: skip
 
 
 def print_memory(results: dict):
