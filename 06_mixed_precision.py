@@ -12,7 +12,7 @@ values keep fewer bits (subnormals); below half the smallest subnormal they roun
 
 Why fp16 gradients underflow and bf16's don't: dL/dlogits = (softmax - onehot)/N is ~1/(V·N) for
 most entries, and gradients shrink further on the way down: most of the tiny GPT's activation
-gradients are fp16 subnormals and a few % round to 0 (the demo counts). bf16 has fp32's 8
+gradients are fp16 subnormals and about 1% round to 0 (the demo counts). bf16 has fp32's 8
 exponent bits, so nothing above 1e-38 vanishes; it pays in precision, which is why weights and
 updates stay fp32.
 
@@ -30,7 +30,7 @@ copy is rounded from it after each step (MasterWeights, Micikevicius et al. §3.
 torch.autocast works the other way round: weights stay fp32 (they are the master copy) and each
 op casts its inputs: matmuls to 16 bits (caching a 16-bit copy of each weight), while on CUDA
 softmax, layer_norm, sums, exp/log and losses stay fp32 (long sums; exp overflows fp16 past 11.1);
-our residual stream and 02's loss are fp32 anyway. Saved activations halve: activation_formula.
+our residual stream and 02's loss are fp32 anyway. Kept matmul operands halve (formula below).
 
 Gradient accumulation: k microbatches must give one batch's gradient of
     L = (1/N) Σ_microbatches Σ_tokens ℓ_t,   N = target tokens in the WHOLE step (all DP ranks),
@@ -43,15 +43,20 @@ no_sync() on all but the last microbatch: one all-reduce round per step, not k.
 Recomputation (Chen et al. 2016, arXiv 1604.06174; Korthikanti et al. 2022, arXiv 2205.05198):
 what the forward keeps for the backward grows as B·T·L; after ZeRO it is what stops a bigger
 batch. 02's GPTConfig.recompute keeps less and redoes the rest in the backward. Bytes per token
-and layer (dropout 0), r per residual-stream number, a per matmul operand (4 in fp32, 2 in 16 bits):
+and layer with dropout 0 (nh heads; r bytes per residual-stream number: 4, or 2 in "fp16 by hand";
+a bytes per kept matmul operand: 4 in fp32, 2 in 16 bits):
   none       2(C+2)r + 14Ca + 4nh   LayerNorm inputs, mean, rstd; c_attn's input C, q|k|v 3C, the
                                     attention output C, c_fc's input C, GELU's input and output 8C;
                                     flash attention's fp32 log-sum-exp per head
   selective  Cr + 10Ca + 4nh        the block's input, its matmuls' outputs (3C, C, 4C, C) and
                                     attention's: LayerNorm, GELU, dropout and adds are redone
   full       Cr                     the block's input: the whole block is redone
-Full runs each forward twice: 8N FLOPs per token, not 6N (MFU counts 6N, the hardware's HFU 8N);
-selective redoes elementwise ops only, no matmul.
+Dropout adds its masks, and a CPU then runs attention with a kernel that keeps T x T numbers.
+Compute: full redoes each block's forward, 2·12C² + 4·nh·hs·T FLOPs per token and layer: 8N, not
+6N, for the blocks' N (not the head's: GPT-2 124M +24%). MFU counts the model's FLOPs; HFU,
+hardware FLOPs utilisation, adds the redone ones. Selective redoes elementwise ops (and, with
+dropout, attention): no matmul, but torch runs its policy in Python on every op, a cost per op
+that shows on a CPU's small ops (bench/bench_mixed_precision.py); torch.compile runs it once.
 
 Launch: python 06_mixed_precision.py   (seconds on a CPU; --help). It prints what underflows in
 fp16 without and with S and in bf16, accumulation against one batch, and recomputation's bytes.
@@ -102,8 +107,7 @@ class DynamicLossScaler:
         scaler.update()                    # inf: S *= backoff; growth_interval clean: S *= growth
 
     The same scale and skip decisions as GradScaler with the same settings, and a state_dict that
-    either one can load. enabled=False (bf16, fp32) turns every method into a pass-through.
-    """
+    either one can load. enabled=False (bf16, fp32) turns every method into a pass-through."""
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, enabled=True, group=None):  # fmt: skip
@@ -230,8 +234,7 @@ class MasterWeights:
         mw = MasterWeights(model, torch.float16)        # model is now fp16; mw.master is fp32
         opt = torch.optim.AdamW(mw.parameters())        # the optimizer only sees fp32
         scaler.scale(model(x, y)[1]).backward()         # 16-bit forward and backward
-        mw.grads_to_master(); scaler.step(opt); scaler.update(); mw.master_to_model()
-    """
+        mw.grads_to_master(); scaler.step(opt); scaler.update(); mw.master_to_model()"""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float16):
         params = list(model.parameters())  # a tied weight (wte = lm_head) appears once
@@ -326,7 +329,9 @@ def accumulate_mean_of_means(model, microbatches) -> None:
 
 
 class _Allocations(TorchDispatchMode):
-    """Sees every op a forward runs and keeps a weak reference to each storage it allocates."""
+    """Sees every aten op run inside it (a TorchDispatchMode) and keeps a weak reference to each
+    storage an op allocates: a reference that does not keep the memory alive, so once it has
+    expired nothing (autograd, a checkpoint, a cache) holds that memory any more."""
 
     def __init__(self):
         super().__init__()
@@ -380,26 +385,24 @@ def recompute_demo(config, args):
     [(x, y)] = model_lib.byte_batches(config.block_size, args.batch_size, 1, args.seed, args.device)
     (B, T), L, none = x.shape, config.n_layer, None
     print(f"\nrecomputation (02), fp32, B·T = {B * T} tokens, {L} blocks: bytes held for backward")
-    print("recompute   held KB formula   one layer, per token: measured formula   grads == none's")
+    print("recompute   held KB  formula   a layer, bytes/token: held formula  same grads, p .1")
     for mode in model_lib.RECOMPUTE:
         held, formula = {}, {}
         for layers, dropout in ((L - 1, 0.0), (L, 0.0), (L, 0.1)):  # last: with dropout masks
             torch.manual_seed(args.seed)
-            change = dict(recompute=mode, dropout=dropout, n_layer=layers)
+            change = dict(recompute=mode, dropout=dropout, n_layer=layers)  # (model: the last's)
             model = model_lib.GPT(dataclasses.replace(config, **change)).to(args.device)
-            (_, loss), held[layers, dropout] = saved_activation_bytes(lambda m=model: m(x, y))
+            (_, loss), bytes_held = saved_activation_bytes(lambda m=model: m(x, y))
+            held[layers if dropout == 0 else "dropout"] = bytes_held
             loss.backward()
             formula[layers] = activation_formula(model.config, B, T, "fp32", mode)
         grads = torch.cat([p.grad.flatten() for p in model.parameters()])
         none = none if none is not None else grads
-        one_layer = [
-            (held[L, 0.0] - held[L - 1, 0.0]) / (B * T),
-            (formula[L] - formula[L - 1]) / (B * T),
-        ]
-        print(f"{mode:<10} {held[L, 0.0] / 1024:>8.1f} {formula[L] / 1024:>7.1f} {one_layer[0]:>30,.0f}"
+        one_layer = [(d[L] - d[L - 1]) / (B * T) for d in (held, formula)]  # L - 1 >= 1 blocks
+        print(f"{mode:<10} {held[L] / 1024:>8.1f} {formula[L] / 1024:>8.1f} {one_layer[0]:>28,.0f}"
               f" {one_layer[1]:>7,.0f} {str(torch.equal(grads, none)):>17}")  # fmt: skip
-    print(f"(C = {config.n_embd}: none 64C + 16 + 4nh, selective 44C + 4nh, full 4C bytes; full "
-          "costs 8N FLOPs per token, not 6N; selective redoes no matmul)")  # fmt: skip
+    print(f"(fp32: r = a = 4, so none 64C + 16 + 4nh, selective 44C + 4nh, full 4C; C = "
+          f"{config.n_embd}, nh = {config.n_head})")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- the demo
@@ -423,11 +426,8 @@ def underflow_demo(config, batches, args):
     grads = {k: torch.cat([t.abs().flatten() for t in ts]).cpu() for k, ts in grads.items()}
     grads = {name: g[g > 0] for name, g in grads.items()}  # the non-zeros
     S, fp16 = args.init_scale, torch.float16
-    cases = (
-        ("fp16", fp16, 1.0),
-        (f"fp16 x 2^{math.log2(S):.0f}", fp16, S),
-        ("bf16", torch.bfloat16, 1.0),
-    )
+    cases = (("fp16", fp16, 1.0), (f"fp16 x 2^{math.log2(S):.0f}", fp16, S),
+             ("bf16", torch.bfloat16, 1.0))  # fmt: skip
     print(f"gradients after {len(batches) - 1} fp32 steps, rounded   -> 0  subnormal  -> inf")
     for name, g in grads.items():
         for label, dtype, s in cases:
@@ -438,7 +438,7 @@ def underflow_demo(config, batches, args):
     median, normal = grads["activation grads"].median(), torch.finfo(fp16).tiny
     flush = normal * torch.finfo(fp16).eps / 2  # half the smallest subnormal: below it, 0
     print(f"(median activation |g| {median:.1e}; fp16: subnormal < {normal:.1e}, 0 < {flush:.1e})")
-    print("as a histogram: python bench/bench_mixed_precision.py --underflow-figure FILE\n")
+    print("drawn, with our scaler against GradScaler: python bench/bench_mixed_precision.py\n")
     return grads
 
 
@@ -484,8 +484,8 @@ def main(argv=None):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", default=device, help="where it runs; a GPU when there is one")
     args = parser.parse_args(argv)
-    if args.accum < 1 or args.batch_size % args.accum or args.steps < 16:
-        parser.error("--steps must be >= 16 and --batch-size a multiple of --accum")
+    if args.accum < 1 or args.batch_size % args.accum or args.steps < 1:
+        parser.error("--steps must be >= 1 and --batch-size a multiple of --accum")
     torch.set_num_threads(1)  # the tiny model's ops are too small to share; extra threads only spin
     config = model_lib.GPTConfig.from_preset("tiny")  # V = 256: bytes are the tokens
     T, B = config.block_size, args.batch_size

@@ -83,8 +83,9 @@ class TrainConfig:
     model: str = flag("small", f"02_model.py preset: {', '.join(model_lib.PRESETS)} (small: 4 layers x 128, for a CPU)")
     n_layer: int = flag(0, "number of blocks; 0 = the preset's")
     dropout: float = flag(0.0, "dropout probability (pretraining on plenty of data needs none)")
-    recompute: str = flag("none", "activations redone in the backward (02, 06): selective (LayerNorm, GELU, dropout; "
-                                  "no matmul) or full (each block's forward: 8N FLOPs a token, not 6N); none keeps all")
+    recompute: str = flag("none", "activations redone in the backward (02, 06): selective (LayerNorm, GELU, dropout, and "
+                                  "attention when dropout is on) or full (each block's forward: 8N, not 6N, FLOPs for "
+                                  "the blocks' N); none keeps all")
     dtype: str = flag("auto", "fp32, bf16 or fp16 (+ 06's loss scaler); auto = bf16 on a GPU that has it, else fp32")
     compile: bool = flag(False, "torch.compile each model chunk (GPU speed; slow first steps)")
     max_steps: int = flag(500, "optimizer steps, the LR schedule's length (500 x 4,096 tokens: the CPU job in ~5 min)")
@@ -788,7 +789,7 @@ def main(argv=None) -> None:
         run = build_run(cfg, gpt_config, build_grid(cfg, rank, world), device)
         ddp_lib.print0(f"world {world} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} on {device}; "
                        f"{run.gpt_config.n_layer}-layer GPT, {run.dtype}, {run.m} microbatches of "
-                       f"{cfg.micro_batch_size} x {run.T} per DP rank")  # fmt: skip
+                       f"{cfg.micro_batch_size} x {run.T} per DP rank, recompute {cfg.recompute}")  # fmt: skip
         train(run)
     finally:
         if created and dist.is_initialized():

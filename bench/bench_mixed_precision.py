@@ -6,7 +6,7 @@ batches (02's byte_batches: real text, so the loss curves mean something), in on
     python bench/bench_mixed_precision.py                          # GPU: GPT-2 124M, B=16, T=1024
     python bench/bench_mixed_precision.py --steps 150 --figure docs/mixed_precision_loss.png  # CPU
     python bench/bench_mixed_precision.py --modes fp32 --underflow-figure docs/grad_underflow.png
-    python bench/bench_mixed_precision.py --preset small --vocab-size 4096 --modes fp32  # recompute
+    python bench/bench_mixed_precision.py --preset small --vocab-size 4096 --modes fp32
 
 On a GPU the memory column is torch.cuda.max_memory_allocated for that mode alone (each mode
 runs on its own, after the previous one is freed); on a CPU it is the sum of the components, and
@@ -16,12 +16,14 @@ activation_formula). --figure writes the loss curves of every mode (the README's
 docs/mixed_precision_loss.png comes from the CPU line above). The speed-up is a tensor-core
 property: on a CPU without 16-bit matmul units, 16-bit is slower than fp32.
 
-Then, in the --recompute precision, 02's recomputation modes: ms per step, the activation bytes
+Then, in --recompute-precision, 02's recomputation modes: ms per step, the activation bytes
 of one sequence held for the backward (measured, and 06's formula), the largest micro-batch that
-leaves them room in --budget-gb, and the step's peak memory (a GPU's max_memory_allocated; on
-a CPU the weights and AdamW's state plus the most bytes the step's own tensors hold at once). Last, 06's DynamicLossScaler
-against torch.amp.GradScaler on one fp16 run, and with --underflow-figure 06's underflow table
-drawn as a histogram.
+leaves them room in --budget-gb, and the step's peak memory (a GPU's max_memory_allocated; on a
+CPU the weights and AdamW's state plus the most bytes the step's own tensors hold at once). On a
+CPU selective can cost more than full: torch runs its keep-or-redo policy in Python on every op,
+a fixed cost that small ops do not hide. Last, 06's DynamicLossScaler against
+torch.amp.GradScaler on one fp16 run, and with --underflow-figure 06's underflow table drawn as a
+histogram.
 """
 
 import argparse
@@ -206,9 +208,10 @@ def recompute_rows(config, args, device, mode: str) -> list:
                 mp.train_step(model, optimizer, scaler, None, dtype, *batches[-1])
             peak = tensor_bytes(list(model.parameters()) + state) + step.peak
         per_sequence, per_batch = held[1] - held[0], 2 * held[0] - held[1]
-        rows.append(dict(recompute=recompute, ms=1e3 * statistics.median(times[args.warmup :]),
-                         sequence=per_sequence, batch=per_batch, peak=peak,
-                         formula=(formula[1] - formula[0], 2 * formula[0] - formula[1])))  # fmt: skip
+        formula = (formula[1] - formula[0], 2 * formula[0] - formula[1])  # sequence, batch
+        ms = 1e3 * statistics.median(times[args.warmup :])
+        rows.append(dict(recompute=recompute, ms=ms, sequence=per_sequence, batch=per_batch,
+                         peak=peak, formula=formula))  # fmt: skip
     return rows
 
 
@@ -220,15 +223,16 @@ def print_recompute(config, args, device, mode: str):
     N, T, MB = model_lib.count_params(config), config.block_size, 1e6
     free = args.budget_gb * 1e9 - 16 * N
     print(f"\nrecomputation, {mode}, B = {args.batch_size}, T = {T}: activation bytes held for the "
-          f"backward, measured (06's formula); max B = ({args.budget_gb:g} GB - 16 x "
-          f"{N / 1e6:.1f}M parameters - per batch) / per sequence")  # fmt: skip
+          f"backward, measured (06's formula); max B = ({args.budget_gb:g} GB - 16 x {N:,} "
+          "parameters - per batch) / per sequence")  # fmt: skip
     print(f"{'recompute':<10} {'ms/step':>9} {'x none':>7} {'MB per sequence':>22} "
           f"{'MB per batch':>20} {'max B':>8} {'peak MB':>9}")  # fmt: skip
     for r in rows:
         sequence = f"{r['sequence'] / MB:,.2f} ({r['formula'][0] / MB:,.2f})"
         batch = f"{r['batch'] / MB:,.2f} ({r['formula'][1] / MB:,.2f})"
-        print(f"{r['recompute']:<10} {r['ms']:>9.1f} {r['ms'] / rows[0]['ms']:>6.2f}x {sequence:>22} "
-              f"{batch:>20} {int((free - r['batch']) // r['sequence']):>8,} {r['peak'] / MB:>9,.1f}")  # fmt: skip
+        max_b = int((free - r["batch"]) // r["sequence"])
+        print(f"{r['recompute']:<10} {r['ms']:>9.1f} {r['ms'] / rows[0]['ms']:>6.2f}x "
+              f"{sequence:>22} {batch:>20} {max_b:>8,} {r['peak'] / MB:>9,.1f}")  # fmt: skip
 
 
 def print_memory(results: dict):
@@ -284,9 +288,10 @@ def main(argv=None):
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
     parser.add_argument("--figure", default="", help="write the loss curves here ('': none)")
     parser.add_argument("--vocab-size", type=int, default=0, help="V (0: the preset's)")
-    recompute = "bf16 autocast" if cuda else "fp32"
-    parser.add_argument("--recompute", default=recompute, help="06's mode for the recomputation "
-                        "table (time, bytes held, max batch); '' skips it")  # fmt: skip
+    precision, choices = "bf16 autocast" if cuda else "fp32", ("fp32", "bf16 autocast", "")
+    parser.add_argument("--recompute-precision", default=precision, choices=choices,
+                        help="06's mode the recomputation table runs in (every recompute mode: "
+                        "time, bytes held, max batch, peak); '' skips the table")  # fmt: skip
     parser.add_argument("--budget-gb", type=float, default=80.0, help="memory for the max batch")
     parser.add_argument("--underflow-figure", default="", help="draw 06's underflow table here")
     parser.add_argument("--seed", type=int, default=0, help="init and batch seed; runs repeat")
@@ -330,8 +335,8 @@ def main(argv=None):
         print_memory(results)
     if args.figure and "fp32" in results:
         plot_losses(results, args.figure)
-    if args.recompute:
-        print_recompute(config, args, device, args.recompute)
+    if args.recompute_precision:
+        print_recompute(config, args, device, args.recompute_precision)
     tiny = model_lib.GPTConfig.from_preset("tiny")  # 06's demo model, and its defaults below
     demo = argparse.Namespace(seed=1337, lr=3e-3, init_scale=2.0**16)
     tiny_batches = model_lib.byte_batches(tiny.block_size, 8, 51, demo.seed, device)
