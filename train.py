@@ -621,9 +621,9 @@ def export(run_dir) -> Path:
             print(f"--export: {ckpt} is unreadable ({error}); trying the previous checkpoint")
     else:
         raise SystemExit(f"--export: no complete, readable checkpoint in {ckpt_root(run_dir)}")
-    model = model_lib.GPT(model_lib.GPTConfig(**meta["model_config"]))
+    model = model_lib.GPT(model_lib.GPTConfig(**meta["model_config"] | {"recompute": "none"}))
     model.load_state_dict(full, strict=True)  # every weight present, none left over
-    blob = {"model_config": meta["model_config"], "model": model.state_dict(), "step": meta["step"]}
+    blob = {"model_config": asdict(model.config), "model": model.state_dict(), "step": meta["step"]}
     # the tokenizer, so model.pt samples anywhere: a name, or a BPE's vocab, merges and specials
     blob["tokenizer"] = tok = meta["tokenizer"]
     if tok not in ("gpt2", "char"):

@@ -377,6 +377,29 @@ def test_recomputation_gives_the_same_loss_and_gradients_bit_for_bit(recompute):
     assert all(torch.equal(g, h) for g, h in zip(grads, grads_r))
 
 
+def test_selective_keeps_attention_only_when_it_draws_no_random_numbers():
+    """A GPU's attention kernels (flash, cuDNN, memory-efficient) draw their dropout from the
+    CUDA generator inside the op. Were such an output kept, the replay would skip the draw and
+    shift every later dropout mask: wrong gradients, silently, and only on a GPU (a CPU with
+    dropout runs attention as bmm and bernoulli, so no CPU run reaches this). The policy is
+    asked directly, with the CUDA ops' names: kept without dropout, redone with it."""
+    aten, policy = torch.ops.aten, model_lib._policy
+    keep, redo = (
+        torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE,
+        torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE,
+    )
+    kernels = [aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default,
+               aten._scaled_dot_product_efficient_attention.default,
+               aten._scaled_dot_product_flash_attention_for_cpu.default]  # fmt: skip
+    for op in kernels:
+        assert policy(True, None, op) == keep, op  # dropout 0: kept, as a matmul's output
+        assert policy(False, None, op) == redo, op  # dropout on: redone with its random draws
+    for op in (aten.mm.default, aten.addmm.default):
+        assert policy(False, None, op) == keep, op
+    for op in (aten.native_layer_norm.default, aten.gelu.default, aten.add.Tensor):
+        assert policy(True, None, op) == redo, op
+
+
 # ---------------------------------------------------------------------------------------------
 # gradient accumulation == one bigger batch
 # ---------------------------------------------------------------------------------------------

@@ -173,10 +173,12 @@ def test_recomputed_flops_hand_count():
     block's forward: its matmuls, 2 FLOPs per weight, 12 C^2 weights a block, and attention's
     q k^T and att @ v, 2·T·hs each per head. tiny: C = 32, L = 2, nh = 2, hs = 16, T = 32:
         2 (2 * 12 * 32^2 + 4 * 2 * 16 * 32) = 2 (24,576 + 4,096) = 57,344 FLOPs per token,
-    about a third of the blocks' 6N; selective redoes no matmul: 0; none: 0."""
+    about a third of the blocks' 6N; selective redoes no weight's matmul: 0; none: 0."""
     gpus = importlib.import_module("bench.gpus")
     for mode, extra in (("none", 0), ("selective", 0), ("full", 57_344)):
         assert gpus.recompute_flops_per_token(tiny(recompute=mode), 32) == extra, mode
+    # with dropout, selective redoes attention (no kept output may skip a random draw): 2 x 4,096
+    assert gpus.recompute_flops_per_token(tiny(recompute="selective", dropout=0.1), 32) == 8_192
 
 
 def test_peak_flops_and_mfu():

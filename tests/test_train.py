@@ -160,25 +160,43 @@ def test_16_bit_training_follows_fp32_and_only_fp16_uses_a_scaler(data_dir, tmp_
         assert shard["scaler"] == {}  # bf16 has fp32's range: no scaler at all
 
 
+def _recompute_runs(rank, world, data_dir, tmp, configs):
+    """_train_configs, and rank 0 also returns each run's exported weights (model.pt)."""
+    curves = _train_configs(rank, world, data_dir, tmp, configs)
+    if rank != 0:
+        return None
+    weights = [
+        torch.load(f"{tmp}/{name}/model.pt", weights_only=True)["model"] for name, _ in configs
+    ]
+    return list(zip(curves, weights))
+
+
 def test_recomputation_changes_no_bit_on_any_layout(data_dir, tmp_path):
     """--recompute selective and full against none, dropout 0.1, on 2 ranks: tp 2 with sequence
     parallelism (the replay must rewind 04's per-rank dropout stream too, and redo the forward's
-    all-gathers and reduce-scatters), pp 2 under 1F1B (blocks recomputed while other microbatches
-    are in flight) and dp 2 with ZeRO-3 (the weights re-gathered for the backward). Losses and
-    gradient norms with ==: recomputation redoes the same ops on the same numbers."""
+    all-gathers and reduce-scatters), pp 2 under 1F1B and interleaved (blocks recomputed while
+    other microbatches are in flight) and dp 2 with ZeRO-3 (the weights re-gathered for the
+    backward). Losses and gradient norms with ==, and the weights after 4 AdamW steps with
+    torch.equal: any gradient off by one rounding would move them. Recomputation redoes the
+    same ops on the same numbers."""
+    pp2 = ["--pp", "2", "--micro-batch-size", "2"]
     layouts = {"tp2-sp": ["--tp", "2", "--micro-batch-size", "4", "--sequence-parallel"],
-               "pp2": ["--pp", "2", "--micro-batch-size", "2"],
+               "pp2-1f1b": pp2,
+               "pp2-interleaved": pp2 + ["--schedule", "interleaved", "--virtual-stages", "2"],
                "dp2-zero3": ["--dp", "2", "--micro-batch-size", "2", "--zero", "3"]}  # fmt: skip
     configs = [(f"{name}-{mode}", flags + ["--dropout", "0.1", "--recompute", mode])
                for name, flags in layouts.items() for mode in ("none", "selective", "full")]  # fmt: skip
-    results = dict(zip((n for n, _ in configs),
-                       run_ranks(_train_configs, 2, data_dir, str(tmp_path), configs, timeout=300)[0]))  # fmt: skip
+    runs = run_ranks(_recompute_runs, 2, data_dir, str(tmp_path), configs, timeout=300)[0]
+    results = dict(zip((n for n, _ in configs), runs))
     for name in layouts:
-        none = results[f"{name}-none"]
+        none_curve, none_weights = results[f"{name}-none"]
         for mode in ("selective", "full"):
-            got = results[f"{name}-{mode}"]
+            curve, weights = results[f"{name}-{mode}"]
             for key in ("loss", "grad_norm"):
-                assert [r[key] for r in got] == [r[key] for r in none], (name, mode, key)
+                assert [r[key] for r in curve] == [r[key] for r in none_curve], (name, mode, key)
+            assert weights.keys() == none_weights.keys()
+            for k in weights:
+                assert torch.equal(weights[k], none_weights[k]), (name, mode, k)
 
 
 # ---------------------------------------------------------------------------------------------
