@@ -23,7 +23,7 @@ The math (GPT-2: Radford et al. 2019, "Language Models are Unsupervised Multitas
     MLP:   MLP(x) = GELU(x W_fc + b_fc) W_proj + b_proj, hidden width 4C, tanh-GELU as GPT-2
     Loss:  mean over positions of -log softmax(logits)[next token]; ln(V) for a uniform guess.
 
-One Block (attention through F.scaled_dot_product_attention: a flash-attention kernel on GPU):
+One Block (attention through F.scaled_dot_product_attention: a flash-attention kernel):
 
     x (B, T, C)   the residual stream
     │
@@ -194,8 +194,10 @@ class Block(nn.Module):
 
 
 # --------------------------------------------------------------------------- recomputation
-# selective keeps what is costly to redo, the outputs of matmuls and of flash attention (which never
-# stores the T x T scores Korthikanti et al. redid), and redoes LayerNorm, GELU, dropout and adds.
+# torch's checkpoint drops what a block saved for its backward and runs the block again there
+# (non-reentrant: through autograd's saved-tensor hooks); a policy, keep or redo per op, makes it
+# selective: keep what is costly to redo, matmuls' and flash attention's outputs (it never stores
+# the T x T scores Korthikanti et al. redid), redo LayerNorm, GELU, dropout and adds. 06 teaches it.
 RECOMPUTE = ("none", "selective", "full")
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
@@ -237,9 +239,8 @@ def _replaying(inner, stream, state):
 
 
 def cross_entropy_loss(logits, targets, reduction="mean"):
-    """Next-token cross-entropy in fp32 of (B, T, V) logits and (B, T) targets, -1 ignored.
-    reduction="sum" lets a caller divide by its own token count (gradient accumulation, 06).
-    04_tensor_parallel.py swaps in a vocab-parallel one."""
+    """Next-token cross-entropy in fp32 of (B, T, V) logits and (B, T) targets, -1 ignored; "sum"
+    lets a caller divide by its own token count (accumulation, 06); 04 swaps in a vocab-parallel."""
     flat = logits.float().reshape(-1, logits.size(-1))  # (B*T, V); fp32 softmax, even under bf16
     return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1, reduction=reduction)
 
@@ -286,9 +287,8 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C) + (T, C)
         return self.transformer.drop(x)  # (B, T, C)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, C) -> (B, T, V_padded) logits: final LayerNorm, then lm_head."""
-        return self.lm_head(self.transformer.ln_f(x))  # (B, T, C) @ (C, V) -> (B, T, V)
+    def head(self, x: torch.Tensor) -> torch.Tensor:  # final LayerNorm, then lm_head: the logits
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T, C) @ (C, V) -> (B, T, V_padded)
 
     def forward(self, idx, targets=None, reduction="mean"):
         """(B, T) ids [, (B, T) next-token targets] -> ((B, T, V_padded) logits, loss or None)."""
