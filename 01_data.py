@@ -15,35 +15,37 @@ GPT-2's pre-tokenization regex, so no merge crosses a word boundary or a special
 
 Who holds what (nothing is distributed yet, except who reads which window):
 
-    corpus.txt --encode (tiktoken, threads)--> train.bin = [hdr | t0 t1 t2 ... tN]  (np.memmap)
-                                                            \\_window_/\\_window_/ ... (T+1 tokens)
-    step s, epoch e = s // steps_per_epoch:  perm_e = permutation(windows, seed=(seed, e))
+    files, .jsonl --stream, encode (tiktoken, threads)--> train_000000.bin, train_000001.bin, ...
+    each [hdr | t0 t1 ... tn] (np.memmap, n <= --shard-tokens), cut into windows of T+1 tokens
+    that never cross a shard, numbered 0..W-1 across the shards:  \\_window_/\\_window_/ ...
+    step s, epoch e = s // steps_per_epoch:  perm_e = permutation(W windows, seed=(seed, e))
         dp_rank 0 -> perm_e[k*dp*B + 0*B : ... + B]     x = window[:-1], y = window[1:]
         dp_rank 1 -> perm_e[k*dp*B + 1*B : ... + B]     (disjoint from rank 0 in every step)
 
 Launch: `python 01_data.py` (a 4,096-token BPE on the standard library's source, shards in data/;
-timings: bench/bench_data.py). Left out on purpose: Unicode normalisation, regex-free fast
-trainers and document packing masks.
+--source FILES.jsonl for a real corpus; timings: bench/bench_data.py). Left out on purpose:
+Unicode normalisation, regex-free fast trainers and document packing masks.
 """
 
 import argparse
 import base64
 import codecs
+import contextlib
 import glob
 import hashlib
 import heapq
 import json
 import os
+import shutil
 import socket
 import sysconfig
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
 import regex
 import tiktoken
-import tiktoken.load
 import torch
 
 # GPT-2's pre-tokenization pattern, exactly as tiktoken's "gpt2"/"r50k" encodings use it:
@@ -53,10 +55,9 @@ GPT2_SPLIT_PATTERN = (
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 )
 EOT = "<|endoftext|>"
-GPT2_VOCAB_BPE = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"
-GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 4  # header: magic, version, itemsize, count
 ENCODE_BATCH_CHARS = 8_000_000  # text per tiktoken call: bounds the memory of encode_documents
+SHARD_TOKENS = 100_000_000  # ids per shard at most, as llm.c and build-nanogpt: 200 MB in uint16
 
 
 # --- BPE training: the naive trainer, then the incremental one --------------------------------
@@ -108,16 +109,14 @@ def train_bpe_naive(text: str, vocab_size: int, special_tokens=(EOT,)) -> "Token
 
 
 def _tie_key(token: bytes) -> tuple:
-    """Smaller for lexicographically greater bytes (heapq is a min-heap): byte x maps to 256 - x
-    and 257 ends the string, so b"ab" > b"a" becomes (255, 254, 257) < (255, 257)."""
+    """Smaller for greater bytes (heapq is a min-heap): x -> 256 - x, then 257 ends the string."""
     return tuple(256 - x for x in token) + (257,)
 
 
 def train_bpe(text: str, vocab_size: int, special_tokens=(EOT,)) -> "Tokenizer":
-    """Learn `vocab_size - 256 - len(special_tokens)` merges: the same as `train_bpe_naive`, with
-    pair counts updated incrementally. A merge of (a, b) touches only the words that contain it
-    (kept in `where`), so it costs the size of those words, not of the corpus. The next pair
-    comes from a lazy max-heap: entries whose count changed since they were pushed are skipped."""
+    """Learn `vocab_size - 256 - len(special_tokens)` merges, as `train_bpe_naive`, with pair counts
+    updated incrementally: a merge of (a, b) touches only the words that contain it (`where`), not
+    the corpus; the next pair comes from a lazy max-heap (stale entries are skipped)."""
     specials, n_merges = list(special_tokens), vocab_size - 256 - len(special_tokens)
     assert n_merges >= 0, f"vocab_size {vocab_size} < 256 bytes + {len(specials)} special tokens"
     words, freqs = _pretokenize(text, specials)
@@ -169,10 +168,12 @@ def _apply_merge(pair, new_id, words, freqs, pair_counts, where) -> set:
 
 
 def progress(what: str, done: float, total: float, start: float, unit: str = "") -> None:
-    """Redraw one progress line in place, with the ETA; the call with done == total ends it."""
+    """Redraw one progress line in place, with the rate and ETA; done == total ends it."""
     elapsed = time.perf_counter() - start
-    eta = elapsed / max(done, 1e-9) * (total - done)
-    status = f"{done:,.1f}/{total:,.1f}{unit}, ETA {eta:.1f} s ({elapsed:.1f} s)"
+    eta, rate = elapsed / max(done, 1e-9) * (total - done), done / max(elapsed, 1e-9)
+    status = (
+        f"{done:,.1f}/{total:,.1f}{unit}, {rate:,.1f}{unit}/s, ETA {eta:.0f} s ({elapsed:.0f} s)"
+    )
     print(f"\r  {what}: {status}", end="\n" if done >= total else "", flush=True)
 
 
@@ -265,10 +266,8 @@ class Tokenizer:
 
     def to_tiktoken(self, name: str = "bpe") -> tiktoken.Encoding:
         """The same ranks handed to tiktoken's Rust encoder (hundreds of times faster)."""
-        specials = self.special_tokens
-        return tiktoken.Encoding(
-            name, pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=self.ranks, special_tokens=specials
-        )
+        kw = dict(pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=self.ranks)
+        return tiktoken.Encoding(name, **kw, special_tokens=self.special_tokens)
 
     def save(self, path) -> Path:
         """Write X.tiktoken (tiktoken's own rank format) and X.json (specials and merges)."""
@@ -287,8 +286,7 @@ class Tokenizer:
         for p in (path, path.with_suffix(".json")):
             if not p.is_file():
                 raise FileNotFoundError(f"tokenizer file {p} not found (written by Tokenizer.save)")
-        # Read the file ourselves: tiktoken's load_tiktoken_bpe caches by path string, so a
-        # tokenizer retrained into the same path would load its old ranks.
+        # read here: tiktoken's loader caches by path, so a retrained one would load its old ranks
         lines = path.read_text().splitlines()
         vocab = {int(i): base64.b64decode(b) for b, i in (line.split() for line in lines if line)}
         meta = json.loads(path.with_suffix(".json").read_text())
@@ -297,23 +295,8 @@ class Tokenizer:
         return cls(vocab, merges, list(meta["special_tokens"]))
 
 
-def gpt2_tokenizer() -> Tokenizer:
-    """GPT-2's own 50,000 merges, from the vocab.bpe tiktoken caches. It writes byte b as chr(b)
-    if printable, else chr(256 + n) for the n-th other byte; GPT-2's ids 0..255 follow suit."""
-    text = tiktoken.load.read_file_cached(GPT2_VOCAB_BPE, GPT2_VOCAB_BPE_SHA256).decode("utf-8")
-    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
-    others = [b for b in range(256) if b not in printable]
-    char_to_byte = {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
-    lines = [line.split() for line in text.split("\n")[1:] if line]
-    merges = [tuple(bytes(char_to_byte[c] for c in part) for part in pair) for pair in lines]
-    vocab = {i: bytes([b]) for i, b in enumerate(printable + others)}
-    vocab.update({256 + i: a + b for i, (a, b) in enumerate(merges)})
-    return Tokenizer(vocab, merges, [EOT])
-
-
 class CharTokenizer(Tokenizer):
-    """The smallest tokenizer is a BPE with no merges: one token per UTF-8 byte (one per character
-    for ASCII text), plus <|endoftext|> as id 256. It needs no training."""
+    """A BPE with no merges: one token per UTF-8 byte, plus <|endoftext|> as id 256; no training."""
 
     n_vocab = 257  # on the class too: 03_ddp.py reads CharTokenizer.n_vocab
 
@@ -332,10 +315,9 @@ def get_tokenizer(name: str):
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # noqa: BLE001 - network or cache failure; say what to do
-        raise RuntimeError(
-            f"cannot load GPT-2's tokenizer ({type(e).__name__}: {e}). It is downloaded once; "
-            "offline, set TIKTOKEN_CACHE_DIR to a folder holding its files, or use --tokenizer char"
-        ) from e
+        fix = "it is downloaded once; offline, set TIKTOKEN_CACHE_DIR to a folder holding its files"
+        raise RuntimeError(f"cannot load GPT-2's tokenizer ({type(e).__name__}: {e}). {fix}, "
+                           "or use --tokenizer char") from e  # fmt: skip
 
 
 def fast_encoder(tok):
@@ -373,41 +355,70 @@ def is_binary(raw: bytes) -> bool:
 
 def source_files(source: str) -> list[Path]:
     """Resolve --source to a sorted list of files, or fail with a message that says how."""
-    if source == "stdlib":
-        return stdlib_files()
-    p = Path(source)
-    if p.is_file():
-        return [p]
-    found = p.rglob("*") if p.is_dir() else map(Path, glob.glob(source, recursive=True))
-    files = sorted(f for f in found if f.is_file())
+    p, pattern = Path(source), glob.glob(source, recursive=True)
+    found = p.rglob("*") if p.is_dir() else [p] if p.is_file() else map(Path, pattern)
+    files = stdlib_files() if source == "stdlib" else sorted(f for f in found if f.is_file())
     if not files:
         what = "a file, a directory with files or a matching glob"
         raise FileNotFoundError(f"source {source!r} is not {what}")
     return files
 
 
-def read_documents(files: list, source=None) -> list[str]:
-    """Each file is one document; binary files (`is_binary`) are skipped and counted. With
-    `source` named, a corpus left with no text is a one-line ValueError."""
-    raws = (Path(f).read_bytes() for f in files)
-    docs = [raw.decode("utf-8", errors="replace") for raw in raws if not is_binary(raw)]
-    n_binary = len(files) - len(docs)
-    if source is not None and not any(d.strip() for d in docs):
-        why = f"{n_binary} of {len(files)} files binary (NUL or not UTF-8)"
-        why = why if n_binary else "empty or whitespace only"
-        raise ValueError(f"source {source!r} holds no text: {why}; nothing to tokenize")
-    if source is not None and n_binary:
-        print(f"source {source!r}: skipped {n_binary} of {len(files)} files as binary")
-    return docs
+def iter_documents(files, skipped: list, text_field="text"):
+    """Each document, in order, as (start, end, text, whole): its bytes in the source (the text
+    files end to end), and whether a split must keep it whole. A file is a document; a .jsonl file
+    holds one per line (`text_field` of a JSON object), kept whole. Binary files (`is_binary`) go
+    to `skipped`. One file or line is in memory at a time."""
+    offset = 0
+    for f in map(Path, files):
+        with open(f, "rb") as file:
+            jsonl = f.suffix == ".jsonl"
+            for n, raw in enumerate(file if jsonl else [file.read()], 1):  # a line, or the file
+                if not jsonl and is_binary(raw):  # skipped: its bytes are no part of the source
+                    skipped.append(f)
+                    continue
+                if not jsonl:
+                    yield offset, offset + len(raw), raw.decode("utf-8", errors="replace"), False
+                elif raw.strip():
+                    yield offset, offset + len(raw), json_text(raw, text_field, f"{f}:{n}"), True
+                offset += len(raw)
+
+
+def json_text(line: bytes, field: str, where: str) -> str:
+    with contextlib.suppress(ValueError, KeyError, TypeError, IndexError):
+        if isinstance(text := json.loads(line)[field], str):
+            return text
+    raise ValueError(f"{where}: not a JSON object with a string field {field!r}")
+
+
+def split_document(doc, cut: int) -> list:
+    """[(split, text)], in one pass: validation is the source from byte `cut` on. A document that
+    starts past the cut is val, one that ends before it train; a file across it is cut at the next
+    newline (a JSON line stays whole, in train). Deterministic; one big file gets a val split."""
+    start, end, text, whole = doc
+    if start >= cut or end <= cut or whole:
+        return [("val" if start >= cut else "train", text)]
+    at = len(text.encode()[: cut - start].decode("utf-8", errors="ignore"))  # in characters
+    # subtle: not at the final newline, which leaves val empty for a one-line file
+    newline = text.find("\n", at, len(text) - 1)
+    at = at if newline < 0 else newline + 1
+    return [("train", text[:at]), ("val", text[at:])]
+
+
+def val_cut(files, val_fraction: float) -> int:
+    """Where validation starts: the last `val_fraction` of the text files' bytes (a file whose
+    first 8 KB say binary counts for nothing, as iter_documents skips it). No file is read whole."""
+    heads = (open(f, "rb").read(8193) for f in files)  # 8,193: is_binary sees 8 KB, and more
+    sizes = [Path(f).stat().st_size for f, head in zip(files, heads) if not is_binary(head)]
+    return int(sum(sizes) * (1 - val_fraction))
 
 
 # --- Prepare: documents -> token shards on disk -----------------------------------------------
 def atomic_write(path, write) -> None:
     """`write(tmp)` fills a temporary file in the same folder; it is fsynced, renamed over `path`,
     and the folder fsynced: readers see the old file or the new, never half, even after a crash."""
-    path = Path(path)
+    path = Path(path)  # the same folder: the rename is atomic; host and pid: nodes share folders
     path.parent.mkdir(parents=True, exist_ok=True)
-    # same folder: rename is atomic. Host and pid: nodes sharing a filesystem reuse pids
     tmp = path.with_name(f".{path.name}.tmp.{socket.gethostname()}.{os.getpid()}")
     try:
         write(tmp)
@@ -428,9 +439,24 @@ def fsync_dir(path) -> None:
         os.close(fd)
 
 
+def shard_header(dtype, n: int) -> bytes:
+    return np.array([SHARD_MAGIC, SHARD_VERSION, np.dtype(dtype).itemsize, n], np.int64).tobytes()
+
+
 def write_shard(path, tokens: np.ndarray) -> None:
-    header = np.array([SHARD_MAGIC, SHARD_VERSION, tokens.itemsize, len(tokens)], np.int64)
-    atomic_write(path, lambda tmp: tmp.write_bytes(header.tobytes() + tokens.tobytes()))
+    data = shard_header(tokens.dtype, len(tokens)) + tokens.tobytes()
+    atomic_write(path, lambda tmp: tmp.write_bytes(data))
+
+
+def split_shards(data_dir, split: str) -> list[Path]:
+    """A split's shards, in order: meta.json's list, or the {split}.bin of a folder without it."""
+    meta_path, data_dir = Path(data_dir) / "meta.json", Path(data_dir)
+    shards = json.loads(meta_path.read_text()).get("shards") if meta_path.is_file() else None
+    paths = [data_dir / s["file"] for s in shards[split]] if shards else [data_dir / f"{split}.bin"]
+    if missing := [p for p in paths if not p.is_file()]:
+        fix = f"prepare the data first (python 01_data.py --out {data_dir})"
+        raise FileNotFoundError(f"{missing[0]} not found: {fix}")
+    return paths
 
 
 def read_shard(path) -> np.ndarray:
@@ -442,93 +468,151 @@ def read_shard(path) -> np.ndarray:
     return np.memmap(path, dtype, mode="r", offset=HEADER_INTS * 8, shape=(int(header[3]),))
 
 
-def split_val(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
-    """The last `val_fraction` of the characters is validation; the document there is cut at a
-    newline. Deterministic, and it works for one big document as well as for many."""
-    cut, seen = int(sum(map(len, docs)) * (1 - val_fraction)), 0
-    for i, d in enumerate(docs):
-        if seen + len(d) > cut:
-            # subtle: not at the final newline, which leaves val empty for a one-line file
-            at = d.find("\n", cut - seen, len(d) - 1)
-            at = cut - seen if at < 0 else at + 1
-            return docs[:i] + [d[:at]], [d[at:]] + docs[i + 1 :]
-        seen += len(d)
-    return docs, []
+class ShardWriter:
+    """Ids in, shards of at most `limit` ids out (OUT/{split}_000000.bin, _000001, ...), each
+    written to a temporary file as the ids come and renamed into place only when whole."""
+
+    def __init__(self, out: Path, split: str, dtype, limit: int):
+        self.out, self.split, self.dtype, self.limit = out, split, dtype, limit
+        self.file, self.n, self.docs, self.shards = None, 0, 0, []  # shards: [{file, tokens}]
+
+    def add(self, ids: np.ndarray) -> None:
+        while len(ids):
+            if self.file is None:  # a new shard; its header is rewritten when its count is known
+                self.path = self.out / f"{self.split}_{len(self.shards):06d}.bin"
+                self.file, self.n = open(self.path.with_suffix(".tmp"), "wb"), 0
+                self.file.write(shard_header(self.dtype, 0))
+            take = min(len(ids), self.limit - self.n)
+            self.file.write(ids[:take].astype(self.dtype).tobytes())
+            self.n, ids = self.n + take, ids[take:]
+            if self.n == self.limit:
+                self.close()
+
+    def close(self) -> None:  # the shard in progress, if any: its header, fsync, rename
+        if self.file is not None:
+            self.file.seek(0)
+            self.file.write(shard_header(self.dtype, self.n))
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.file.name, self.path)
+            self.shards.append({"file": self.path.name, "tokens": self.n})
+            self.file = None
 
 
-def encode_documents(enc, docs, eot: int, label: str) -> np.ndarray:
-    """tiktoken's batch encoder with threads, EOT between documents. A call takes ~8 MB of text
-    (one document at least; a document is a whole file), so its ids in memory are the batch's."""
-    pieces, start, total, done, batch, size = [], time.perf_counter(), sum(map(len, docs)), 0, [], 0
-    for i, doc in enumerate(docs):
-        batch.append(doc)
-        size += len(doc)
-        if size >= ENCODE_BATCH_CHARS or i == len(docs) - 1:
-            for ids in enc.encode_ordinary_batch(batch, num_threads=os.cpu_count() or 1):
-                pieces += [np.array([eot], np.int64), np.asarray(ids, np.int64)]  # EOT, doc
-            done, batch, size = done + size, [], 0
-            progress(f"encode {label}", done / 1e6, total / 1e6, start, unit=" MB")
-    return np.concatenate(pieces[1:]) if pieces else np.zeros(0, np.int64)  # no EOT before doc 0
+def encode_documents(enc, pieces, writers: dict, total_bytes: int) -> None:
+    """tiktoken's threaded batch encoder over (split, text, source bytes read) pieces, into each
+    split's ShardWriter, EOT between documents. A call takes ~ENCODE_BATCH_CHARS of text (one
+    document at least): memory holds a batch of text and ids, not the corpus."""
+    batch, size, start = [], 0, time.perf_counter()
+    for piece in (p for ps in (pieces, [None]) for p in ps):  # None: the end, the last batch
+        batch += [piece] if piece else []
+        size += len(piece[1]) if piece else 0
+        if piece and size < ENCODE_BATCH_CHARS:
+            continue
+        texts, threads = [text for _, text, _ in batch], os.cpu_count() or 1
+        encoded = enc.encode_ordinary_batch(texts, num_threads=threads) if batch else []
+        for (split, _, _), ids in zip(batch, encoded):
+            if writers[split].docs:  # EOT between documents, none before a split's first
+                writers[split].add(np.array([enc.eot_token]))
+            writers[split].add(np.asarray(ids))
+            writers[split].docs += 1
+        done, batch, size = piece[2] if piece else total_bytes, [], 0
+        progress("encode", done / 1e6, total_bytes / 1e6, start, unit=" MB")
+    for w in writers.values():
+        w.close()
 
 
 def prepare(source, tokenizer, out_dir, val_fraction=0.05, block_size=1024, tokenizer_name=None,
-            before_write=None) -> dict:  # fmt: skip
-    """Encode `source` with `tokenizer` into OUT/train.bin, OUT/val.bin and OUT/meta.json.
-    Idempotent: nothing is done when meta.json describes the same inputs. Atomic: shards are
-    renamed into place only when whole, meta.json (the "done" marker) last. Bad input raises a
-    one-line ValueError or FileNotFoundError before any write; then `before_write()` runs."""
-    before_write = before_write or (lambda: None)
+            before_write=None, shard_tokens=SHARD_TOKENS, text_field="text") -> dict:  # fmt: skip
+    """Stream `source` (files, a folder, a glob; .jsonl lines) through `tokenizer` into shards of
+    at most `shard_tokens` ids per split, listed in OUT/meta.json. Idempotent: nothing is done when
+    meta.json describes the same inputs. Atomic: shards are written in a sibling folder, then
+    OUT's meta.json goes, the shards are renamed in, the new meta.json last; a crash leaves no
+    half shard. Bad input: a one-line error before anything reaches OUT; then `before_write()`."""
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     name = tokenizer_name or (tokenizer if isinstance(tokenizer, str) else type(tok).__name__)
     files = source_files(source)
     stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    inputs = json.dumps(stats + [name, tok.n_vocab, val_fraction, block_size]).encode()
-    fingerprint = hashlib.sha256(inputs).hexdigest()
+    settings = [name, tok.n_vocab, val_fraction, block_size, shard_tokens, text_field]
+    fingerprint = hashlib.sha256(json.dumps(stats + settings).encode()).hexdigest()
     out, meta_path = Path(out_dir), Path(out_dir) / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     if meta.get("fingerprint") == fingerprint and all((out / s).is_file() for s in meta["files"]):
         print(f"{out}: already prepared from the same inputs, nothing to do")
-        before_write()  # the inputs passed before; e.g. a tokenizer deleted by hand comes back
+        (before_write or (lambda: None))()  # the inputs passed before (a tokenizer deleted by hand)
         return meta
-    docs = read_documents(files, source)
-    enc, dtype = fast_encoder(tok), np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
-    parts = zip(("train", "val"), split_val(docs, val_fraction))
-    splits = {split: encode_documents(enc, part, tok.eot_token, split) for split, part in parts}
-    for split, ids in splits.items():
-        if len(ids) < block_size + 1:
-            few = f"the {split} split has {len(ids)} tokens, fewer than one block of {block_size}+1"
-            raise ValueError(f"{few}: use a bigger corpus or a smaller --block-size")
-    before_write()  # every check passed: the first write (main saves its new tokenizer here)
-    for split, ids in splits.items():
-        write_shard(out / f"{split}.bin", ids.astype(dtype))
-    meta = dict(tokenizer=name, vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source)
-    meta.update(dtype=np.dtype(dtype).name, n_documents=len(docs), val_fraction=val_fraction)
-    meta.update(n_bytes=sum(len(d.encode("utf-8")) for d in docs), files=["train.bin", "val.bin"])
-    meta.update(fingerprint=fingerprint, **{f"{s}_tokens": len(ids) for s, ids in splits.items()})
-    atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    staging = out.with_name(f".{out.name}.partial")  # beside OUT: renames into it are atomic
+    shutil.rmtree(staging, ignore_errors=True)  # an interrupted run's: redone from the start
+    staging.mkdir(parents=True)
+    try:
+        meta = write_shards(source, tok, files, staging, val_fraction, block_size, shard_tokens,
+                            text_field) | dict(tokenizer=name, fingerprint=fingerprint)  # fmt: skip
+        (before_write or (lambda: None))()  # every check passed: the first write to OUT
+        out.mkdir(parents=True, exist_ok=True)
+        meta_path.unlink(missing_ok=True)  # from here until the new one, OUT is "not prepared"
+        for f in meta["files"]:
+            os.replace(staging / f, out / f)
+        atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    for old in (f for f in out.glob("*.bin") if f.name not in meta["files"]):
+        old.unlink()  # a shard of an earlier preparation, no longer listed
     return meta
+
+
+def write_shards(source, tok, files, staging, val_fraction, block_size, shard_tokens, text_field):
+    """Every document encoded into shards in `staging`, then the checks that need the text."""
+    cut, skipped, seen = val_cut(files, val_fraction), [], Counter()
+    dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
+    writers = {
+        split: ShardWriter(staging, split, dtype, shard_tokens) for split in ("train", "val")
+    }
+
+    def pieces():  # (split, text, source bytes read so far), counting documents on the way
+        for doc in iter_documents(files, skipped, text_field):
+            seen.update(documents=1, bytes=len(doc[2].encode()), text=bool(doc[2].strip()))
+            yield from ((split, text, doc[1]) for split, text in split_document(doc, cut))
+
+    encode_documents(fast_encoder(tok), pieces(), writers, val_cut(files, 0.0))
+    if skipped:
+        print(f"source {source!r}: skipped {len(skipped)} of {len(files)} files as binary")
+    if not seen["text"]:
+        why = f"{len(skipped)} of {len(files)} files binary (NUL or not UTF-8)"
+        why = why if skipped else "empty or whitespace only"
+        raise ValueError(f"source {source!r} holds no text: {why}; nothing to tokenize")
+    counts = {split: sum(s["tokens"] for s in w.shards) for split, w in writers.items()}
+    for split, n in counts.items():
+        if n < block_size + 1:
+            few = f"the {split} split has {n} tokens, fewer than one block of {block_size}+1"
+            raise ValueError(f"{few}: use a bigger corpus or a smaller --block-size")
+    shards = {split: w.shards for split, w in writers.items()}
+    meta = dict(vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source, shards=shards)
+    meta.update(dtype=np.dtype(dtype).name, n_documents=seen["documents"], n_bytes=seen["bytes"])
+    meta.update(val_fraction=val_fraction, text_field=text_field, shard_tokens=shard_tokens)
+    meta.update({f"{split}_tokens": n for split, n in counts.items()})
+    return meta | dict(files=[s["file"] for split in shards.values() for s in split])
 
 
 # --- The loader: (x, y) = f(seed, step, dp_rank, dp_size), nothing else -----------------------
 class DataLoader:
-    """B windows of T+1 tokens per rank and step, from a memory-mapped shard. Epoch e permutes the
-    non-overlapping windows with seed (seed, e); step s takes the next dp_size*B, rank r its own B:
-    a pure function of (seed, step, dp_rank, dp_size), so a resumed run sees the same batches."""
+    """B windows of T+1 tokens per rank and step, from a split's memory-mapped shards (windows never
+    cross one). Epoch e permutes all windows with seed (seed, e); step s takes the next dp_size*B,
+    rank r its own B: a pure function of (seed, step, dp_rank, dp_size), resumable exactly."""
 
     def __init__(
         self, data_dir, split, batch_size, block_size, seed=0, dp_rank=0, dp_size=1, device="cpu"
     ):
-        path = Path(data_dir) / f"{split}.bin"
-        if not path.is_file():
-            fix = f"prepare the data first (python 01_data.py --out {data_dir})"
-            raise FileNotFoundError(f"{path} not found: {fix}")
+        paths = split_shards(data_dir, split)
         assert 0 <= dp_rank < dp_size, f"dp_rank {dp_rank} outside dp_size {dp_size}"
-        self.tokens, self.B, self.T = read_shard(path), batch_size, block_size
+        self.shards, self.B, self.T = [read_shard(p) for p in paths], batch_size, block_size
         self.seed, self.dp_rank, self.dp_size, self.device = seed, dp_rank, dp_size, device
-        self.n_windows = (len(self.tokens) - 1) // block_size
+        windows = [(len(shard) - 1) // block_size for shard in self.shards]
+        self.first = np.cumsum([0, *windows])  # the first window of each shard, then the total
+        self.n_windows = int(self.first[-1])
         self.steps_per_epoch = self.n_windows // (dp_size * batch_size)
         if self.steps_per_epoch < 1:
-            have = f"{path} holds {self.n_windows} windows of {block_size}+1 tokens"
+            where = f"{paths[0].parent}/{split}: {len(paths)} shard(s)"
+            have = f"{where} hold {self.n_windows} windows of {block_size}+1 tokens"
             need = f"one step needs dp_size*batch_size = {dp_size * batch_size}"
             raise ValueError(f"{have}, but {need}")
         self._perm_epoch, self._perm = -1, None
@@ -546,8 +630,11 @@ class DataLoader:
         return self._perm[first : first + self.B]
 
     def get_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = self.window_ids(step) * self.T
-        rows = np.stack([self.tokens[s : s + self.T + 1] for s in starts]).astype(np.int64)
+        windows = self.window_ids(step)
+        shards = np.searchsorted(self.first, windows, side="right") - 1  # which shard holds each
+        starts = (windows - self.first[shards]) * self.T  # and where, inside it
+        rows = [self.shards[k][s : s + self.T + 1] for k, s in zip(shards, starts)]
+        rows = np.stack(rows).astype(np.int64)  # (B, T+1)
         x, y = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])  # (B, T) each
         cuda = torch.device(self.device).type == "cuda"
         if cuda:  # pinned host memory -> an asynchronous copy
@@ -556,28 +643,18 @@ class DataLoader:
 
 
 # --- The demo: each lesson printed with its check ---------------------------------------------
-def show_naive_vs_incremental(text: str, vocab_size: int) -> None:
-    """Simple first: both trainers on the same text, timed, and their merges compared."""
-    start = time.perf_counter()
-    naive = train_bpe_naive(text, vocab_size)
-    mid = time.perf_counter()
-    same = train_bpe(text, vocab_size).merges == naive.merges
-    took = f"naive {mid - start:.2f} s, incremental {time.perf_counter() - mid:.2f} s"
-    print(f"BPE on {len(text) / 1e3:.0f} KB, vocab {vocab_size}: {took}, same merges: {same}")
-
-
 def show_tokenizers(name: str, tok, text: str) -> None:
-    """Our encoder with GPT-2's own merges against tiktoken's GPT-2 (Rust); then bytes per token
-    (higher = fewer tokens) on the validation text, which no tokenizer was trained on."""
+    """Our pure-Python encoder against tiktoken's Rust one with the same merges (tests: GPT-2's
+    own 50,000 too); bytes per token (higher = fewer tokens) on val text no tokenizer saw."""
     encoders = {name: fast_encoder(tok), "char": fast_encoder(CharTokenizer())}
+    if isinstance(tok, Tokenizer):
+        sample = text[:200_000]
+        same = tok.encode(sample) == encoders[name].encode(sample, allowed_special="all")
+        print(f"ours == tiktoken: {same} (its merges in Rust; {len(sample) / 1e3:.0f} KB val text)")
     try:
-        ref, ours, sample = get_tokenizer("gpt2"), gpt2_tokenizer(), text[:200_000]
-    except Exception as e:  # noqa: BLE001 - offline without TIKTOKEN_CACHE_DIR: say so, go on
-        print(f"ours == tiktoken: skipped: GPT-2's files cannot be loaded ({e!r:.80})")
-    else:
-        encoders["gpt2"] = ref
-        same = ours.encode(sample) == ref.encode(sample, allowed_special="all")
-        print(f"ours == tiktoken: {same} (GPT-2's merges, {len(sample) / 1e3:.0f} KB of val text)")
+        encoders["gpt2"] = get_tokenizer("gpt2")
+    except RuntimeError as e:  # offline without TIKTOKEN_CACHE_DIR: say so, go on
+        print(f"GPT-2 left out of the comparison: {str(e)[:80]}")
     n = len(text.encode("utf-8"))
     scores = [f"{k} {n / max(1, len(e.encode_ordinary(text))):.2f}" for k, e in encoders.items()]
     print(f"bytes per token on the val split, which no tokenizer trained on: {', '.join(scores)}")
@@ -591,9 +668,8 @@ def show_loader(out: Path, tok) -> None:
     except ValueError as e:  # a corpus of fewer than 4 windows of 8 tokens
         print(f"loader: skipped: {e}")
         return
-    ids = [set(ld.window_ids(0).tolist()) for ld in loaders]
-    disjoint = not ids[0] & ids[1]
-    print(f"loader, step 0, B={B}, T={T}: windows {ids[0]} and {ids[1]}, disjoint: {disjoint}")
+    a, b = (set(ld.window_ids(0).tolist()) for ld in loaders)
+    print(f"loader, step 0, B={B}, T={T}: windows {a} and {b}, disjoint: {not a & b}")
     for r, ld in enumerate(loaders):
         x, y = ld.get_batch(0)  # (B, T) each
         text = " | ".join(f"{tok.decode(row[:6].tolist())!r}" for row in (x[0], y[0]))
@@ -609,15 +685,34 @@ def main(argv=None) -> None:
     arg("--vocab-size", type=int, default=4096, help="BPE vocabulary; 4,096 trains in seconds")
     arg("--block-size", type=int, default=1024, help="GPT-2's context; each split needs one + 1")
     arg("--val-fraction", type=float, default=0.05, help="tail held out for validation")
+    arg("--text-field", default="text", help="the field of each .jsonl line that holds the text")
+    arg("--shard-tokens", type=int, default=SHARD_TOKENS, help="ids per shard file at most")
+    arg("--bpe-sample-mb", type=float, default=16, help="train split's first MB the BPE learns on")
     arg("--out", help="output folder; data/SOURCE-TOKENIZER when not given")
     args = parser.parse_args(argv)
     small_vocab = args.tokenizer == "bpe" and args.vocab_size < 257  # 256 bytes + <|endoftext|>
-    if small_vocab or args.block_size < 1 or not 0 < args.val_fraction < 1:
-        parser.error("need --vocab-size >= 257 for bpe, --block-size >= 1, 0 < --val-fraction < 1")
+    sizes = min(args.block_size, args.shard_tokens, args.bpe_sample_mb) > 0
+    if small_vocab or not sizes or not 0 < args.val_fraction < 1:
+        parser.error("need --vocab-size >= 257 for bpe, 0 < --val-fraction < 1 and sizes > 0")
     try:
         demo(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input: one line, no traceback
         raise SystemExit(f"01_data.py: error: {' '.join(str(e).splitlines())}") from None
+
+
+def samples(files, args) -> tuple[str, str]:
+    """One pass: the train split's first --bpe-sample-mb for the BPE, 1 MB of val for checks."""
+    cut, texts, seen = val_cut(files, args.val_fraction), defaultdict(list), Counter()
+    limit = {"train": args.bpe_sample_mb * 1e6, "val": 1e6}
+    for doc in iter_documents(files, [], args.text_field):  # (prepare reports binaries, no text)
+        seen["documents"] += 1
+        for split, text in split_document(doc, cut):
+            texts[split] += [text] if seen[split] < limit[split] else []
+            seen[split] += len(text)
+    train, val = (EOT.join(texts[split]) for split in ("train", "val"))
+    print(f"source {args.source!r}: {seen['documents']:,} documents, {seen['train'] / 1e6:.1f} MB "
+          f"train ({len(train) / 1e6:.1f} MB for the BPE), {seen['val'] / 1e6:.1f} MB val")  # fmt: skip
+    return train, val
 
 
 def demo(args) -> None:
@@ -625,24 +720,27 @@ def demo(args) -> None:
     shards. Nothing reaches --out before `prepare` has checked everything (`before_write`)."""
     tok_label = f"bpe{args.vocab_size}" if args.tokenizer == "bpe" else Path(args.tokenizer).stem
     out = Path(args.out or f"data/{Path(args.source).stem}-{tok_label}")
-    docs = read_documents(source_files(args.source), args.source)  # bad input fails here, first
-    train_text, val_text = (EOT.join(part) for part in split_val(docs, args.val_fraction))
-    print(f"source {args.source!r}: {len(docs)} documents, {len(train_text) / 1e6:.1f} MB train")
+    train_text, val_text = samples(source_files(args.source), args)  # bad input fails here
     tok_name, save_tok = str(out / "tokenizer.tiktoken"), None
     if args.tokenizer == "bpe":
-        show_naive_vs_incremental(train_text[:80_000], min(args.vocab_size, 512))
-        print(f"training a {args.vocab_size}-token BPE on the train split ...", end=" ", flush=True)
-        t0 = time.perf_counter()
-        tok = train_bpe(train_text, args.vocab_size)
-        print(f"{time.perf_counter() - t0:.1f} s")
+        text, vocab, t0 = train_text[:80_000], min(args.vocab_size, 512), time.perf_counter()
+        naive, t1 = train_bpe_naive(text, vocab), time.perf_counter()  # simple first: the two agree
+        same, t2 = train_bpe(text, vocab).merges == naive.merges, time.perf_counter()
+        took = f"naive {t1 - t0:.2f} s, incremental {t2 - t1:.2f} s"
+        print(f"BPE on {len(text) / 1e3:.0f} KB, vocab {vocab}: {took}, same merges: {same}")
+        t0, tok = time.perf_counter(), train_bpe(train_text, args.vocab_size)
+        print(
+            f"a {args.vocab_size}-token BPE, from the train split: {time.perf_counter() - t0:.1f} s"
+        )
         save_tok = lambda: tok.save(tok_name)  # noqa: E731 - by prepare, once the input passed
     else:
         tok, tok_name = get_tokenizer(args.tokenizer), args.tokenizer
     show_tokenizers(args.tokenizer, tok, val_text)
-    meta = prepare(args.source, tok, out, args.val_fraction, args.block_size, tok_name, save_tok)
-    for split in ("train", "val"):  # also when prepare found them done: what the shards hold
-        path, n = out / f"{split}.bin", meta[f"{split}_tokens"]
-        print(f"  {path}: {n:,} tokens, {meta['dtype']}, {path.stat().st_size / 1e6:.1f} MB")
+    meta = prepare(args.source, tok, out, args.val_fraction, args.block_size, tok_name, save_tok,
+                   args.shard_tokens, args.text_field)  # fmt: skip
+    for split, shards in meta["shards"].items():  # also when prepare found them done
+        mb, n = sum((out / s["file"]).stat().st_size for s in shards) / 1e6, meta[f"{split}_tokens"]
+        print(f"  {out}/{split}_*.bin: {n:,} tokens in {len(shards)} shard(s), {mb:.1f} MB")
     show_loader(out, tok)
 
 

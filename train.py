@@ -99,7 +99,7 @@ class TrainConfig:
     log_interval: int = flag(10, "steps between log lines and rows of metrics.jsonl")
     sample_tokens: int = flag(200, "tokens sampled at the end; 0 = no sample")
     out_dir: str = flag("out/run", "where metrics.jsonl, loss.png, checkpoints/, model.pt go")
-    data_dir: str = flag("", "train.bin/val.bin/meta.json from 01_data.py; empty = the default data of --tokenizer")
+    data_dir: str = flag("", "the shards and meta.json of 01_data.py; empty = the default data of --tokenizer")
     tokenizer: str = flag("", "bpe (a 4,096-token BPE 01_data.py trains), gpt2 or char; it picks the default data "
                               "(data/stdlib-bpe4096, -gpt2, -char; made if missing); empty: bpe or --data-dir's own")
     ckpt_interval: int = flag(250, "steps between checkpoints; 0 = only at the end and on SIGTERM/SIGUSR1")

@@ -8,7 +8,13 @@
    ours >= 50x faster than the reference.
 2. Ours at vocab 4,096 on the whole standard-library corpus (~10 MB once 01 leaves out the
    generated tables). Target: <= 20 s.
-3. Preparation throughput: tiktoken's threaded batch encoder, in MB/s, GPT-2 and our BPE.
+3. Preparation throughput: `prepare` (read, split, tiktoken's threaded batch encoder, shards),
+   in MB/s, GPT-2 and our BPE, on the standard library.
+4. `--corpus-gb 1`: preparation at scale. The bench writes a corpus of .jsonl files (the
+   standard library's documents, repeated; into data/bench-corpus/, not committed) and prepares
+   it with GPT-2's tokenizer in a fresh process: MB/s, time per GB, the peak resident memory of
+   that process (target: under 1 GiB, whatever the corpus size), and the extrapolation to a
+   corpus of 10 billion tokens.
 
 `--shakespeare` runs them on tiny-shakespeare instead (downloaded once into data/downloads/, the
 only network use; then `python 01_data.py --source data/downloads/tinyshakespeare.txt`).
@@ -16,9 +22,14 @@ only network use; then `python 01_data.py --source data/downloads/tinyshakespear
 
 import argparse
 import importlib
+import json
 import os
 import platform
+import resource
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -63,13 +74,16 @@ def main(argv=None):
     parser.add_argument(
         "--shakespeare", action="store_true", help="tiny-shakespeare (downloaded once), not stdlib"
     )
+    parser.add_argument(
+        "--corpus-gb", type=float, default=0, help="[4]: a corpus this big (0: skip)"
+    )
     args = parser.parse_args(argv)
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}"
     )
     files = [download_shakespeare()] if args.shakespeare else data.stdlib_files()
-    docs = data.read_documents(files)
+    docs = [text for _, _, text, _ in data.iter_documents(files, [])]
     corpus = data.EOT.join(docs)
     small = corpus.replace(data.EOT, "\n")[:300_000]  # the reference trainer knows no specials
 
@@ -92,17 +106,57 @@ def main(argv=None):
     mb = len(corpus.encode()) / 1e6
     print(f"[2] {mb:.1f} MB, vocab 4096: ours {full:6.2f} s (target <= 20 s)")
 
-    encoders = {"ours (via tiktoken)": tok.to_tiktoken()}
+    tokenizers = {"ours": tok}
     try:
-        encoders["gpt2"] = data.get_tokenizer("gpt2")
+        tokenizers["gpt2"] = data.get_tokenizer("gpt2")
     except RuntimeError as e:
         print(f"    gpt2 unavailable: {e}")
-    for name, enc in encoders.items():
-        ids, t = timed(data.encode_documents, enc, docs, enc.eot_token, name)
-        print(
-            f"[3] prepare/encode {name:20s} {mb / t:6.1f} MB/s ({len(ids):,} tokens, "
-            f"{os.cpu_count()} threads)"
-        )
+    source = str(files[0]) if args.shakespeare else "stdlib"
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, t in tokenizers.items():
+            meta, took = timed(data.prepare, source, t, Path(tmp) / name, block_size=64)
+            mb = meta["n_bytes"] / 1e6
+            print(f"[3] prepare {name:5s} {mb / took:6.1f} MB/s ({mb:.1f} MB, "
+                  f"{meta['train_tokens'] + meta['val_tokens']:,} tokens, {os.cpu_count()} threads)")  # fmt: skip
+    if args.corpus_gb:
+        at_scale(docs, args.corpus_gb)
+
+
+def at_scale(docs, gb: float, folder="data/bench-corpus"):
+    """[4]: write about `gb` GB of .jsonl (the documents again and again, 128 MB a file), then
+    prepare it with GPT-2's tokenizer in a child process, whose peak RSS the kernel reports."""
+    out, lines = Path(folder), [json.dumps({"text": d}) + "\n" for d in docs]
+    files, size, target = [], 0, gb * 1e9
+    while size < target:
+        path = out / f"part_{len(files):03d}.jsonl"
+        files.append(path)
+        if not path.is_file():  # written once, reused by later runs
+            chunk, n = [], 0
+            while n < 128e6 and size + n < target:
+                chunk.append(lines[(len(files) * 7919 + len(chunk)) % len(lines)])
+                n += len(chunk[-1].encode())
+            data.atomic_write(path, lambda tmp, c=chunk: tmp.write_text("".join(c)))
+        size += path.stat().st_size
+    print(
+        f"[4] {len(files)} files, {size / 1e9:.2f} GB of .jsonl in {out}; preparing with gpt2 ..."
+    )
+    code = ("import importlib, json, sys; d = importlib.import_module('01_data'); "
+            "m = d.prepare(sys.argv[1], 'gpt2', sys.argv[2], block_size=1024); "
+            "print(json.dumps({k: m[k] for k in ('train_tokens', 'val_tokens', 'n_bytes')}))")  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    shutil.rmtree(str(out) + "-gpt2", ignore_errors=True)  # prepared before: it would do nothing
+    start = time.perf_counter()
+    run = subprocess.run([sys.executable, "-c", code, str(out), str(out) + "-gpt2"], cwd=root,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    took, peak = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    meta = json.loads(run.stdout.strip().splitlines()[-1])
+    tokens, gb_text = meta["train_tokens"] + meta["val_tokens"], meta["n_bytes"] / 1e9
+    per_gb, tokens_per_gb = took / gb_text, tokens / gb_text
+    ten_b = 10e9 / tokens_per_gb * per_gb / 3600
+    print(f"    {gb_text:.2f} GB of text -> {tokens:,} tokens in {took:.0f} s: "
+          f"{gb_text * 1e3 / took:.1f} MB/s, {per_gb:.0f} s per GB; peak RSS {peak / 2**20:.0f} MiB "
+          f"(target < 1,024); 10 billion tokens ({10e9 / tokens_per_gb:.0f} GB of such text) would "
+          f"take {ten_b:.1f} h on these {os.cpu_count()} cores")  # fmt: skip
 
 
 if __name__ == "__main__":

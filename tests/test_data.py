@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiktoken
+import tiktoken.load
 import torch
 
 data = importlib.import_module("01_data")
@@ -25,7 +26,7 @@ EOT = data.EOT
 @pytest.fixture(scope="module")
 def real_text():
     """~300 KB of real text: the first files of the standard-library corpus."""
-    docs = data.read_documents(data.stdlib_files()[:40])
+    docs = [text for _, _, text, _ in data.iter_documents(data.stdlib_files()[:40], [])]
     return EOT.join(docs)[:300_000]
 
 
@@ -161,9 +162,27 @@ def test_any_vocab_encodes_like_tiktoken():
         assert tok.encode(s) == fast.encode(s, allowed_special="all"), s
 
 
+GPT2_VOCAB_BPE = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe"
+GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+
+
+def gpt2_tokenizer():
+    """GPT-2's own 50,000 merges, from the vocab.bpe tiktoken caches. It writes byte b as chr(b)
+    if printable, else chr(256 + n) for the n-th other byte; GPT-2's ids 0..255 follow suit."""
+    text = tiktoken.load.read_file_cached(GPT2_VOCAB_BPE, GPT2_VOCAB_BPE_SHA256).decode("utf-8")
+    printable = [b for b in range(256) if chr(b).isprintable() and chr(b) != " "]
+    others = [b for b in range(256) if b not in printable]
+    char_to_byte = {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+    lines = [line.split() for line in text.split("\n")[1:] if line]
+    merges = [tuple(bytes(char_to_byte[c] for c in part) for part in pair) for pair in lines]
+    vocab = {i: bytes([b]) for i, b in enumerate(printable + others)}
+    vocab.update({256 + i: a + b for i, (a, b) in enumerate(merges)})
+    return data.Tokenizer(vocab, merges, [EOT])
+
+
 def test_gpt2_merges_equal_tiktoken_gpt2(gpt2_encoding, real_text):
     """GPT-2's own 50,000 merges, read from tiktoken's cached vocab.bpe, give tiktoken's ids."""
-    ours = data.gpt2_tokenizer()
+    ours = gpt2_tokenizer()
     assert len(ours.merges) == 50_000 and ours.n_vocab == gpt2_encoding.n_vocab == 50_257
     assert ours.eot_token == gpt2_encoding.eot_token
     rng = random.Random(3)
@@ -327,13 +346,17 @@ def write_corpus(folder, n_docs=6, words=400):
     return folder
 
 
+def split_tokens(out, split) -> np.ndarray:
+    """A split's shards, end to end (as meta.json lists them)."""
+    return np.concatenate([data.read_shard(p) for p in data.split_shards(out, split)])
+
+
 def test_prepare_writes_shards_that_decode_back_to_the_corpus(tmp_path):
     """With the char tokenizer the tokens are the bytes, so train + val decode to the documents
     joined by <|endoftext|>: nothing lost at the split, one EOT between documents."""
     corpus = write_corpus(tmp_path / "corpus")
     meta = data.prepare(str(corpus), "char", tmp_path / "out", val_fraction=0.2, block_size=64)
-    train = data.read_shard(tmp_path / "out" / "train.bin")
-    val = data.read_shard(tmp_path / "out" / "val.bin")
+    train, val = split_tokens(tmp_path / "out", "train"), split_tokens(tmp_path / "out", "val")
     char = data.CharTokenizer()
     docs = [p.read_text() for p in sorted(corpus.iterdir())]
     assert char.decode(train.tolist()) + char.decode(val.tolist()) == EOT.join(docs)
@@ -368,7 +391,7 @@ def test_prepare_uses_uint32_only_when_the_vocab_needs_it(tmp_path, n_vocab, dty
     end-of-text id, the largest, sits between documents and must survive the cast."""
     corpus = write_corpus(tmp_path / "corpus")
     meta = data.prepare(str(corpus), BytesAndEot(n_vocab - 1), tmp_path / "out", block_size=64)
-    train = data.read_shard(tmp_path / "out" / "train.bin")
+    train = split_tokens(tmp_path / "out", "train")
     assert meta["dtype"] == np.dtype(dtype).name and train.dtype == dtype
     assert n_vocab - 1 in train  # the EOT between documents survived
 
@@ -385,21 +408,24 @@ class RecordingBytes(BytesAndEot):
         return super().encode_ordinary_batch(texts, num_threads)
 
 
-def test_encoding_holds_one_batch_of_text_at_a_time_not_the_corpus(monkeypatch):
+def test_encoding_holds_one_batch_of_text_at_a_time_not_the_corpus(monkeypatch, tmp_path):
     """A document is a whole file, so one call per 256 documents could hand tiktoken GBs of text
     and hold all their id lists at once. A call takes documents until ENCODE_BATCH_CHARS is
     reached, at least one: with a limit of 100,000, twelve documents of 30,000 characters go in
     3 calls of 4 (120,000: never more than the limit plus one document), and a document above
     the limit goes alone. The tokens are those of one document at a time, EOT between them."""
     monkeypatch.setattr(data, "ENCODE_BATCH_CHARS", 100_000, raising=False)
+
+    def encode(docs):
+        enc, w = RecordingBytes(256), data.ShardWriter(tmp_path, "train", np.uint16, 10**9)
+        data.encode_documents(enc, [("train", d, 0) for d in docs], {"train": w}, 1)
+        return enc.calls, data.read_shard(tmp_path / w.shards[0]["file"]).tolist()
+
     docs = [chr(ord("a") + d) * 30_000 for d in range(12)]
-    enc = RecordingBytes(256)
-    tokens = data.encode_documents(enc, docs, 256, "test")
-    assert enc.calls == [120_000] * 3  # the old code: one call of 360,000
-    assert tokens.tolist() == [t for d in docs for t in [256, *d.encode()]][1:]
-    enc = RecordingBytes(256)
-    data.encode_documents(enc, ["x" * 250_000, "y" * 250_000], 256, "test")
-    assert enc.calls == [250_000, 250_000]
+    calls, tokens = encode(docs)
+    assert calls == [120_000] * 3  # the old code: one call of 360,000
+    assert tokens == [t for d in docs for t in [256, *d.encode()]][1:]
+    assert encode(["x" * 250_000, "y" * 250_000])[0] == [250_000, 250_000]
 
 
 @pytest.mark.parametrize(
@@ -526,7 +552,7 @@ def test_cli_skips_binaries_in_a_folder_and_saves_the_tokenizer_with_the_shards(
     tok = data.get_tokenizer(meta["tokenizer"])
     assert meta["tokenizer"] == str(out / "tokenizer.tiktoken")
     assert tok.n_vocab == meta["vocab_size"]
-    shards = [data.read_shard(out / f"{split}.bin").tolist() for split in ("train", "val")]
+    shards = [split_tokens(out, split).tolist() for split in ("train", "val")]
     texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))]
     assert tok.decode(shards[0]) + tok.decode(shards[1]) == EOT.join(texts)
     for p in out.glob("tokenizer.*"):
@@ -535,7 +561,7 @@ def test_cli_skips_binaries_in_a_folder_and_saves_the_tokenizer_with_the_shards(
     printed = capsys.readouterr().out
     assert "nothing to do" in printed
     for split in ("train", "val"):  # a re-run still says what the shards hold
-        assert f"{out / split}.bin: {meta[split + '_tokens']:,} tokens, uint16" in printed
+        assert f"{out}/{split}_*.bin: {meta[split + '_tokens']:,} tokens in 1 shard(s)" in printed
     assert data.get_tokenizer(meta["tokenizer"]).merges == tok.merges
 
 
@@ -559,7 +585,11 @@ def test_the_demo_prints_its_headlines_and_trains_on_the_train_split_only(tmp_pa
     assert re.search(r"naive [\d.]+ s, incremental [\d.]+ s, same merges: True", printed), printed
     assert "bytes per token on the val split, which no tokenizer trained on: bpe " in printed
     assert "disjoint: True" in printed and printed.count("y is x shifted by one: True") == 2
-    train_docs, val_docs = data.split_val(data.read_documents(sorted(corpus.iterdir())), 0.2)
+    files = sorted(corpus.iterdir())
+    cut, docs = data.val_cut(files, 0.2), data.iter_documents(files, [])
+    pieces = [piece for doc in docs for piece in data.split_document(doc, cut)]
+    train_docs = [text for split, text in pieces if split == "train"]
+    val_docs = [text for split, text in pieces if split == "val"]
     assert "qx" in "".join(val_docs) and "qx" not in "".join(train_docs)
     tok = data.get_tokenizer(str(out / "tokenizer.tiktoken"))
     assert tok.merges == data.train_bpe(EOT.join(train_docs), 300).merges
@@ -572,6 +602,115 @@ def test_a_one_line_file_still_gets_a_validation_split(tmp_path):
     (tmp_path / "one.txt").write_text("word " * 400 + "\n")  # 2,001 characters
     meta = data.prepare(str(tmp_path / "one.txt"), "char", tmp_path / "out", 0.1, block_size=64)
     assert meta["val_tokens"] == 2001 - int(2001 * 0.9)  # cut mid-line at the 90% mark
+
+
+# ---------------------------------------------------------------------------------------------
+# At scale: many shards, .jsonl sources, interrupted runs
+# ---------------------------------------------------------------------------------------------
+def test_tiny_shards_hold_the_one_shard_stream_document_for_document(tmp_path):
+    """Shards of at most 1,000 ids, end to end, are the stream a single shard holds: the same
+    documents in the same order, EOT between them, each split cut only by the size limit; and
+    meta.json lists every shard with its count, in order."""
+    corpus = write_corpus(tmp_path / "corpus", n_docs=8)
+    one = data.prepare(str(corpus), "char", tmp_path / "one", 0.2, block_size=64)
+    many = data.prepare(str(corpus), "char", tmp_path / "many", 0.2, 64, shard_tokens=1_000)
+    for split in ("train", "val"):
+        assert len(one["shards"][split]) == 1 and len(many["shards"][split]) > 3
+        counts = [s["tokens"] for s in many["shards"][split]]
+        assert all(c == 1_000 for c in counts[:-1]) and 0 < counts[-1] <= 1_000
+        assert sum(counts) == many[f"{split}_tokens"] == one[f"{split}_tokens"]
+        names = [s["file"] for s in many["shards"][split]]
+        assert names == [f"{split}_{k:06d}.bin" for k in range(len(names))]
+        tokens = split_tokens(tmp_path / "many", split)
+        assert np.array_equal(tokens, split_tokens(tmp_path / "one", split))
+    docs = data.CharTokenizer().decode(split_tokens(tmp_path / "many", "train").tolist())
+    assert docs.split(EOT)[:3] == [(corpus / f"doc{d}.txt").read_text() for d in range(3)]
+    assert sorted(p.name for p in (tmp_path / "many").iterdir()) == sorted(
+        many["files"] + ["meta.json"]
+    )
+
+
+def test_the_loader_over_many_shards_equals_one_shard_when_windows_align(tmp_path):
+    """Windows never cross a shard, so cut the stream where a window ends (shard k holds tokens
+    kT .. (k+m)T, the next starts at its last token): every window is the same, and so is every
+    batch of every step and rank. The one-shard folder is today's layout (train.bin, no meta)."""
+    T, tokens = 8, (np.arange(24 * 8 + 1) * 7 % 1000).astype(np.uint16)
+    data.write_shard(tmp_path / "one" / "train.bin", tokens)
+    cuts, shards = [0, 5 * T, 13 * T, 24 * T], []
+    for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        data.write_shard(tmp_path / "many" / f"train_{k:06d}.bin", tokens[a : b + 1])
+        shards.append({"file": f"train_{k:06d}.bin", "tokens": b + 1 - a})
+    meta = {"shards": {"train": shards, "val": []}}
+    (tmp_path / "many" / "meta.json").write_text(json.dumps(meta))
+    for rank in (0, 1):
+        one, many = (
+            data.DataLoader(tmp_path / d, "train", 3, T, 5, rank, 2) for d in ("one", "many")
+        )
+        assert one.n_windows == many.n_windows == 24
+        for step in range(9):  # two epochs and more
+            assert all(a.equal(b) for a, b in zip(one.get_batch(step), many.get_batch(step)))
+
+
+def test_jsonl_gives_the_tokens_of_the_same_documents_as_text_files(tmp_path):
+    """The same 5 documents as 5 files and as 5 JSON lines ("text", escapes and all) give the same
+    tokens: train the first 4, val the last (val_fraction 1/5 on equal sizes cuts between them)."""
+    docs = [f'doc {d}: "quoted", tab\t, é, {"x" * 200}\n' for d in range(5)]
+    (tmp_path / "files").mkdir()
+    for d, text in enumerate(docs):
+        (tmp_path / "files" / f"{d}.txt").write_text(text)
+    lines = [json.dumps({"id": d, "text": text}) for d, text in enumerate(docs)]
+    (tmp_path / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    a = data.prepare(str(tmp_path / "files"), "char", tmp_path / "a", 0.2, block_size=16)
+    b = data.prepare(str(tmp_path / "docs.jsonl"), "char", tmp_path / "b", 0.2, block_size=16)
+    assert a["n_documents"] == b["n_documents"] == 5
+    for split in ("train", "val"):
+        assert np.array_equal(
+            split_tokens(tmp_path / "a", split), split_tokens(tmp_path / "b", split)
+        )
+    assert data.CharTokenizer().decode(split_tokens(tmp_path / "b", "val").tolist()) == docs[4]
+
+
+@pytest.mark.parametrize("line", ['{"text": 3}', '{"body": "x"}', '{"text": "x"', "[1, 2]"])
+def test_a_malformed_jsonl_line_is_one_line_naming_file_and_line(tmp_path, line):
+    good = json.dumps({"text": "fine " * 40})
+    (tmp_path / "d.jsonl").write_text(f"{good}\n\n{good}\n{line}\n{good}\n")
+    with pytest.raises(
+        ValueError, match=r"d\.jsonl:4: not a JSON object with a string field 'text'"
+    ):
+        data.prepare(str(tmp_path / "d.jsonl"), "char", tmp_path / "out", block_size=8)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_preparation_leaves_no_shard_and_a_rerun_finishes_it(tmp_path, monkeypatch):
+    """Killed after its second shard (an exception here; a real kill leaves the sibling
+    .out.partial folder, which the next run clears): OUT holds no shard and no meta.json, and the
+    rerun writes the very files of an uninterrupted run, byte for byte."""
+    corpus = write_corpus(tmp_path / "corpus", n_docs=8)
+    args = dict(val_fraction=0.2, block_size=64, shard_tokens=1_000)
+    data.prepare(str(corpus), "char", tmp_path / "straight", **args)
+    close, closed = data.ShardWriter.close, []
+
+    def dying_close(self):
+        if self.file is not None and len(closed) == 2:
+            raise KeyboardInterrupt("killed")
+        closed.append(self.file and self.path.name)
+        close(self)
+
+    monkeypatch.setattr(data.ShardWriter, "close", dying_close)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare(str(corpus), "char", tmp_path / "out", **args)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
+    monkeypatch.setattr(data.ShardWriter, "close", close)
+    (tmp_path / ".out.partial").mkdir()  # what a SIGKILL leaves: half a shard, in the side folder
+    (tmp_path / ".out.partial" / "train_000000.tmp").write_bytes(b"half")
+    data.prepare(str(corpus), "char", tmp_path / "out", **args)
+    straight = {p.name: p.read_bytes() for p in (tmp_path / "straight").iterdir()}
+    rerun = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert rerun.keys() == straight.keys() and len(rerun) > 4
+    for name in straight:
+        if name != "meta.json":  # (its source paths are the same; its folder is not in it)
+            assert rerun[name] == straight[name], name
+    assert json.loads(rerun["meta.json"]) == json.loads(straight["meta.json"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -513,7 +513,7 @@ def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tm
         (["--steps-this-run", "-1"], 1, "--steps-this-run must be >= 0, got -1"),
         (["--dp", "-1", "--tp", "-1"], 1, "--dp must be > 0, got -1"),  # (-1)(-1)(1) = world 1
         (["--batch-size", "8192", "--micro-batch-size", "8192"], 1,
-         "train split: DATA/train.bin holds 4008 windows of 32+1 tokens, but one step needs"),
+         "train split: DATA/train: 1 shard(s) hold 4008 windows of 32+1 tokens, but one step needs"),
         (["--out-dir", "DATA/meta.json/run"], 1, "DATA/meta.json is a file, not a folder"),
         (["--zero", "1"], 1, "--zero shards over the DP replicas, but --dp is 1"),
         (["--dp", "2", "--zero", "4"], 2, "--zero 4: a stage is 0 to 3"),
