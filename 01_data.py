@@ -315,8 +315,8 @@ def get_tokenizer(name: str):
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # noqa: BLE001 - network or cache failure; say what to do
-        fix = "it is downloaded once; offline, set TIKTOKEN_CACHE_DIR to a folder holding its files"
-        raise RuntimeError(f"cannot load GPT-2's tokenizer ({type(e).__name__}: {e}). {fix}, "
+        fix = "it is downloaded once: offline, set TIKTOKEN_CACHE_DIR to a folder holding its files"
+        raise RuntimeError(f"cannot load GPT-2's tokenizer ({type(e).__name__}: {e}); {fix}, "
                            "or use --tokenizer char") from e  # fmt: skip
 
 

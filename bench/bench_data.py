@@ -147,8 +147,11 @@ def at_scale(docs, gb: float, folder="data/bench-corpus"):
     shutil.rmtree(str(out) + "-gpt2", ignore_errors=True)  # prepared before: it would do nothing
     start = time.perf_counter()
     run = subprocess.run([sys.executable, "-c", code, str(out), str(out) + "-gpt2"], cwd=root,
-                         capture_output=True, text=True, check=True)  # fmt: skip
-    took, peak = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+                         capture_output=True, text=True)  # fmt: skip
+    if run.returncode:
+        raise SystemExit(f"[4] preparing {out} failed: {run.stderr.strip().splitlines()[-1]}")
+    took = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB
     meta = json.loads(run.stdout.strip().splitlines()[-1])
     tokens, gb_text = meta["train_tokens"] + meta["val_tokens"], meta["n_bytes"] / 1e9
     per_gb, tokens_per_gb = took / gb_text, tokens / gb_text
