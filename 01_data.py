@@ -15,9 +15,9 @@ GPT-2's pre-tokenization regex, so no merge crosses a word boundary or a special
 
 Who holds what (nothing is distributed yet, except who reads which window):
 
-    files, .jsonl --stream, encode (tiktoken, threads)--> train_000000.bin, train_000001.bin, ...
-    each [hdr | t0 t1 ... tn] (np.memmap, n <= --shard-tokens), cut into windows of T+1 tokens
-    that never cross a shard, numbered 0..W-1 across the shards:  \\_window_/\\_window_/ ...
+    files, .jsonl --stream, encode (tiktoken, threads)--> OUT/train_000000.bin ..., val_*, meta.json
+    each [hdr | t0 ... t(n-1)] (np.memmap, n <= --shard-tokens), cut into windows of T+1 tokens at
+    stride T that never cross a shard, W of them across the shards:  \\_window_/\\_window_/ ...
     step s, epoch e = s // steps_per_epoch:  perm_e = permutation(W windows, seed=(seed, e))
         dp_rank 0 -> perm_e[k*dp*B + 0*B : ... + B]     x = window[:-1], y = window[1:]
         dp_rank 1 -> perm_e[k*dp*B + 1*B : ... + B]     (disjoint from rank 0 in every step)
@@ -31,6 +31,7 @@ import argparse
 import base64
 import codecs
 import contextlib
+import fcntl
 import glob
 import hashlib
 import heapq
@@ -56,7 +57,9 @@ GPT2_SPLIT_PATTERN = (
 )
 EOT = "<|endoftext|>"
 SHARD_MAGIC, SHARD_VERSION, HEADER_INTS = 20240520, 1, 4  # header: magic, version, itemsize, count
+SPLITS = ("train", "val")
 ENCODE_BATCH_CHARS = 8_000_000  # text per tiktoken call: bounds the memory of encode_documents
+MAX_DOCUMENT_BYTES = 32_000_000  # a bigger file would be a bigger batch: refused, split it
 SHARD_TOKENS = 100_000_000  # ids per shard at most, as llm.c and build-nanogpt: 200 MB in uint16
 
 
@@ -172,7 +175,7 @@ def progress(what: str, done: float, total: float, start: float, unit: str = "")
     elapsed = time.perf_counter() - start
     eta, rate = elapsed / max(done, 1e-9) * (total - done), done / max(elapsed, 1e-9)
     status = (
-        f"{done:,.1f}/{total:,.1f}{unit}, {rate:,.1f}{unit}/s, ETA {eta:.0f} s ({elapsed:.0f} s)"
+        f"{done:,.1f}/{total:,.1f}{unit}, {rate:,.1f}{unit}/s, ETA {eta:.0f} s ({elapsed:.0f} s in)"
     )
     print(f"\r  {what}: {status}", end="\n" if done >= total else "", flush=True)
 
@@ -320,11 +323,6 @@ def get_tokenizer(name: str):
                            "or use --tokenizer char") from e  # fmt: skip
 
 
-def fast_encoder(tok):
-    """Something with tiktoken's `encode_ordinary_batch`: our BPE is handed to tiktoken."""
-    return tok.to_tiktoken() if isinstance(tok, Tokenizer) else tok
-
-
 # --- Sources: the standard library (the default, offline), or a file, folder or glob -----------
 def is_table(text: str) -> bool:
     """Generated data, not code: over 60% of the code lines open with a string or number literal
@@ -366,11 +364,12 @@ def source_files(source: str) -> list[Path]:
 
 def iter_documents(files, skipped: list, text_field="text"):
     """Each document, in order, as (start, end, text, whole): its bytes in the source (the text
-    files end to end), and whether a split must keep it whole. A file is a document; a .jsonl file
-    holds one per line (`text_field` of a JSON object), kept whole. Binary files (`is_binary`) go
-    to `skipped`. One file or line is in memory at a time."""
+    files end to end) and if a split must keep it whole. A file is a document; a .jsonl file one
+    per line (`text_field` of a JSON object), whole. Binary files (`is_binary`) go to `skipped`."""
     offset = 0
     for f in map(Path, files):
+        if f.suffix != ".jsonl" and f.stat().st_size > MAX_DOCUMENT_BYTES:  # ~20x it in memory
+            raise ValueError(f"{f}: over 32 MB, one document: split it in files or .jsonl lines")
         with open(f, "rb") as file:
             jsonl = f.suffix == ".jsonl"
             for n, raw in enumerate(file if jsonl else [file.read()], 1):  # a line, or the file
@@ -386,8 +385,10 @@ def iter_documents(files, skipped: list, text_field="text"):
 
 def json_text(line: bytes, field: str, where: str) -> str:
     with contextlib.suppress(ValueError, KeyError, TypeError, IndexError):
-        if isinstance(text := json.loads(line)[field], str):
-            return text
+        if isinstance(
+            text := json.loads(line)[field], str
+        ):  # lone surrogates -> U+FFFD, as tiktoken
+            return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     raise ValueError(f"{where}: not a JSON object with a string field {field!r}")
 
 
@@ -406,8 +407,7 @@ def split_document(doc, cut: int) -> list:
 
 
 def val_cut(files, val_fraction: float) -> int:
-    """Where validation starts: the last `val_fraction` of the text files' bytes (a file whose
-    first 8 KB say binary counts for nothing, as iter_documents skips it). No file is read whole."""
+    """Where val starts: the last `val_fraction` of the text files' bytes (heads only are read)."""
     heads = (open(f, "rb").read(8193) for f in files)  # 8,193: is_binary sees 8 KB, and more
     sizes = [Path(f).stat().st_size for f, head in zip(files, heads) if not is_binary(head)]
     return int(sum(sizes) * (1 - val_fraction))
@@ -441,11 +441,6 @@ def fsync_dir(path) -> None:
 
 def shard_header(dtype, n: int) -> bytes:
     return np.array([SHARD_MAGIC, SHARD_VERSION, np.dtype(dtype).itemsize, n], np.int64).tobytes()
-
-
-def write_shard(path, tokens: np.ndarray) -> None:
-    data = shard_header(tokens.dtype, len(tokens)) + tokens.tobytes()
-    atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
 def split_shards(data_dir, split: str) -> list[Path]:
@@ -500,9 +495,8 @@ class ShardWriter:
 
 
 def encode_documents(enc, pieces, writers: dict, total_bytes: int) -> None:
-    """tiktoken's threaded batch encoder over (split, text, source bytes read) pieces, into each
-    split's ShardWriter, EOT between documents. A call takes ~ENCODE_BATCH_CHARS of text (one
-    document at least): memory holds a batch of text and ids, not the corpus."""
+    """tiktoken's threaded batch encoder over (split, text, source bytes read), into each split's
+    ShardWriter, EOT between documents; ~ENCODE_BATCH_CHARS a call: memory holds one batch."""
     batch, size, start = [], 0, time.perf_counter()
     for piece in (p for ps in (pieces, [None]) for p in ps):  # None: the end, the last batch
         batch += [piece] if piece else []
@@ -525,36 +519,42 @@ def encode_documents(enc, pieces, writers: dict, total_bytes: int) -> None:
 def prepare(source, tokenizer, out_dir, val_fraction=0.05, block_size=1024, tokenizer_name=None,
             before_write=None, shard_tokens=SHARD_TOKENS, text_field="text") -> dict:  # fmt: skip
     """Stream `source` (files, a folder, a glob; .jsonl lines) through `tokenizer` into shards of
-    at most `shard_tokens` ids per split, listed in OUT/meta.json. Idempotent: nothing is done when
-    meta.json describes the same inputs. Atomic: shards are written in a sibling folder, then
-    OUT's meta.json goes, the shards are renamed in, the new meta.json last; a crash leaves no
-    half shard. Bad input: a one-line error before anything reaches OUT; then `before_write()`."""
+    at most `shard_tokens` ids per split, listed in OUT/meta.json. Idempotent. Atomic: shards are
+    written in a sibling folder, OUT's meta.json goes, they are renamed in, the new meta.json last:
+    a crash leaves no half shard. Bad input: a one-line error before anything reaches OUT."""
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     name = tokenizer_name or (tokenizer if isinstance(tokenizer, str) else type(tok).__name__)
     files = source_files(source)
     stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    settings = [name, tok.n_vocab, val_fraction, block_size, shard_tokens, text_field]
+    merges = repr(getattr(tok, "merges", ""))  # the same name, other merges: other ids
+    settings = [name, tok.n_vocab, merges, val_fraction, block_size, shard_tokens, text_field]
     fingerprint = hashlib.sha256(json.dumps(stats + settings).encode()).hexdigest()
-    out, meta_path = Path(out_dir), Path(out_dir) / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-    if meta.get("fingerprint") == fingerprint and all((out / s).is_file() for s in meta["files"]):
-        print(f"{out}: already prepared from the same inputs, nothing to do")
-        (before_write or (lambda: None))()  # the inputs passed before (a tokenizer deleted by hand)
-        return meta
-    staging = out.with_name(f".{out.name}.partial")  # beside OUT: renames into it are atomic
-    shutil.rmtree(staging, ignore_errors=True)  # an interrupted run's: redone from the start
-    staging.mkdir(parents=True)
-    try:
-        meta = write_shards(source, tok, files, staging, val_fraction, block_size, shard_tokens,
-                            text_field) | dict(tokenizer=name, fingerprint=fingerprint)  # fmt: skip
-        (before_write or (lambda: None))()  # every check passed: the first write to OUT
-        out.mkdir(parents=True, exist_ok=True)
-        meta_path.unlink(missing_ok=True)  # from here until the new one, OUT is "not prepared"
-        for f in meta["files"]:
-            os.replace(staging / f, out / f)
-        atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    out, meta_path = Path(os.path.abspath(out_dir)), Path(out_dir) / "meta.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(f".{out.name}.lock"), "w") as lock:  # one preparation of OUT at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (the second then finds the first's work done)
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        done = meta.get("fingerprint") == fingerprint  # and every shard still there:
+        if done and all((out / f).exists() for f in meta["files"]):
+            print(f"{out}: already prepared from the same inputs, nothing to do")
+            (before_write or (lambda: None))()  # the inputs passed before (a tokenizer deleted?)
+            return meta
+        staging = out.with_name(f".{out.name}.partial")  # beside OUT: renames into it are atomic
+        shutil.rmtree(staging, ignore_errors=True)  # an interrupted run's: redone from the start
+        staging.mkdir()
+        try:
+            args = (val_fraction, block_size, shard_tokens, text_field)
+            meta = write_shards(source, tok, files, staging, *args)
+            meta.update(tokenizer=name, fingerprint=fingerprint)
+            (before_write or (lambda: None))()  # every check passed: the first write to OUT
+            out.mkdir(exist_ok=True)
+            meta_path.unlink(missing_ok=True)  # from here until the new one, OUT is "not prepared"
+            for f in meta["files"]:
+                os.replace(staging / f, out / f)
+            fsync_dir(out)  # the renames reach the disk before meta.json says "done"
+            atomic_write(meta_path, lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     for old in (f for f in out.glob("*.bin") if f.name not in meta["files"]):
         old.unlink()  # a shard of an earlier preparation, no longer listed
     return meta
@@ -564,16 +564,15 @@ def write_shards(source, tok, files, staging, val_fraction, block_size, shard_to
     """Every document encoded into shards in `staging`, then the checks that need the text."""
     cut, skipped, seen = val_cut(files, val_fraction), [], Counter()
     dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
-    writers = {
-        split: ShardWriter(staging, split, dtype, shard_tokens) for split in ("train", "val")
-    }
+    writers = {split: ShardWriter(staging, split, dtype, shard_tokens) for split in SPLITS}
 
     def pieces():  # (split, text, source bytes read so far), counting documents on the way
         for doc in iter_documents(files, skipped, text_field):
             seen.update(documents=1, bytes=len(doc[2].encode()), text=bool(doc[2].strip()))
             yield from ((split, text, doc[1]) for split, text in split_document(doc, cut))
 
-    encode_documents(fast_encoder(tok), pieces(), writers, val_cut(files, 0.0))
+    enc = tok.to_tiktoken() if isinstance(tok, Tokenizer) else tok  # tiktoken's fast encoder
+    encode_documents(enc, pieces(), writers, val_cut(files, 0.0))
     if skipped:
         print(f"source {source!r}: skipped {len(skipped)} of {len(files)} files as binary")
     if not seen["text"]:
@@ -584,7 +583,7 @@ def write_shards(source, tok, files, staging, val_fraction, block_size, shard_to
     for split, n in counts.items():
         if n < block_size + 1:
             few = f"the {split} split has {n} tokens, fewer than one block of {block_size}+1"
-            raise ValueError(f"{few}: use a bigger corpus or a smaller --block-size")
+            raise ValueError(f"{few}: a bigger corpus or --val-fraction, or a smaller --block-size")
     shards = {split: w.shards for split, w in writers.items()}
     meta = dict(vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source, shards=shards)
     meta.update(dtype=np.dtype(dtype).name, n_documents=seen["documents"], n_bytes=seen["bytes"])
@@ -646,7 +645,8 @@ class DataLoader:
 def show_tokenizers(name: str, tok, text: str) -> None:
     """Our pure-Python encoder against tiktoken's Rust one with the same merges (tests: GPT-2's
     own 50,000 too); bytes per token (higher = fewer tokens) on val text no tokenizer saw."""
-    encoders = {name: fast_encoder(tok), "char": fast_encoder(CharTokenizer())}
+    ours = tok.to_tiktoken() if isinstance(tok, Tokenizer) else tok
+    encoders = {name: ours, "char": CharTokenizer().to_tiktoken()}
     if isinstance(tok, Tokenizer):
         sample = text[:200_000]
         same = tok.encode(sample) == encoders[name].encode(sample, allowed_special="all")
@@ -680,7 +680,8 @@ def main(argv=None) -> None:
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=formatter)
     arg = parser.add_argument
-    arg("--source", default="stdlib", help="stdlib (Python's own source), a file, folder or glob")
+    arg("--source", default="stdlib", help="stdlib (Python's source), a file, folder or glob; "
+        "a .jsonl file holds a document a line (--text-field)")  # fmt: skip
     arg("--tokenizer", default="bpe", help="bpe (trained here), gpt2, char or a .tiktoken")
     arg("--vocab-size", type=int, default=4096, help="BPE vocabulary; 4,096 trains in seconds")
     arg("--block-size", type=int, default=1024, help="GPT-2's context; each split needs one + 1")
@@ -691,9 +692,10 @@ def main(argv=None) -> None:
     arg("--out", help="output folder; data/SOURCE-TOKENIZER when not given")
     args = parser.parse_args(argv)
     small_vocab = args.tokenizer == "bpe" and args.vocab_size < 257  # 256 bytes + <|endoftext|>
-    sizes = min(args.block_size, args.shard_tokens, args.bpe_sample_mb) > 0
+    sizes = min(args.block_size, args.bpe_sample_mb) > 0 and args.shard_tokens > args.block_size
     if small_vocab or not sizes or not 0 < args.val_fraction < 1:
-        parser.error("need --vocab-size >= 257 for bpe, 0 < --val-fraction < 1 and sizes > 0")
+        parser.error("need --vocab-size >= 257 for bpe, 0 < --val-fraction < 1, sizes > 0 and "
+                     "--shard-tokens > --block-size (a window never crosses a shard)")  # fmt: skip
     try:
         demo(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input: one line, no traceback
@@ -707,9 +709,9 @@ def samples(files, args) -> tuple[str, str]:
     for doc in iter_documents(files, [], args.text_field):  # (prepare reports binaries, no text)
         seen["documents"] += 1
         for split, text in split_document(doc, cut):
-            texts[split] += [text] if seen[split] < limit[split] else []
+            texts[split] += [text[: max(0, int(limit[split] - seen[split]))]]
             seen[split] += len(text)
-    train, val = (EOT.join(texts[split]) for split in ("train", "val"))
+    train, val = (EOT.join(texts[split]) for split in SPLITS)
     print(f"source {args.source!r}: {seen['documents']:,} documents, {seen['train'] / 1e6:.1f} MB "
           f"train ({len(train) / 1e6:.1f} MB for the BPE), {seen['val'] / 1e6:.1f} MB val")  # fmt: skip
     return train, val

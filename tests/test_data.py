@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import sysconfig
+import threading
 import tracemalloc
 import urllib.error
 from pathlib import Path
@@ -300,10 +301,20 @@ def test_shakespeare_offline_gives_a_clear_error(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def write_shard(path, tokens: np.ndarray) -> None:
+    """A shard by hand (01's ShardWriter names its own): the header, then the tokens."""
+    data.atomic_write(
+        path,
+        lambda tmp: tmp.write_bytes(
+            data.shard_header(tokens.dtype, len(tokens)) + tokens.tobytes()
+        ),
+    )
+
+
 @pytest.mark.parametrize("dtype", [np.uint16, np.uint32])
 def test_shards_round_trip(tmp_path, dtype):
     tokens = np.arange(0, 70_000, 7, dtype=np.int64) % np.iinfo(dtype).max
-    data.write_shard(tmp_path / "s.bin", tokens.astype(dtype))
+    write_shard(tmp_path / "s.bin", tokens.astype(dtype))
     back = data.read_shard(tmp_path / "s.bin")
     assert back.dtype == dtype and np.array_equal(back, tokens)
     assert (tmp_path / "s.bin").stat().st_size == 32 + tokens.size * np.dtype(dtype).itemsize
@@ -518,7 +529,13 @@ def test_cli_refuses_impossible_flags_before_reading_the_source(tmp_path, capsys
     """A BPE vocabulary without room for the 256 bytes and <|endoftext|> used to end in an
     AssertionError traceback from train_bpe; the source named here is missing on purpose, so a
     flag that slipped through would fail on the source instead (exit status 1, not 2)."""
-    for flags in (["--vocab-size", "100"], ["--block-size", "0"], ["--val-fraction", "1"]):
+    impossible = (
+        ["--vocab-size", "100"],
+        ["--block-size", "0"],
+        ["--val-fraction", "1"],
+        ["--shard-tokens", "1024"],
+    )  # fmt: skip (a shard must hold a window: > block size)
+    for flags in impossible:
         with pytest.raises(SystemExit) as e:
             data.main([*flags, "--source", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
         assert e.value.code == 2 and "need --vocab-size >= 257" in capsys.readouterr().err, flags
@@ -635,10 +652,10 @@ def test_the_loader_over_many_shards_equals_one_shard_when_windows_align(tmp_pat
     kT .. (k+m)T, the next starts at its last token): every window is the same, and so is every
     batch of every step and rank. The one-shard folder is today's layout (train.bin, no meta)."""
     T, tokens = 8, (np.arange(24 * 8 + 1) * 7 % 1000).astype(np.uint16)
-    data.write_shard(tmp_path / "one" / "train.bin", tokens)
+    write_shard(tmp_path / "one" / "train.bin", tokens)
     cuts, shards = [0, 5 * T, 13 * T, 24 * T], []
     for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
-        data.write_shard(tmp_path / "many" / f"train_{k:06d}.bin", tokens[a : b + 1])
+        write_shard(tmp_path / "many" / f"train_{k:06d}.bin", tokens[a : b + 1])
         shards.append({"file": f"train_{k:06d}.bin", "tokens": b + 1 - a})
     meta = {"shards": {"train": shards, "val": []}}
     (tmp_path / "many" / "meta.json").write_text(json.dumps(meta))
@@ -713,13 +730,69 @@ def test_an_interrupted_preparation_leaves_no_shard_and_a_rerun_finishes_it(tmp_
     assert json.loads(rerun["meta.json"]) == json.loads(straight["meta.json"])
 
 
+def test_another_tokenizer_of_the_same_name_and_size_prepares_again(tmp_path):
+    """The fingerprint holds the merges: two BPEs of 280 tokens learned from different text (as a
+    changed --bpe-sample-mb gives) must not share shards, or the ids decode to garbage."""
+    corpus = write_corpus(tmp_path / "corpus")
+    text = " ".join((corpus / f"doc{d}.txt").read_text() for d in range(6))
+    backwards = " ".join(word[::-1] for word in text.split())  # other pairs, other merges
+    a, b = data.train_bpe(text, 280), data.train_bpe(backwards, 280)
+    assert a.merges != b.merges and a.n_vocab == b.n_vocab
+    for tok in (a, b):
+        data.prepare(str(corpus), tok, tmp_path / "out", 0.2, block_size=16, tokenizer_name="bpe")
+        assert tok.decode(split_tokens(tmp_path / "out", "val").tolist()).endswith(
+            (corpus / "doc5.txt").read_text()
+        )
+
+
+def test_two_preparations_of_one_folder_take_turns(tmp_path):
+    """A lock on OUT: the second waits, then finds the first's work done (without it both cleared
+    one staging folder and one died, or renamed the other's half shard into place)."""
+    corpus, errors = write_corpus(tmp_path / "corpus", n_docs=8), []
+
+    def run():
+        try:
+            data.prepare(str(corpus), "char", tmp_path / "out", 0.2, 64, shard_tokens=500)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    data.prepare(str(corpus), "char", tmp_path / "one", 0.2, 64, shard_tokens=500)
+    for split in ("train", "val"):
+        assert np.array_equal(
+            split_tokens(tmp_path / "out", split), split_tokens(tmp_path / "one", split)
+        )
+
+
+def test_big_documents_are_refused_and_lone_surrogates_repaired(tmp_path, monkeypatch):
+    """A document is encoded whole, ~20x its size in memory: a file over MAX_DOCUMENT_BYTES is a
+    one-line error (split it), not a machine out of memory. A JSON line may hold a lone UTF-16
+    surrogate (web dumps do); it becomes U+FFFD, as tiktoken would make it, not a crash."""
+    monkeypatch.setattr(data, "MAX_DOCUMENT_BYTES", 1_000)
+    (tmp_path / "big.txt").write_text("x" * 1_001)
+    with pytest.raises(ValueError, match="one document: split it"):
+        data.prepare(str(tmp_path / "big.txt"), "char", tmp_path / "out", block_size=8)
+    lines = [json.dumps({"text": "ok " * 20}), '{"text": "half a pair \\ud83d here"}'] * 3
+    (tmp_path / "s.jsonl").write_text("\n".join(lines))
+    data.prepare(str(tmp_path / "s.jsonl"), "char", tmp_path / "j", 0.4, block_size=8)
+    text = data.CharTokenizer().decode(
+        np.concatenate([split_tokens(tmp_path / "j", s) for s in ("train", "val")]).tolist()
+    )
+    assert "half a pair \ufffd here" in text
+
+
 # ---------------------------------------------------------------------------------------------
 # The loader
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shard_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("shards")
-    data.write_shard(out / "train.bin", (np.arange(10_001) % 60_000).astype(np.uint16))
+    write_shard(out / "train.bin", (np.arange(10_001) % 60_000).astype(np.uint16))
     return out
 
 
@@ -758,7 +831,7 @@ def test_every_epoch_reads_every_window_once_in_a_new_order(tmp_path):
     window is x[0] // T, read from the batches themselves. 12 windows of T=8, B=2: an epoch is 6
     steps at dp=1 and 3 at dp=2 (the ranks together read the epoch)."""
     T, n_windows = 8, 12
-    data.write_shard(tmp_path / "train.bin", np.arange(n_windows * T + 1, dtype=np.uint16))
+    write_shard(tmp_path / "train.bin", np.arange(n_windows * T + 1, dtype=np.uint16))
     for dp in (1, 2):
         loaders = [data.DataLoader(tmp_path, "train", 2, T, 5, r, dp) for r in range(dp)]
         spe = loaders[0].steps_per_epoch
