@@ -650,7 +650,7 @@ def test_tiny_shards_hold_the_one_shard_stream_document_for_document(tmp_path):
 def test_the_loader_over_many_shards_equals_one_shard_when_windows_align(tmp_path):
     """Windows never cross a shard, so cut the stream where a window ends (shard k holds tokens
     kT .. (k+m)T, the next starts at its last token): every window is the same, and so is every
-    batch of every step and rank. The one-shard folder is today's layout (train.bin, no meta)."""
+    batch of every step and rank. The one-shard folder is the layout from before shards (train.bin)."""
     T, tokens = 8, (np.arange(24 * 8 + 1) * 7 % 1000).astype(np.uint16)
     write_shard(tmp_path / "one" / "train.bin", tokens)
     cuts, shards = [0, 5 * T, 13 * T, 24 * T], []
