@@ -383,11 +383,9 @@ def iter_documents(files, skipped: list, text_field="text"):
                 offset += len(raw)
 
 
-def json_text(line: bytes, field: str, where: str) -> str:
+def json_text(line: bytes, field: str, where: str) -> str:  # bad surrogates: U+FFFD, as tiktoken
     with contextlib.suppress(ValueError, KeyError, TypeError, IndexError):
-        if isinstance(
-            text := json.loads(line)[field], str
-        ):  # lone surrogates -> U+FFFD, as tiktoken
+        if isinstance(text := json.loads(line)[field], str):
             return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     raise ValueError(f"{where}: not a JSON object with a string field {field!r}")
 
