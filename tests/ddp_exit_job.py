@@ -11,9 +11,7 @@ collective copied from backward's thread-local state (gloo's AsyncWork keeps a T
 a finalising interpreter ends the thread instead, in the middle of a C++ destructor, and the
 process aborts with "terminate called without an active exception" (SIGABRT). So 03_ddp.py keeps
 every handle it launches in backward until its own thread drops it, later: DataParallel's
-all-reduces (a pass), ZeRO-3's all-gathers (a step), ZeRO-2/3's reduce-scatters (only the last
-one waited, until the next one or step(): on gloo each is an all-reduce of a copy of the flat
-gradient, which the handle holds). Every backward here launches collectives from both places
+all-reduces (a pass), ZeRO's all-gathers and reduce-scatters (a step). Every backward here launches collectives from both places
 the wrappers launch them: gradient hooks (the blocks' and the head's buckets or flats) and the
 end-of-backward callback (the bucket, or the root unit's flat, holding `late`, whose gradient
 comes from a no_sync() pass). tests/test_ddp.py has the counts.

@@ -624,9 +624,9 @@ def test_ranks_exit_cleanly_after_backward():
     then 2 and 1 of 30 (this job script), about 6% a job; launched from hooks alone (no callback
     launch), it almost never showed: 1 of 165 jobs. ZeRO, in the same runs: ZeRO-3 with its
     backward all-gathers dropped once waited (broken on purpose) 1 of 30 and 3 of 45; the
-    reduce-scatters dropped once waited (the code before keeping the last one): 1 of 212 ZeRO-2
-    and ZeRO-3 jobs (on gloo a reduce-scatter is an all-reduce of a copy, then a copy-out, so the
-    gloo thread usually lets go first). The code as it is: 0 of 264 (128 DataParallel).
+    reduce-scatters dropped once waited: 1 of 212 ZeRO-2 and ZeRO-3 jobs; keeping only the last
+    one until step(): 1 of 15 ZeRO-2 jobs in a CI run (2026-11-26). Every reduce-scatter kept a
+    step, as now: 0 of 90 (60 ZeRO-2), and 0 of 264 (128 DataParallel) before that change.
     30 DataParallel jobs miss its bug with probability about 0.94^30 = 16%, the 15 ZeRO-3 jobs
     miss its all-gathers' about half the time: a guard over repeated runs, not a one-shot proof.
     """
