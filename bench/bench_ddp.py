@@ -28,7 +28,6 @@ Run:  python bench/bench_ddp.py [--ranks 2]      (starts torchrun for you; about
 import argparse
 import importlib
 import os
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
 ddp = importlib.import_module("03_ddp")
 model_lib = importlib.import_module("02_model")
+gpus = importlib.import_module("bench.gpus")
 GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
 
 # (label, GPTConfig overrides, sequences per rank, bucket cap in MB for both ours and torch DDP)
@@ -50,20 +50,6 @@ CASES = [
 ]
 VOCAB = 257  # the char tokenizer of 01_data.py
 TIMED = ("naive", "bucketed", "torch DDP")
-
-
-def machine() -> str:
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-    return f"{name}, {os.cpu_count()} CPUs, torch {torch.__version__}"
 
 
 def make_variants(config, device, names, bucket_mb: float = 25.0) -> dict:
@@ -308,7 +294,7 @@ def main(argv=None) -> None:
     rank, _, world, device = ddp.init_distributed()
     try:
         ddp.print0(
-            f"{world} ranks, {dist.get_backend()}, {machine()}, {torch.get_num_threads()} "
+            f"{world} ranks, {dist.get_backend()}, {gpus.machine()}, {torch.get_num_threads()} "
             f"thread(s) per rank; median of {args.steps} steps"
         )
         if "dp" in args.parts:

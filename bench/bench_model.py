@@ -19,7 +19,6 @@ Run:  python bench/bench_model.py            (--help for flags; about a minute o
 import argparse
 import importlib
 import math
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
 model_lib = importlib.import_module("02_model")
+gpus = importlib.import_module("bench.gpus")
 GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
 
 
@@ -185,16 +185,6 @@ def bench_preset(name, vocab_size, batch_size, args):
     )
 
 
-def cpu_name():
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -216,7 +206,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
 
     print_presets()
-    print(f"torch {torch.__version__}, {cpu_name()}, "
+    print(f"{gpus.machine()}, "
           f"{torch.get_num_threads()} threads; median of {args.steps} training steps "
           f"(forward + backward + AdamW), fp32, CPU")  # fmt: skip
     bench_preset("tiny", 256, args.batch_size, args)

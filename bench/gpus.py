@@ -5,6 +5,7 @@ train.py counts 02_model.flops_per_token per token; this file says what the hard
 Run as a script: prints the table.
 """
 
+import os
 import re
 import sys
 
@@ -61,6 +62,26 @@ def recompute_flops_per_token(config, seq_len: int) -> int:
     if config.recompute == "full":
         return L * (2 * 12 * C * C + attention)
     return L * attention if config.recompute == "selective" and config.dropout > 0 else 0
+
+
+def machine() -> str:
+    """What a benchmark ran on, for its printout: the GPU's name if one is used, else the CPU's
+    model name; the CPU count and torch's version."""
+    import platform
+
+    import torch
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+    return f"{name}, {os.cpu_count()} CPUs, torch {torch.__version__}"
 
 
 if __name__ == "__main__":
