@@ -38,7 +38,6 @@ import importlib
 import json
 import math
 import os
-import resource
 import shutil
 import signal
 import time
@@ -55,7 +54,7 @@ ddp_lib = importlib.import_module("03_ddp")
 tp_lib = importlib.import_module("04_tensor_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
-gpus = importlib.import_module("bench.gpus")  # PEAK_FLOPS, peak_flops, mfu: MFU's denominator
+run_log = importlib.import_module("bench.run_log")  # metrics.jsonl (loss, MFU, ETA), loss.png
 
 # what `python 01_data.py --tokenizer T` writes, per T; the default --data-dir, prepared if missing
 DEFAULT_DATA = dict(bpe="data/stdlib-bpe4096", gpt2="data/stdlib-gpt2", char="data/stdlib-char")
@@ -91,7 +90,11 @@ class TrainConfig:
     max_steps: int = flag(500, "optimizer steps, the LR schedule's length (500 x 4,096 tokens: the CPU job in ~5 min)")
     lr: float = flag(3e-3, "peak learning rate (small models take large ones; GPT-2 used 6e-4)")
     warmup_steps: int = flag(50, "steps of linear warm-up from 0 to --lr")
-    min_lr: float = flag(3e-4, "learning rate at the end of the cosine decay (a tenth, as Chinchilla)")
+    lr_schedule: str = flag("cosine", "after the warm-up: cosine or wsd (stable, then linear) decay to --min-lr at "
+                                      "--max-steps, cyclic (triangles --lr, --min-lr, --lr) or constant")
+    min_lr: float = flag(3e-4, "learning rate at the end of the decay, the bottom of a cycle (a tenth, as Chinchilla)")
+    decay_fraction: float = flag(0.2, "wsd: the last fraction of --max-steps that decays (lengthen a run in the stable part)")
+    cycle_steps: int = flag(100, "cyclic: steps per triangle, from --lr down to --min-lr and back")
     weight_decay: float = flag(0.1, "decay on matrices (embeddings too, as nanoGPT), not on biases or LayerNorm gains")
     grad_clip: float = flag(1.0, "clip to this global L2 norm over all shards; 0 = off")
     eval_interval: int = flag(100, "steps between validation losses (and one at the end)")
@@ -142,7 +145,7 @@ def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 def check_flags(cfg: TrainConfig, world_size: int) -> None:
     """The checks that need no file: they run before anything is read, prepared or written."""
     positive = ("dp", "tp", "pp", "virtual_stages", "batch_size", "micro_batch_size", "max_steps",
-                "lr", "eval_steps", "log_interval", "keep_checkpoints")  # fmt: skip
+                "lr", "eval_steps", "log_interval", "keep_checkpoints", "cycle_steps")  # fmt: skip
     for f in fields(TrainConfig):  # numbers: these > 0, the rest >= 0 (`not`: NaN fails too)
         value, sign = getattr(cfg, f.name), ">" if f.name in positive else ">="
         if f.type in (int, float) and not (value > 0 if sign == ">" else value >= 0):
@@ -152,12 +155,18 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"world_size={world_size} but {sizes} or change the sizes")
     if not 0 <= cfg.dropout < 1:
         raise ConfigError(f"--dropout {cfg.dropout}: a probability, in [0, 1)")
+    if not 0 < cfg.decay_fraction <= 1:
+        raise ConfigError(
+            f"--decay-fraction {cfg.decay_fraction}: a fraction of the run, in (0, 1]"
+        )
     for name, value, choices in (("dtype", cfg.dtype, ("auto", *mp_lib.DTYPES)),
                                  ("model", cfg.model, tuple(model_lib.PRESETS)),
                                  ("recompute", cfg.recompute, model_lib.RECOMPUTE),
+                                 ("lr_schedule", cfg.lr_schedule, LR_SCHEDULES),
                                  ("tokenizer", cfg.tokenizer, ("", *DEFAULT_DATA))):  # fmt: skip
         if value not in choices:
-            raise ConfigError(f"--{name} {value}: use one of {', '.join(filter(None, choices))}")
+            flag_name, choices = "--" + name.replace("_", "-"), ", ".join(filter(None, choices))
+            raise ConfigError(f"{flag_name} {value}: use one of {choices}")
     for name, on, dim, size, what in (  # a flag that would silently do nothing is a mistake
         ("--zero", cfg.zero, "--dp", cfg.dp, "shards over the DP replicas"),
         ("--sequence-parallel", cfg.sequence_parallel, "--tp", cfg.tp, "shards over TP ranks"),
@@ -362,12 +371,30 @@ def build_run(cfg: TrainConfig, gpt_config, grid: Grid, device: torch.device) ->
 
 
 # ----------------------------------------------------------------------------------------- one step
+LR_SCHEDULES = ("cosine", "wsd", "cyclic", "constant")  # docs/lr_schedules.png draws them
+
+
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up to lr, then cosine decay to min_lr at max_steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+    """Linear warm-up to lr over warmup_steps, then from step w = warmup_steps, at p = the
+    fraction of the decay done (min 1), with hi = lr, lo = min_lr:
+      cosine    lo + (hi - lo)(1 + cos πp)/2, p = (step - w)/(max_steps - w)   (GPT-2, Chinchilla)
+      wsd       hi, then lo + (hi - lo)(1 - p), p = (step - s)/(max_steps - s) from the decay's
+                start s = max_steps - decay_fraction·max_steps (Hu et al. 2024: the stable part's
+                checkpoints can be continued with a larger --max-steps; only the decay is redone)
+      cyclic    lo + (hi - lo)|1 - 2q|, q = ((step - w) mod cycle_steps)/cycle_steps (Smith
+                2017's triangle, begun at its top so it continues the warm-up)
+      constant  hi"""
+    w, hi, lo, kind = cfg.warmup_steps, cfg.lr, cfg.min_lr, cfg.lr_schedule
+    if step < w:
+        return hi * (step + 1) / w
+    if kind == "cyclic":
+        return lo + (hi - lo) * abs(1 - 2 * ((step - w) % cfg.cycle_steps) / cfg.cycle_steps)
+    if kind == "constant":
+        return hi
+    decay_steps = round(cfg.decay_fraction * cfg.max_steps) if kind == "wsd" else cfg.max_steps
+    start = max(w, cfg.max_steps - decay_steps)  # cosine: the warm-up's end
+    p = min(1.0, max(0, step - start) / max(1, cfg.max_steps - start))
+    return lo + (hi - lo) * (1 - p if kind == "wsd" else 0.5 * (1 + math.cos(math.pi * p)))
 
 
 def pipeline(run: Run, x: torch.Tensor, y: torch.Tensor, **kwargs):
@@ -652,60 +679,7 @@ def sample(model_pt, prompt: str, n_tokens: int, seed: int = 0) -> str:
     return tok.decode(out[0].tolist())
 
 
-# ----------------------------------------------------------------------- logging, preemption, plots
-class Logger:
-    """Rank 0 prints one line per --log-interval and appends the same fields to metrics.jsonl."""
-
-    def __init__(self, run: Run, start_step: int):
-        self.run, self.path = run, Path(run.cfg.out_dir) / "metrics.jsonl"
-        self.tokens_per_step = run.cfg.batch_size * run.T
-        self.t_start = self.t_last = time.perf_counter()
-        self.step_start, self.step_last = start_step, start_step - 1
-        self.flops = model_lib.flops_per_token(run.gpt_config, run.T)  # MFU's: the model's
-        self.hw_flops = self.flops + gpus.recompute_flops_per_token(run.gpt_config, run.T)  # HFU's
-        gpu = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu"
-        self.peak = gpus.peak_flops(gpu, {v: k for k, v in mp_lib.DTYPES.items()}[run.dtype])
-        if run.grid.rank == 0:  # on resume: drop rows logged after the checkpoint, and torn lines
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            text = self.path.read_text(errors="replace") if self.path.is_file() else ""
-            kept = ""
-            for line in text.splitlines():
-                try:  # a kill mid-write tears a row: a prefix, maybe NULs and a whole row after it
-                    kept += line + "\n" if json.loads(line)["step"] < start_step else ""
-                except (ValueError, KeyError, TypeError):  # not a whole row: a torn write
-                    print(f"{self.path}: skipping a torn line {line[:60]!r}")
-            data_lib.atomic_write(self.path, lambda tmp: tmp.write_text(kept))  # a kill loses none
-
-    def write(self, row: dict) -> None:
-        if self.run.grid.rank == 0:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-
-    def train_row(self, step: int, stats: dict) -> None:
-        now, world, cfg = time.perf_counter(), self.run.grid.world, self.run.cfg
-        tok_s = self.tokens_per_step * (step - self.step_last) / (now - self.t_last)
-        self.t_last, self.step_last = now, step
-        util, hw = (gpus.mfu(tok_s, f, world, self.peak) for f in (self.flops, self.hw_flops))
-        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS (Linux: KiB)
-        if self.run.device.type == "cuda":  # on a GPU: its peak allocation instead
-            mem = torch.cuda.max_memory_allocated(self.run.device)
-        eta = (now - self.t_start) / (step + 1 - self.step_start) * (cfg.max_steps - step - 1)
-        row = {"kind": "train", "step": step, **stats, "tokens": (step + 1) * self.tokens_per_step}
-        row.update(tokens_per_s=tok_s, tokens_per_s_per_gpu=tok_s / world, mfu=util, hfu=hw)
-        self.write({**row, "peak_mem_gb": mem / 1e9, "eta_s": eta})
-        mfu_text = "n/a" if util is None else f"{100 * util:.1f}%"
-        mfu_text += f" (hfu {100 * hw:.1f}%)" if hw != util else ""  # full recomputation's
-        rate = f"{tok_s:,.0f} tok/s ({tok_s / world:,.0f}/rank) | mfu {mfu_text}"
-        ddp_lib.print0(f"step {step:5d} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
-                       f"norm {stats['grad_norm']:.3f} | {rate} | mem {mem / 1e9:.2f} GB | "
-                       f"eta {eta / 60:.1f} min")  # fmt: skip
-
-    def val_row(self, step: int, val_loss: float) -> None:
-        tokens = (step + 1) * self.tokens_per_step
-        self.write({"kind": "val", "step": step, "val_loss": val_loss, "tokens": tokens})
-        ddp_lib.print0(f"step {step:5d} | val loss {val_loss:.4f}")
-
-
+# -------------------------------------------------------------------------------------- preemption
 def watch_preemption():
     """SIGTERM/SIGUSR1 (Slurm's warning, a spot instance going away) set a flag. preempted(run), a
     collective, has the ranks agree (MAX): a signal to any one stops all at the same point."""
@@ -715,22 +689,6 @@ def watch_preemption():
     return lambda run: bool(agree(run, float(bool(signals)), dist.ReduceOp.MAX))
 
 
-def plot_losses(out_dir) -> Path:
-    """The run's one figure, loss.png: train and validation loss against tokens seen."""
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure to close
-
-    rows = [json.loads(r) for r in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-    ax = Figure(figsize=(7, 4)).subplots()
-    for kind, key, style in (("train", "loss", "-"), ("val", "val_loss", "o-")):
-        if pts := [(r["tokens"], r[key]) for r in rows if r["kind"] == kind]:
-            ax.plot(*zip(*pts), style, label=f"{kind} loss")
-    ax.set(xlabel="tokens seen", ylabel="cross-entropy (nats)", title="training run")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.figure.savefig(path := Path(out_dir) / "loss.png", dpi=120, bbox_inches="tight")
-    return path
-
-
 # ----------------------------------------------------------------------------------------- the loop
 def train(run: Run) -> None:
     cfg, preempted = run.cfg, watch_preemption()  # first: a signal during the load counts too
@@ -738,7 +696,7 @@ def train(run: Run) -> None:
         for stale in ckpt_root(cfg.out_dir).glob("*.partial"):
             shutil.rmtree(stale, ignore_errors=True)
     start = load_checkpoint(run) if cfg.resume else 0
-    log = Logger(run, start)
+    log = run_log.Logger(run, start)
     stop = min(cfg.max_steps, start + cfg.steps_this_run) if cfg.steps_this_run else cfg.max_steps
     saved, step = None, start - 1  # saved: the step of this run's newest checkpoint
     for step in range(start, stop):
@@ -764,7 +722,7 @@ def train(run: Run) -> None:
         log.val_row(step, val)
     if run.grid.rank == 0:  # one process exports the final checkpoint, plots, and samples
         model_pt = export(cfg.out_dir)
-        print(f"exported {model_pt} (step {step}); loss curve: {plot_losses(cfg.out_dir)}")
+        print(f"exported {model_pt} (step {step}); loss curve: {run_log.plot_losses(cfg.out_dir)}")
         if cfg.sample_tokens:
             text = sample(model_pt, "\n", cfg.sample_tokens, seed=cfg.seed)
             print(f"--- sample ({cfg.sample_tokens} tokens) ---\n{text}\n---")

@@ -217,13 +217,15 @@ def _straight_and_resumed(rank, world, data_dir, tmp, extra):
 
 @pytest.mark.parametrize(
     "world, extra",
-    [(1, ["--micro-batch-size", "4", "--dropout", "0.1"]),
+    [(1, ["--micro-batch-size", "4", "--dropout", "0.1", "--lr-schedule", "wsd",
+          "--decay-fraction", "0.5"]),  # the resume at step 3 is where WSD's decay starts
      (4, ["--dp", "2", "--tp", "2", "--micro-batch-size", "2", "--dropout", "0.1"]),
      (2, ["--dp", "2", "--zero", "3", "--micro-batch-size", "2", "--dropout", "0.1"])],
     ids=["1-rank", "dp2-tp2", "dp2-zero3"],
 )  # fmt: skip
 def test_resume_is_bit_identical(data_dir, tmp_path, world, extra):
-    """Dropout on, so the RNG states must be restored too. Losses are compared with ==."""
+    """Dropout on, so the RNG states must be restored too. Losses, gradient norms and learning
+    rates are compared with ==."""
     if world == 1:
         straight, split = _straight_and_resumed(0, 1, data_dir, str(tmp_path), extra)
     else:
@@ -232,6 +234,7 @@ def test_resume_is_bit_identical(data_dir, tmp_path, world, extra):
     assert [r["step"] for r in split] == list(range(6))
     assert [r["loss"] for r in split] == [r["loss"] for r in straight]
     assert [r["grad_norm"] for r in split] == [r["grad_norm"] for r in straight]
+    assert [r["lr"] for r in split] == [r["lr"] for r in straight]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,13 +526,17 @@ def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tm
         (["--virtual-stages", "2", "--schedule", "interleaved"], 1, "but --pp is 1"),
         (["--tokenizer", "gpt2"], 1, "--tokenizer gpt2, but --data-dir DATA was prepared with"),
         (["--tokenizer", "sentencepiece"], 1, "use one of bpe, gpt2, char"),
+        (["--lr-schedule", "step"], 1, "--lr-schedule step: use one of cosine, wsd, cyclic, constant"),
+        (["--decay-fraction", "0"], 1, "--decay-fraction 0.0: a fraction of the run, in (0, 1]"),
+        (["--cycle-steps", "0"], 1, "--cycle-steps must be > 0, got 0"),
     ],
     ids=["world-size", "n_head", "n_layer", "microbatches", "schedule-unknown",
          "virtual-needs-interleaved", "interleaved-microbatches", "block-size", "data-dir", "dropout",
          "n-layer", "lr", "lr-nan", "grad-clip", "warmup", "eval-interval", "ckpt-interval",
          "steps-this-run", "negative-sizes", "batch-over-data", "out-dir-file", "zero-at-dp1",
          "zero-4", "zero3-with-pp",
-         "sp-at-tp1", "virtual-at-pp1", "tokenizer-mismatch", "tokenizer-unknown"],
+         "sp-at-tp1", "virtual-at-pp1", "tokenizer-mismatch", "tokenizer-unknown",
+         "lr-schedule", "decay-fraction", "cycle-steps"],
 )  # fmt: skip
 def test_bad_configurations_fail_fast_with_one_line(data_dir, argv, world, message):
     """Each bad flag is one line naming it, from validate(), before any process group. "DATA"

@@ -46,6 +46,29 @@ def test_lr_schedule_at_the_warmup_and_decay_edges():
     assert train.lr_at(cfg, 0) == pytest.approx(6.0, rel=1e-12)
 
 
+@pytest.mark.parametrize(
+    "schedule, extra, expected",
+    [  # WSD: decay 0.2 x 110 = 22 steps, 88..110: lr = 1 + 5 (1 - (s - 88)/22)
+     ("wsd", [], {9: 6.0, 10: 6.0, 60: 6.0, 87: 6.0, 88: 6.0, 99: 3.5, 109: 1 + 5 / 22,
+                  110: 1.0, 500: 1.0}),
+     # WSD with decay 1: linear from the warm-up's end (10..110), never before it
+     ("wsd", ["--decay-fraction", "1"], {9: 6.0, 10: 6.0, 60: 3.5, 110: 1.0}),
+     # cyclic, 20 steps a triangle from 10: 6 at 10, 30, 50; 1 at 20, 40; rising 0.5 a step
+     ("cyclic", ["--cycle-steps", "20"], {9: 6.0, 10: 6.0, 15: 3.5, 20: 1.0, 25: 3.5, 30: 6.0,
+                                         40: 1.0, 109: 5.5, 1000: 1.0}),  # 109: a step below a top
+     ("constant", [], {0: 0.6, 9: 6.0, 10: 6.0, 109: 6.0, 10_000: 6.0})],
+    ids=["wsd", "wsd-decay-1", "cyclic", "constant"],
+)  # fmt: skip
+def test_the_other_schedules_at_their_edges(schedule, extra, expected):
+    """The same lr 6, min_lr 1, 10 warm-up steps and 110 steps (warm-up as above: 0.6 at 0, 6 at
+    9). Catches a decay that starts a step early or late, ends above min_lr, a triangle that
+    starts at its bottom (a jump after the warm-up) or has the wrong period."""
+    cfg, _ = train.parse_args(["--lr", "6", "--min-lr", "1", "--warmup-steps", "10",
+                               "--max-steps", "110", "--lr-schedule", schedule, *extra])  # fmt: skip
+    for step, lr in expected.items():
+        assert train.lr_at(cfg, step) == pytest.approx(lr, rel=1e-12), f"step {step}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Evaluation and clipping under dp=2, tp=2, pp=2 (one spawned world of 2 for all of them)
 # ---------------------------------------------------------------------------------------------
