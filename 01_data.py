@@ -1,8 +1,8 @@
 """01 · Data: from text to tokens to batches.
 
 A language model eats integers: learn a byte-level BPE vocabulary (the most frequent adjacent pair
-becomes a new token, again and again), encode the corpus once into a memory-mapped token file,
-and cut (x, y) batches from it as a pure function of the step.
+becomes a new token, again and again), clean the documents, encode them once into memory-mapped
+token shards, and cut (x, y) batches from them as a pure function of the step.
 
 BPE (Sennrich et al. 2016; byte-level as in GPT-2, Radford et al. 2019) runs on the "words" of
 GPT-2's pre-tokenization regex, so no merge crosses a word boundary or a special token:
@@ -12,6 +12,12 @@ GPT-2's pre-tokenization regex, so no merge crosses a word boundary or a special
             vocab[256 + i] = vocab[a] + vocab[b];  replace every (a, b) by the new id
     ties:   among equal counts, the lexicographically greatest (bytes(a), bytes(b)) wins
     encode: in each word, merge the adjacent pair whose concatenation has the lowest rank, repeat
+
+Clean data: --quality gopher keeps prose (Rae et al. 2021's rules, as FineWeb); --dedup drops a
+document seen before: exact (its lowercased, whitespace-collapsed text) or minhash, near copies
+too: sig_i = the least of hash i over its word 5-grams, P(sig_i(A) = sig_i(B)) = Jaccard J(A, B);
+112 hashes in 14 bands of 8, A meets B if a band agrees: P = 1 - (1 - J^8)^14 (92% at J = 0.8, 5%
+at 0.5). The first of a cluster stays; 15 keys of 8 bytes a document: 1.2 GB for 10B tokens.
 
 Who holds what (nothing is distributed yet, except who reads which window):
 
@@ -41,7 +47,8 @@ import shutil
 import socket
 import sysconfig
 import time
-from collections import Counter, defaultdict
+import zlib
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +56,8 @@ import regex
 import tiktoken
 import torch
 
-# GPT-2's pre-tokenization pattern, exactly as tiktoken's "gpt2"/"r50k" encodings use it:
-# 's 't 're 've 'm 'll 'd | optional space + letters | optional space + digits |
-# optional space + other symbols | trailing whitespace | whitespace not followed by a non-space.
+# GPT-2's pre-tokenization, as tiktoken's "gpt2" uses it: 's 't 're 've 'm 'll 'd | ?letters |
+# ?digits | ?other symbols | trailing whitespace | whitespace not followed by a non-space | \s.
 GPT2_SPLIT_PATTERN = (
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 )
@@ -94,9 +100,8 @@ def train_bpe_naive(text: str, vocab_size: int, special_tokens=(EOT,)) -> "Token
     recount every pair of every word. Each merge costs a pass over the whole corpus."""
     specials = list(special_tokens)
     assert vocab_size >= 256 + len(specials), f"vocab_size {vocab_size} < 256 bytes + specials"
-    words, freqs = _pretokenize(text, specials)
+    (words, freqs), merges = _pretokenize(text, specials), []
     vocab = {i: bytes([i]) for i in range(256)}
-    merges: list[tuple[bytes, bytes]] = []
     for new_id in range(256, vocab_size - len(specials)):
         counts: Counter = Counter()
         for word, f in zip(words, freqs):
@@ -111,36 +116,29 @@ def train_bpe_naive(text: str, vocab_size: int, special_tokens=(EOT,)) -> "Token
     return Tokenizer(vocab, merges, specials)  # 256 bytes, the merges in order, the specials
 
 
-def _tie_key(token: bytes) -> tuple:
-    """Smaller for greater bytes (heapq is a min-heap): x -> 256 - x, then 257 ends the string."""
-    return tuple(256 - x for x in token) + (257,)
-
-
 def train_bpe(text: str, vocab_size: int, special_tokens=(EOT,)) -> "Tokenizer":
-    """Learn `vocab_size - 256 - len(special_tokens)` merges, as `train_bpe_naive`, with pair counts
-    updated incrementally: a merge of (a, b) touches only the words that contain it (`where`), not
-    the corpus; the next pair comes from a lazy max-heap (stale entries are skipped)."""
+    """`train_bpe_naive`'s merges, with pair counts updated incrementally: a merge touches only the
+    words that contain its pair (`where`); the next pair comes from a lazy max-heap."""
     specials, n_merges = list(special_tokens), vocab_size - 256 - len(special_tokens)
     assert n_merges >= 0, f"vocab_size {vocab_size} < 256 bytes + {len(specials)} special tokens"
-    words, freqs = _pretokenize(text, specials)
-    vocab = {i: bytes([i]) for i in range(256)}
-    keys = {i: _tie_key(vocab[i]) for i in range(256)}
-    pair_counts: Counter = Counter()
-    where: dict[tuple[int, int], set[int]] = {}  # pair -> the words that contain it
+    (words, freqs), vocab = _pretokenize(text, specials), {i: bytes([i]) for i in range(256)}
+    tie_key = lambda t: tuple(256 - x for x in t) + (257,)  # noqa: E731 - min-heap: greater first
+    keys = {i: tie_key(vocab[i]) for i in range(256)}
+    pair_counts, where = Counter(), {}  # where: pair -> the ids of the words that contain it
     for w, (word, f) in enumerate(zip(words, freqs)):
         for pair in zip(word, word[1:]):
             pair_counts[pair] += f
             where.setdefault(pair, set()).add(w)
     heap = [(-c, keys[p[0]] + keys[p[1]], p) for p, c in pair_counts.items()]
     heapq.heapify(heap)
-    merges: list[tuple[bytes, bytes]] = []
+    merges = []  # (bytes of a, bytes of b), in order
     while len(merges) < n_merges and heap:
         neg_count, _, pair = heapq.heappop(heap)
         if pair_counts.get(pair, 0) != -neg_count:
             continue  # stale heap entry
         new_id = 256 + len(merges)
         vocab[new_id] = vocab[pair[0]] + vocab[pair[1]]
-        keys[new_id] = _tie_key(vocab[new_id])
+        keys[new_id] = tie_key(vocab[new_id])
         merges.append((vocab[pair[0]], vocab[pair[1]]))
         for p in _apply_merge(pair, new_id, words, freqs, pair_counts, where):
             if pair_counts[p] > 0:
@@ -172,11 +170,9 @@ def _apply_merge(pair, new_id, words, freqs, pair_counts, where) -> set:
 
 def progress(what: str, done: float, total: float, start: float, unit: str = "") -> None:
     """Redraw one progress line in place, with the rate and ETA; done == total ends it."""
-    elapsed = time.perf_counter() - start
-    eta, rate = elapsed / max(done, 1e-9) * (total - done), done / max(elapsed, 1e-9)
-    status = (
-        f"{done:,.1f}/{total:,.1f}{unit}, {rate:,.1f}{unit}/s, ETA {eta:.0f} s ({elapsed:.0f} s in)"
-    )
+    t = time.perf_counter() - start
+    eta, rate = t / max(done, 1e-9) * (total - done), done / max(t, 1e-9)
+    status = f"{done:,.1f}/{total:,.1f}{unit}, {rate:,.1f}{unit}/s, ETA {eta:.0f} s ({t:.0f} s in)"
     print(f"\r  {what}: {status}", end="\n" if done >= total else "", flush=True)
 
 
@@ -189,8 +185,7 @@ class Tokenizer:
         self.vocab, self.merges = dict(vocab), list(merges)
         as_bytes = {s.encode("utf-8") for s in special_tokens or []}
         self.ranks = {b: i for i, b in self.vocab.items() if b not in as_bytes}
-        missing = [x for x in range(256) if bytes([x]) not in self.ranks]
-        assert not missing, f"vocab lacks single-byte tokens {missing[:5]}...: cannot encode"
+        assert all(bytes([x]) in self.ranks for x in range(256)), "a byte has no token"
         for a, b in self.merges:
             assert a + b in self.ranks, f"merge {a!r} + {b!r} has no token in the vocab"
         self.special_tokens = {}
@@ -200,6 +195,7 @@ class Tokenizer:
         self.n_vocab = max(self.vocab) + 1
         self._pattern = regex.compile(GPT2_SPLIT_PATTERN)
         self._splitter = _special_splitter(self.special_tokens)
+        self._cut = regex.compile(r"(?r)(?<=\S)\s(?=\S)")  # (?r): the last match first
         self._cache: dict[bytes, list[int]] = {}
 
     @property
@@ -212,9 +208,8 @@ class Tokenizer:
         if word not in self._cache:
             parts = [bytes([x]) for x in word]
             while len(parts) > 1:
-                # a pair that is no token gets rank n_vocab, above every token's
                 ranks = [self.ranks.get(a + b, self.n_vocab) for a, b in zip(parts, parts[1:])]
-                if min(ranks) == self.n_vocab:
+                if min(ranks) == self.n_vocab:  # (n_vocab: a pair that is no token)
                     break
                 i = ranks.index(min(ranks))  # the leftmost of equal pairs ("aaa"), as tiktoken
                 parts[i : i + 2] = [parts[i] + parts[i + 1]]
@@ -228,7 +223,7 @@ class Tokenizer:
         return [i for word in self._pattern.findall(text) for i in self._bpe(word.encode("utf-8"))]
 
     def encode(self, text: str) -> list[int]:
-        """Encode; special tokens in the text become their ids (tiktoken's allowed_special="all")."""
+        """Encode; special tokens in the text become their ids (tiktoken's allowed_special="all")"""
         ids = []
         for part in self._splitter.split(text):
             special = self.special_tokens.get(part)
@@ -236,33 +231,16 @@ class Tokenizer:
         return ids
 
     def encode_iterable(self, chunks):
-        """Stream ids from an iterable of strings (an open file) in bounded memory, equal to
-        `encode("".join(chunks))`: each round emits only what more text cannot change."""
+        """Ids of an iterable of strings (a file), equal to `encode("".join(chunks))`: cut before a
+        lone whitespace between non-spaces (" x", "\\nx"), which no pre-token crosses and the regex
+        reads alike on both sides (specials hold none). Memory: about a line of ordinary text."""
         buf = ""
         for chunk in chunks:
             buf += chunk
-            if len(buf) >= 1 << 16:
-                ids, buf = self._encode_stable_prefix(buf)
-                yield from ids
+            if len(buf) >= 1 << 16 and (cut := self._cut.search(buf)):  # the last such place
+                yield from self.encode(buf[: cut.start()])
+                buf = buf[cut.start() :]
         yield from self.encode(buf)
-
-    def _encode_stable_prefix(self, buf: str) -> tuple[list[int], str]:
-        """(ids of what more text cannot change, the rest). Held back: a tail that may begin a
-        special token, and the last pre-token (it may grow, or stop matching "\\s++$"); a
-        pre-token depends on at most one character after it, so the others are final."""
-        hold, longest = len(buf), max(map(len, self.special_tokens), default=1)
-        for i in range(max(0, len(buf) - longest + 1), len(buf)):
-            if any(s.startswith(buf[i:]) for s in self.special_tokens):
-                hold = i
-                break
-        start = max((m.end() for m in self._splitter.finditer(buf, 0, hold)), default=0)
-        ids = self.encode(buf[:start])
-        # subtle: emit the pre-tokens of the *whole* buffer. As its own string, the prefix "a \n"
-        # of "a \nb" would split as "a", " \n" (whitespace at the end), not as "a", " ", "\n".
-        matches = list(self._pattern.finditer(buf, start, hold))
-        for m in matches[:-1]:
-            ids.extend(self._bpe(m.group().encode("utf-8")))
-        return ids, buf[matches[-1].start() if matches else start :]
 
     def decode(self, ids) -> str:
         return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
@@ -285,10 +263,7 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path) -> "Tokenizer":
-        path = Path(path).with_suffix(".tiktoken")
-        for p in (path, path.with_suffix(".json")):
-            if not p.is_file():
-                raise FileNotFoundError(f"tokenizer file {p} not found (written by Tokenizer.save)")
+        path = Path(path).with_suffix(".tiktoken")  # and X.json, written by Tokenizer.save
         # read here: tiktoken's loader caches by path, so a retrained one would load its old ranks
         lines = path.read_text().splitlines()
         vocab = {int(i): base64.b64decode(b) for b, i in (line.split() for line in lines if line)}
@@ -301,8 +276,6 @@ class Tokenizer:
 class CharTokenizer(Tokenizer):
     """A BPE with no merges: one token per UTF-8 byte, plus <|endoftext|> as id 256; no training."""
 
-    n_vocab = 257  # on the class too: 03_ddp.py reads CharTokenizer.n_vocab
-
     def __init__(self):
         super().__init__({i: bytes([i]) for i in range(256)}, [], [EOT])
 
@@ -311,9 +284,9 @@ def get_tokenizer(name: str):
     """ "gpt2" (tiktoken), "char", or the path of a tokenizer saved by `Tokenizer.save`."""
     if name == "char":
         return CharTokenizer()
+    if name != "gpt2" and Path(name).with_suffix(".tiktoken").is_file():
+        return Tokenizer.load(name)
     if name != "gpt2":
-        if Path(name).with_suffix(".tiktoken").is_file():
-            return Tokenizer.load(name)
         raise ValueError(f"unknown tokenizer {name!r}: use 'gpt2', 'char' or a saved BPE's path")
     try:
         return tiktoken.get_encoding("gpt2")
@@ -357,8 +330,9 @@ def source_files(source: str) -> list[Path]:
     found = p.rglob("*") if p.is_dir() else [p] if p.is_file() else map(Path, pattern)
     files = stdlib_files() if source == "stdlib" else sorted(f for f in found if f.is_file())
     if not files:
-        what = "a file, a directory with files or a matching glob"
-        raise FileNotFoundError(f"source {source!r} is not {what}")
+        raise FileNotFoundError(
+            f"source {source!r} is not a file, a directory with files or a glob"
+        )
     return files
 
 
@@ -391,15 +365,13 @@ def json_text(line: bytes, field: str, where: str) -> str:  # bad surrogates: U+
 
 
 def split_document(doc, cut: int) -> list:
-    """[(split, text)], in one pass: validation is the source from byte `cut` on. A document that
-    starts past the cut is val, one that ends before it train; a file across it is cut at the next
-    newline (a JSON line stays whole, in train). Deterministic; one big file gets a val split."""
+    """[(split, text)]: val is the source from byte `cut` on; a file across the cut is cut at the
+    next newline (a JSON line stays whole, in train), so one big file gets a val split too."""
     start, end, text, whole = doc
     if start >= cut or end <= cut or whole:
         return [("val" if start >= cut else "train", text)]
     at = len(text.encode()[: cut - start].decode("utf-8", errors="ignore"))  # in characters
-    # subtle: not at the final newline, which leaves val empty for a one-line file
-    newline = text.find("\n", at, len(text) - 1)
+    newline = text.find("\n", at, len(text) - 1)  # subtle: not the last (a one-line file's val)
     at = at if newline < 0 else newline + 1
     return [("train", text[:at]), ("val", text[at:])]
 
@@ -409,6 +381,64 @@ def val_cut(files, val_fraction: float) -> int:
     heads = (open(f, "rb").read(8193) for f in files)  # 8,193: is_binary sees 8 KB, and more
     sizes = [Path(f).stat().st_size for f, head in zip(files, heads) if not is_binary(head)]
     return int(sum(sizes) * (1 - val_fraction))
+
+
+# --- Clean data: quality rules, then duplicates (exact, then near: MinHash with LSH bands) --------
+STOP_WORDS = {"the", "be", "to", "of", "and", "that", "have", "with"}  # Gopher's eight
+WORD = regex.compile(r"\w+|[^\w\s]+")  # words, and runs of punctuation (a word tokenizer's cut)
+QUALITY, DEDUP = ("none", "gopher"), ("none", "exact", "minhash")  # --quality, --dedup
+
+
+def gopher_rule_broken(text: str) -> str | None:
+    """The first Gopher rule (Rae et al. 2021; FineWeb's thresholds) `text` breaks, or None."""
+    words = WORD.findall(text)
+    real = [w for w in words if regex.search(r"\w", w)]  # not punctuation alone
+    n, mean, lines = max(1, len(words)), len("".join(real)) / max(1, len(real)), text.splitlines()
+    share = lambda test: sum(map(test, lines)) / max(1, len(lines))  # noqa: E731 - of the lines
+    rules = {  # reason: broken?                             what it removes
+        "not 50 to 100,000 words": not 50 <= len(real) <= 100_000,  # fragments; dumps, logs
+        "mean word not 3 to 10 characters": not 3 <= mean <= 10,  # number lists; URLs, base64
+        "'#' over 0.1 a word": text.count("#") / n > 0.1,  # hashtag spam
+        "'...' over 0.1 a word": (text.count("...") + text.count("…")) / n > 0.1,  # teasers
+        "bullet lines over 90%": share(lambda ln: ln.lstrip().startswith(("•", "-"))) > 0.9,
+        "'...' line ends over 30%": share(lambda ln: ln.rstrip().endswith(("...", "…"))) > 0.3,
+        "alphabetic words under 80%": sum(any(map(str.isalpha, w)) for w in words) / n < 0.8,
+        "under 2 stop words": sum(w.lower() in STOP_WORDS for w in words) < 2,  # not English
+    }  # (bullets: lists, not prose; '...' line ends: snippets; alphabetic words: tables, code)
+    return next((why for why, broken in rules.items() if broken), None)
+
+
+class Deduplicator:
+    """The keys of every text seen (see the top; 0.9: 99.96%, 0.3: 0.1%). This Python set holds
+    ~90 bytes a key, ~10x the packed 8 (a 10B-token corpus: sort packed keys, or shard them)."""
+
+    def __init__(self, mode: str, hashes: int = 112, bands: int = 14):
+        rng = np.random.default_rng(SHARD_MAGIC)  # fixed: the same signatures on every run
+        self.a, self.b = rng.integers(0, 2**64, (2, hashes, 1), np.uint64) | 1  # a odd, as needed
+        self.mode, self.bands, self.seen = mode, bands, set()
+
+    def minhash(self, text: str, n: int = 5) -> np.ndarray:
+        """(hashes,): entry i is the least h_i(s) = (a_i·s + b_i) >> 32 (multiply-shift, mod 2^64)
+        over the hashes s of the text's word n-grams (lowercase): mean(sig1 == sig2) ~ Jaccard."""
+        words = np.array([zlib.crc32(w.encode()) for w in WORD.findall(text.lower())], np.uint64)
+        words, k = np.pad(words, (0, max(0, n - len(words)))), max(1, len(words) - n + 1)
+        shingles = words[:k].copy()  # (k,) 64-bit hashes of the n-grams w_j .. w_j+n-1
+        for i in range(1, n):
+            shingles = shingles * np.uint64(0x9E3779B97F4A7C15) + words[i : i + k]
+        sig = np.full(len(self.a), np.iinfo(np.uint64).max, np.uint64)
+        for c in range(0, k, 4096):  # (hashes, 4,096) at a time: bounded memory for a long text
+            sig = np.minimum(sig, ((self.a * shingles[c : c + 4096] + self.b) >> 32).min(1))
+        return sig
+
+    def reason(self, text: str) -> str | None:
+        digest = lambda b: hashlib.blake2b(b, digest_size=8).digest()  # noqa: E731
+        keys = [("exact duplicate", digest(" ".join(text.lower().split()).encode()))]
+        if self.mode == "minhash":  # a band's key: its index and its 8 rows
+            rows = self.minhash(text).reshape(self.bands, -1)
+            keys += [("near duplicate", bytes([i]) + digest(r)) for i, r in enumerate(rows)]
+        why = next((why for why, key in keys if key in self.seen), None)
+        self.seen.update(key for _, key in keys)
+        return why
 
 
 # --- Prepare: documents -> token shards on disk -----------------------------------------------
@@ -455,8 +485,8 @@ def split_shards(data_dir, split: str) -> list[Path]:
 def read_shard(path) -> np.ndarray:
     """Memory-map a shard: the tokens are paged in from disk only when a batch touches them."""
     header = np.fromfile(path, np.int64, count=HEADER_INTS)
-    assert len(header) == HEADER_INTS and header[0] == SHARD_MAGIC, f"{path} is not a token shard"
-    assert header[1] == SHARD_VERSION, f"{path} has shard version {header[1]}, want {SHARD_VERSION}"
+    magic = len(header) == HEADER_INTS and (header[0], header[1]) == (SHARD_MAGIC, SHARD_VERSION)
+    assert magic, f"{path} is not a token shard of version {SHARD_VERSION}"
     dtype = {2: np.uint16, 4: np.uint32}[int(header[2])]
     return np.memmap(path, dtype, mode="r", offset=HEADER_INTS * 8, shape=(int(header[3]),))
 
@@ -489,7 +519,7 @@ class ShardWriter:
             self.file.close()
             os.replace(self.file.name, self.path)
             self.shards.append({"file": self.path.name, "tokens": self.n})
-            self.file = None
+            self.file = None  # (the next add() opens the next shard)
 
 
 def encode_documents(enc, pieces, writers: dict, total_bytes: int) -> None:
@@ -515,18 +545,20 @@ def encode_documents(enc, pieces, writers: dict, total_bytes: int) -> None:
 
 
 def prepare(source, tokenizer, out_dir, val_fraction=0.05, block_size=1024, tokenizer_name=None,
-            before_write=None, shard_tokens=SHARD_TOKENS, text_field="text") -> dict:  # fmt: skip
-    """Stream `source` (files, a folder, a glob; .jsonl lines) through `tokenizer` into shards of
-    at most `shard_tokens` ids per split, listed in OUT/meta.json. Idempotent. Atomic: shards are
-    written in a sibling folder, OUT's meta.json goes, they are renamed in, the new meta.json last:
-    a crash leaves no half shard. Bad input: a one-line error before anything reaches OUT."""
+            before_write=None, shard_tokens=SHARD_TOKENS, text_field="text", quality="none",
+            dedup="exact") -> dict:  # fmt: skip
+    """Stream `source` (files, a folder, a glob; .jsonl lines), cleaned (`quality`, `dedup`), by
+    `tokenizer` into shards of at most `shard_tokens` ids per split, listed in OUT/meta.json.
+    Idempotent. Atomic: shards are written beside OUT, OUT's meta.json goes, they are renamed in,
+    the new meta.json last: no half shard after a crash. Bad input: one line, OUT untouched."""
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     name = tokenizer_name or (tokenizer if isinstance(tokenizer, str) else type(tok).__name__)
-    files = source_files(source)
+    files, settings = source_files(source), dict(val_fraction=val_fraction, block_size=block_size)
+    settings.update(shard_tokens=shard_tokens, text_field=text_field, quality=quality, dedup=dedup)
     stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     merges = repr(getattr(tok, "merges", ""))  # the same name, other merges: other ids
-    settings = [name, tok.n_vocab, merges, val_fraction, block_size, shard_tokens, text_field]
-    fingerprint = hashlib.sha256(json.dumps(stats + settings).encode()).hexdigest()
+    inputs = [stats, name, tok.n_vocab, merges, settings]
+    fingerprint = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()
     out, meta_path = Path(os.path.abspath(out_dir)), Path(out_dir) / "meta.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_name(f".{out.name}.lock"), "w") as lock:  # one preparation of OUT at a time
@@ -541,9 +573,8 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.05, block_size=1024, toke
         shutil.rmtree(staging, ignore_errors=True)  # an interrupted run's: redone from the start
         staging.mkdir()
         try:
-            args = (val_fraction, block_size, shard_tokens, text_field)
-            meta = write_shards(source, tok, files, staging, *args)
-            meta.update(tokenizer=name, fingerprint=fingerprint)
+            meta = write_shards(source, tok, files, staging, **settings)
+            meta.update(tokenizer=name, fingerprint=fingerprint, **settings)
             (before_write or (lambda: None))()  # every check passed: the first write to OUT
             out.mkdir(exist_ok=True)
             meta_path.unlink(missing_ok=True)  # from here until the new one, OUT is "not prepared"
@@ -558,21 +589,28 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.05, block_size=1024, toke
     return meta
 
 
-def write_shards(source, tok, files, staging, val_fraction, block_size, shard_tokens, text_field):
-    """Every document encoded into shards in `staging`, then the checks that need the text."""
-    cut, skipped, seen = val_cut(files, val_fraction), [], Counter()
-    dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
+def write_shards(source, tok, files, staging, val_fraction, block_size, shard_tokens, text_field,
+                 quality, dedup) -> dict:  # fmt: skip
+    """Every document cleaned and encoded into shards in `staging`, then the checks of the text."""
+    cut, skipped, seen, removed = val_cut(files, val_fraction), [], Counter(), Counter()
+    dtype, dedupe = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32, Deduplicator(dedup)
     writers = {split: ShardWriter(staging, split, dtype, shard_tokens) for split in SPLITS}
 
     def pieces():  # (split, text, source bytes read so far), counting documents on the way
         for doc in iter_documents(files, skipped, text_field):
             seen.update(documents=1, bytes=len(doc[2].encode()), text=bool(doc[2].strip()))
-            yield from ((split, text, doc[1]) for split, text in split_document(doc, cut))
+            broken = quality == "gopher" and gopher_rule_broken(doc[2])  # first: it leaves no keys
+            if why := broken or (dedup != "none" and dedupe.reason(doc[2])):
+                removed[why] += 1  # (its bytes still count towards the val cut)
+            else:
+                yield from ((split, text, doc[1]) for split, text in split_document(doc, cut))
 
     enc = tok.to_tiktoken() if isinstance(tok, Tokenizer) else tok  # tiktoken's fast encoder
     encode_documents(enc, pieces(), writers, val_cut(files, 0.0))
-    if skipped:
-        print(f"source {source!r}: skipped {len(skipped)} of {len(files)} files as binary")
+    kept, why = seen["documents"] - removed.total(), [f"{n:,} {r}" for r, n in removed.items()]
+    binary = f"; skipped {len(skipped)} of {len(files)} files as binary" if skipped else ""
+    print(f"cleaning (--quality {quality}, --dedup {dedup}): kept {kept:,} of {seen['documents']:,}"
+          f" documents; removed: {', '.join(why) or 'none'}{binary}")  # fmt: skip
     if not seen["text"]:
         why = f"{len(skipped)} of {len(files)} files binary (NUL or not UTF-8)"
         why = why if skipped else "empty or whitespace only"
@@ -584,9 +622,9 @@ def write_shards(source, tok, files, staging, val_fraction, block_size, shard_to
             raise ValueError(f"{few}: a bigger corpus or --val-fraction, or a smaller --block-size")
     shards = {split: w.shards for split, w in writers.items()}
     meta = dict(vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source, shards=shards)
-    meta.update(dtype=np.dtype(dtype).name, n_documents=seen["documents"], n_bytes=seen["bytes"])
-    meta.update(val_fraction=val_fraction, text_field=text_field, shard_tokens=shard_tokens)
-    meta.update({f"{split}_tokens": n for split, n in counts.items()})
+    meta.update(dtype=np.dtype(dtype).name, documents_in=seen["documents"], n_bytes=seen["bytes"])
+    meta.update(documents_kept=kept, removed=dict(removed), train_tokens=counts["train"])
+    meta.update(val_tokens=counts["val"])
     return meta | dict(files=[s["file"] for split in shards.values() for s in split])
 
 
@@ -596,23 +634,21 @@ class DataLoader:
     cross one). Epoch e permutes all windows with seed (seed, e); step s takes the next dp_size*B,
     rank r its own B: a pure function of (seed, step, dp_rank, dp_size), resumable exactly."""
 
-    def __init__(
-        self, data_dir, split, batch_size, block_size, seed=0, dp_rank=0, dp_size=1, device="cpu"
-    ):
+    def __init__(self, data_dir, split, batch_size, block_size, seed=0, dp_rank=0, dp_size=1,
+                 device="cpu"):  # fmt: skip
         paths = split_shards(data_dir, split)
         assert 0 <= dp_rank < dp_size, f"dp_rank {dp_rank} outside dp_size {dp_size}"
         self.shards, self.B, self.T = [read_shard(p) for p in paths], batch_size, block_size
         self.seed, self.dp_rank, self.dp_size, self.device = seed, dp_rank, dp_size, device
         windows = [(len(shard) - 1) // block_size for shard in self.shards]
         self.first = np.cumsum([0, *windows])  # the first window of each shard, then the total
-        self.n_windows = int(self.first[-1])
+        self.n_windows, self._perm_epoch, self._perm = int(self.first[-1]), -1, None
         self.steps_per_epoch = self.n_windows // (dp_size * batch_size)
         if self.steps_per_epoch < 1:
-            where = f"{paths[0].parent}/{split}: {len(paths)} shard(s)"
-            have = f"{where} hold {self.n_windows} windows of {block_size}+1 tokens"
+            have = f"{paths[0].parent}/{split}: {len(paths)} shard(s) hold {self.n_windows} windows"
+            have += f" of {block_size}+1 tokens"
             need = f"one step needs dp_size*batch_size = {dp_size * batch_size}"
             raise ValueError(f"{have}, but {need}")
-        self._perm_epoch, self._perm = -1, None
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, step within the epoch): the data position a checkpoint records."""
@@ -630,51 +666,18 @@ class DataLoader:
         windows = self.window_ids(step)
         shards = np.searchsorted(self.first, windows, side="right") - 1  # which shard holds each
         starts = (windows - self.first[shards]) * self.T  # and where, inside it
-        rows = [self.shards[k][s : s + self.T + 1] for k, s in zip(shards, starts)]
-        rows = np.stack(rows).astype(np.int64)  # (B, T+1)
+        rows = np.stack([self.shards[k][s : s + self.T + 1] for k, s in zip(shards, starts)])
+        rows = rows.astype(np.int64)  # (B, T+1)
         x, y = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])  # (B, T) each
-        cuda = torch.device(self.device).type == "cuda"
-        if cuda:  # pinned host memory -> an asynchronous copy
-            x, y = x.pin_memory(), y.pin_memory()
+        if cuda := torch.device(self.device).type == "cuda":  # pinned memory: an async copy
+            x, y = x.pin_memory(), y.pin_memory()  # (B, T) each
         return x.to(self.device, non_blocking=cuda), y.to(self.device, non_blocking=cuda)
 
 
 # --- The demo: each lesson printed with its check ---------------------------------------------
-def show_tokenizers(name: str, tok, text: str) -> None:
-    """Our pure-Python encoder against tiktoken's Rust one with the same merges (tests: GPT-2's
-    own 50,000 too); bytes per token (higher = fewer tokens) on val text no tokenizer saw."""
-    ours = tok.to_tiktoken() if isinstance(tok, Tokenizer) else tok
-    encoders = {name: ours, "char": CharTokenizer().to_tiktoken()}
-    if isinstance(tok, Tokenizer):
-        sample = text[:200_000]
-        same = tok.encode(sample) == encoders[name].encode(sample, allowed_special="all")
-        print(f"ours == tiktoken: {same} (its merges in Rust; {len(sample) / 1e3:.0f} KB val text)")
-    try:
-        encoders["gpt2"] = get_tokenizer("gpt2")
-    except RuntimeError as e:  # offline without TIKTOKEN_CACHE_DIR: say so, go on
-        print(f"GPT-2 left out of the comparison: {str(e)[:80]}")
-    n = len(text.encode("utf-8"))
-    scores = [f"{k} {n / max(1, len(e.encode_ordinary(text))):.2f}" for k, e in encoders.items()]
-    print(f"bytes per token on the val split, which no tokenizer trained on: {', '.join(scores)}")
-
-
-def show_loader(out: Path, tok) -> None:
-    """Step 0 for dp_rank 0 and 1 of dp_size 2: disjoint windows, and y is x shifted by one."""
-    B, T = 2, 8  # small, to print; training uses --block-size
-    try:
-        loaders = [DataLoader(out, "train", B, T, seed=0, dp_rank=r, dp_size=2) for r in (0, 1)]
-    except ValueError as e:  # a corpus of fewer than 4 windows of 8 tokens
-        print(f"loader: skipped: {e}")
-        return
-    a, b = (set(ld.window_ids(0).tolist()) for ld in loaders)
-    print(f"loader, step 0, B={B}, T={T}: windows {a} and {b}, disjoint: {not a & b}")
-    for r, ld in enumerate(loaders):
-        x, y = ld.get_batch(0)  # (B, T) each
-        text = " | ".join(f"{tok.decode(row[:6].tolist())!r}" for row in (x[0], y[0]))
-        print(f"  dp_rank {r}: x, y = {text}; y is x shifted by one: {y[:, :-1].equal(x[:, 1:])}")
-
-
 def main(argv=None) -> None:
+    """Train a BPE (naive == incremental, ours == tiktoken), clean and write the shards, show two DP
+    ranks' batches. Bad input: one line, --out untouched. Tokenizers compared: bench_data.py."""
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=formatter)
     arg = parser.add_argument
@@ -687,6 +690,8 @@ def main(argv=None) -> None:
     arg("--text-field", default="text", help="the field of each .jsonl line that holds the text")
     arg("--shard-tokens", type=int, default=SHARD_TOKENS, help="ids per shard file at most")
     arg("--bpe-sample-mb", type=float, default=16, help="train split's first MB the BPE learns on")
+    arg("--quality", default="none", choices=QUALITY, help="gopher: keep prose only (not for code)")
+    arg("--dedup", default="exact", choices=DEDUP, help="drop repeats: exact, or near ones too")
     arg("--out", help="output folder; data/SOURCE-TOKENIZER when not given")
     args = parser.parse_args(argv)
     small_vocab = args.tokenizer == "bpe" and args.vocab_size < 257  # 256 bytes + <|endoftext|>
@@ -694,54 +699,51 @@ def main(argv=None) -> None:
     if small_vocab or not sizes or not 0 < args.val_fraction < 1:
         parser.error("need --vocab-size >= 257 for bpe, 0 < --val-fraction < 1, sizes > 0 and "
                      "--shard-tokens > --block-size (a window never crosses a shard)")  # fmt: skip
-    try:
-        demo(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input: one line, no traceback
-        raise SystemExit(f"01_data.py: error: {' '.join(str(e).splitlines())}") from None
-
-
-def samples(files, args) -> tuple[str, str]:
-    """One pass: the train split's first --bpe-sample-mb for the BPE, 1 MB of val for checks."""
-    cut, texts, seen = val_cut(files, args.val_fraction), defaultdict(list), Counter()
-    limit = {"train": args.bpe_sample_mb * 1e6, "val": 1e6}
-    for doc in iter_documents(files, [], args.text_field):  # (prepare reports binaries, no text)
-        seen["documents"] += 1
-        for split, text in split_document(doc, cut):
-            texts[split] += [text[: max(0, int(limit[split] - seen[split]))]]
-            seen[split] += len(text)
-    train, val = (EOT.join(texts[split]) for split in SPLITS)
-    print(f"source {args.source!r}: {seen['documents']:,} documents, {seen['train'] / 1e6:.1f} MB "
-          f"train ({len(train) / 1e6:.1f} MB for the BPE), {seen['val'] / 1e6:.1f} MB val")  # fmt: skip
-    return train, val
-
-
-def demo(args) -> None:
-    """Check the corpus, train a tokenizer on the train split, show what it does, write the
-    shards. Nothing reaches --out before `prepare` has checked everything (`before_write`)."""
     tok_label = f"bpe{args.vocab_size}" if args.tokenizer == "bpe" else Path(args.tokenizer).stem
     out = Path(args.out or f"data/{Path(args.source).stem}-{tok_label}")
-    train_text, val_text = samples(source_files(args.source), args)  # bad input fails here
-    tok_name, save_tok = str(out / "tokenizer.tiktoken"), None
-    if args.tokenizer == "bpe":
-        text, vocab, t0 = train_text[:80_000], min(args.vocab_size, 512), time.perf_counter()
-        naive, t1 = train_bpe_naive(text, vocab), time.perf_counter()  # simple first: the two agree
-        same, t2 = train_bpe(text, vocab).merges == naive.merges, time.perf_counter()
-        took = f"naive {t1 - t0:.2f} s, incremental {t2 - t1:.2f} s"
-        print(f"BPE on {len(text) / 1e3:.0f} KB, vocab {vocab}: {took}, same merges: {same}")
-        t0, tok = time.perf_counter(), train_bpe(train_text, args.vocab_size)
-        print(
-            f"a {args.vocab_size}-token BPE, from the train split: {time.perf_counter() - t0:.1f} s"
-        )
-        save_tok = lambda: tok.save(tok_name)  # noqa: E731 - by prepare, once the input passed
-    else:
-        tok, tok_name = get_tokenizer(args.tokenizer), args.tokenizer
-    show_tokenizers(args.tokenizer, tok, val_text)
-    meta = prepare(args.source, tok, out, args.val_fraction, args.block_size, tok_name, save_tok,
-                   args.shard_tokens, args.text_field)  # fmt: skip
+    try:
+        name, save_tok = str(out / "tokenizer.tiktoken"), None
+        if args.tokenizer == "bpe":
+            tok = demo_bpe(source_files(args.source), args)  # bad input fails here
+            save_tok = lambda: tok.save(name)  # noqa: E731 - by prepare, once the input passed
+        else:
+            tok, name = get_tokenizer(args.tokenizer), args.tokenizer
+        meta = prepare(args.source, tok, out, args.val_fraction, args.block_size, name, save_tok,
+                       args.shard_tokens, args.text_field, args.quality, args.dedup)  # fmt: skip
+    except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input: one line, no traceback
+        raise SystemExit(f"01_data.py: error: {' '.join(str(e).splitlines())}") from None
     for split, shards in meta["shards"].items():  # also when prepare found them done
-        mb, n = sum((out / s["file"]).stat().st_size for s in shards) / 1e6, meta[f"{split}_tokens"]
-        print(f"  {out}/{split}_*.bin: {n:,} tokens in {len(shards)} shard(s), {mb:.1f} MB")
-    show_loader(out, tok)
+        print(
+            f"  {out}/{split}_*.bin: {meta[f'{split}_tokens']:,} tokens in {len(shards)} shard(s)"
+        )
+    loaders = [DataLoader(out, "train", 2, 8, seed=0, dp_rank=r, dp_size=2) for r in (0, 1)]
+    a, b = (set(ld.window_ids(0).tolist()) for ld in loaders)  # B = 2 windows of T = 8 each
+    x, y = loaders[0].get_batch(0)  # (B, T) each
+    rows = " | ".join(f"{tok.decode(row[:6].tolist())!r}" for row in (x[0], y[0]))
+    print(f"loader, step 0, B=2, T=8: dp_rank 0 takes windows {a}, dp_rank 1 {b}, disjoint: "
+          f"{not a & b}; x, y = {rows}; y is x shifted: {y[:, :-1].equal(x[:, 1:])}")  # fmt: skip
+
+
+def demo_bpe(files, args) -> Tokenizer:
+    """The BPE, learned on the train split's first --bpe-sample-mb (one pass that stops there)."""
+    cut, texts, left = val_cut(files, args.val_fraction), [], int(args.bpe_sample_mb * 1e6)
+    for doc in iter_documents(files, [], args.text_field):  # (prepare reports binaries, no text)
+        texts.append("".join(t for split, t in split_document(doc, cut) if split == "train")[:left])
+        left -= len(texts[-1])
+        if left <= 0 or doc[1] >= cut:  # full, or the train split is over
+            break
+    text = EOT.join(texts)
+    small, vocab, t0 = text[:80_000], min(args.vocab_size, 512), time.perf_counter()
+    naive, t1 = train_bpe_naive(small, vocab), time.perf_counter()  # simple first: they agree
+    same, t2 = train_bpe(small, vocab).merges == naive.merges, time.perf_counter()
+    took = f"naive {t1 - t0:.2f} s, incremental {t2 - t1:.2f} s"
+    print(f"BPE on {len(small) / 1e3:.0f} KB, vocab {vocab}: {took}, same merges: {same}")
+    t0, tok = time.perf_counter(), train_bpe(text, args.vocab_size)
+    piece = text[-200_000:]  # ours == tiktoken's Rust encoder holding the same merges
+    same = tok.encode(piece) == tok.to_tiktoken().encode(piece, allowed_special="all")
+    print(f"a {args.vocab_size}-token BPE on {len(text) / 1e6:.1f} MB of the train split: "
+          f"{time.perf_counter() - t0:.1f} s; ours == tiktoken: {same}")  # fmt: skip
+    return tok
 
 
 if __name__ == "__main__":

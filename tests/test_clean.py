@@ -1,0 +1,147 @@
+"""01_data.py's cleaning: the Gopher rules, exact and near-duplicate removal, on a generated
+corpus with planted copies and rule-breakers; MinHash's estimate of the Jaccard similarity."""
+
+import importlib
+import json
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+data = importlib.import_module("01_data")
+char = data.CharTokenizer()
+rng = np.random.default_rng(7)
+LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+VOCAB = ["".join(rng.choice(LETTERS, rng.integers(3, 10))) for _ in range(5_000)]
+STOP = sorted(data.STOP_WORDS)
+
+
+def sentence(r, words=None, stop=True) -> str:
+    """12 words, one in five a stop word (if `stop`), and a full stop."""
+    pick = [STOP[r.integers(len(STOP))] if stop and r.random() < 0.2 else None for _ in range(12)]
+    pool = words or VOCAB
+    return " ".join(p or pool[r.integers(len(pool))] for p in pick).capitalize() + "."
+
+
+def document(r, n_sentences=40, **kw) -> str:
+    """~480 words of prose in lines of 4 sentences: passes every Gopher rule."""
+    s = [sentence(r, **kw) for _ in range(n_sentences)]
+    return "\n".join(" ".join(s[i : i + 4]) for i in range(0, n_sentences, 4))
+
+
+def breakers(r) -> list:
+    """(rule, a document that breaks it and no rule before it), both ends of the ranges."""
+    lines = [sentence(r) for _ in range(40)]
+    numbers = " ".join(f"{w} {r.integers(1000, 9999)}" for w in VOCAB[:200])
+    words, mean = "not 50 to 100,000 words", "mean word not 3 to 10 characters"
+    return [
+        (words, " ".join(lines[:3])),
+        (words, "\n".join(sentence(r) for _ in range(8_500))),  # ~110,000 words
+        (mean, " ".join(["to of be", "it is a"] * 40) + " the and."),
+        (mean, document(r, words=[w * 3 for w in VOCAB[:300]])),
+        (
+            "'#' over 0.1 a word",
+            " ".join(f"{s} #{VOCAB[i]} #{VOCAB[i + 1]}" for i, s in enumerate(lines)),
+        ),  # fmt: skip  (2 of ~18 words)
+        ("'...' over 0.1 a word", " ".join(s.replace(" ", " ... ", 2) for s in lines)),
+        ("bullet lines over 90%", "\n".join(f"- {s}" for s in lines)),
+        (
+            "'...' line ends over 30%",
+            "\n".join(s[:-1] + ("..." if i % 2 else ".") for i, s in enumerate(lines)),
+        ),  # fmt: skip
+        ("alphabetic words under 80%", numbers + " the end, to be sure."),
+        ("under 2 stop words", document(r, stop=False)),
+    ]
+
+
+def test_every_gopher_rule_catches_its_breaker_and_prose_passes():
+    r = np.random.default_rng(1)
+    for reason, text in breakers(r):
+        assert data.gopher_rule_broken(text) == reason, reason
+    for _ in range(50):
+        assert data.gopher_rule_broken(document(r)) is None
+
+
+def planted(r, n_clean=60, n_exact=10, n_near=10) -> tuple[list, list, dict]:
+    """(documents in order, the clean ones, what each plant should be removed as)."""
+    clean = [document(r) for _ in range(n_clean)]
+    exact = [" \n ".join(clean[i].upper().split()) for i in range(n_exact)]  # case, spacing
+    near = []
+    for i in range(n_clean // 2 - n_near, n_clean // 2):  # one sentence of 40 changed
+        s = clean[i].split(". ")
+        s[len(s) // 2] = sentence(r)[:-1]
+        near.append(". ".join(s))
+    rules = breakers(r)
+    plants = exact + near + [text for _, text in rules]
+    half = n_clean // 2  # copies after their originals; clean text after the big breaker (val)
+    docs = clean[:half] + [plants[k] for k in r.permutation(len(plants))] + clean[half:]
+    removed = Counter({"exact duplicate": n_exact, "near duplicate": n_near})
+    removed.update(reason for reason, _ in rules)
+    return docs, clean, removed
+
+
+def prepare(tmp_path, docs, name, **kw):
+    src = tmp_path / "corpus.jsonl"
+    src.write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    meta = data.prepare(str(src), char, tmp_path / name, 0.2, block_size=8, **kw)
+    texts = []  # each split's documents (no EOT between the splits)
+    for split in data.SPLITS:
+        ids = [data.read_shard(p) for p in data.split_shards(tmp_path / name, split)]
+        texts += char.decode(np.concatenate(ids).tolist()).split(data.EOT)
+    return meta, texts
+
+
+def test_planted_copies_and_rule_breakers_are_removed_and_nothing_else(tmp_path):
+    """60 distinct documents of ~480 words, then, shuffled: 10 exact copies (upper case, other
+    spacing), 10 near copies (one sentence of 40 changed: Jaccard of the 5-gram sets ~0.9, met by
+    LSH with probability > 99.9%) and one breaker per Gopher rule. gopher + minhash removes every
+    plant and keeps the 60 (the first of a cluster), in order; the counts are in meta.json. The
+    same over shards of 1,000 tokens, and on a second run; exact alone keeps the near copies."""
+    docs, clean, removed = planted(np.random.default_rng(2))
+    kw = dict(quality="gopher", dedup="minhash")
+    meta, text = prepare(tmp_path, docs, "one", **kw)
+    assert meta["removed"] == dict(removed)
+    assert meta["documents_in"] == len(docs) and meta["documents_kept"] == len(clean)
+    assert text == clean, "kept: exactly the clean documents, in order"
+    many, text_many = prepare(tmp_path, docs, "many", shard_tokens=1_000, **kw)
+    assert len(many["files"]) > 2 * len(meta["files"]) and text_many == text
+    assert prepare(tmp_path, docs, "again", **kw)[1] == text  # a new Deduplicator, same keys
+    exact, _ = prepare(tmp_path, docs, "exact", quality="gopher", dedup="exact")
+    assert exact["removed"] == {k: n for k, n in removed.items() if k != "near duplicate"}
+    assert exact["documents_kept"] == len(clean) + removed["near duplicate"]
+    none, _ = prepare(tmp_path, docs, "none", quality="none", dedup="none")
+    assert none["documents_kept"] == len(docs) and none["removed"] == {}
+
+
+def shingles(text: str) -> set:
+    """The test's own 5-gram sets, to compare MinHash with: words as 01 cuts them, lowercase."""
+    words = data.WORD.findall(text.lower())
+    return {tuple(words[i : i + 5]) for i in range(len(words) - 4)}
+
+
+def test_minhash_estimates_the_jaccard_similarity_within_its_error():
+    """112 hashes: the estimate mean(sig1 == sig2) of J has standard deviation sqrt(J(1-J)/112)
+    (<= 0.047). On 40 pairs whose second text rewrites a random share of the first's words,
+    each estimate is within 4 of those (a miss per pair has probability ~6e-5) and the mean
+    error, an unbiased estimator's, is within 0.02 (its deviation: ~0.006)."""
+    r, dedupe, errors = np.random.default_rng(3), data.Deduplicator("minhash"), []
+    for k in range(40):
+        a = [VOCAB[i] for i in r.integers(len(VOCAB), size=300)]
+        b = [w if r.random() > k / 200 else VOCAB[r.integers(len(VOCAB))] for w in a]
+        sa, sb = shingles(" ".join(a)), shingles(" ".join(b))
+        j = len(sa & sb) / len(sa | sb)
+        sigs = [dedupe.minhash(" ".join(t)) for t in (a, b)]
+        estimate = float(np.mean(sigs[0] == sigs[1]))
+        sigma = math.sqrt(j * (1 - j) / len(dedupe.a))
+        assert abs(estimate - j) <= 4 * sigma + 1e-9, (k, j, estimate)
+        errors.append(estimate - j)
+    assert abs(np.mean(errors)) < 0.02
+    assert min(e for e in errors) < 0 < max(errors), "an estimator that is never low is biased"
+
+
+@pytest.mark.parametrize("flag, value", [("--quality", "fineweb"), ("--dedup", "fuzzy")])
+def test_unknown_cleaning_is_refused_by_the_command_line(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        data.main([flag, value])
+    assert "invalid choice" in capsys.readouterr().err
