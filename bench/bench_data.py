@@ -9,23 +9,26 @@
 2. Ours at vocab 4,096 on the whole standard-library corpus (~10 MB once 01 leaves out the
    generated tables). Target: <= 20 s.
 3. Preparation throughput: `prepare` (read, split, tiktoken's threaded batch encoder, shards),
-   in MB/s, GPT-2 and our BPE, on the standard library.
-4. `--corpus-gb 1`: preparation at scale. The bench writes a corpus of .jsonl files (the
-   standard library's documents, repeated; into data/bench-corpus/, not committed) and prepares
-   it with GPT-2's tokenizer in a fresh process: MB/s, time per GB, the peak resident memory of
-   that process (target: under 1 GiB, whatever the corpus size), and the extrapolation to a
-   corpus of 10 billion tokens.
+   in MB/s, GPT-2 and our BPE, on the standard library; and bytes per token of ours, GPT-2 and
+   char on the last 5% of the corpus (the validation split, which no tokenizer trained on).
+4. `--corpus-gb 1`: preparation at scale. The bench writes a corpus of .jsonl files (generated
+   prose: sentences of the standard library's words, Zipf-weighted, ~700 words a document, 1% of
+   them exact and 1% near copies of earlier ones; into data/bench-prose/, not committed) and
+   prepares it with GPT-2's tokenizer in a fresh process three times: without cleaning, with
+   the default exact deduplication, and with --quality gopher --dedup minhash. For each: MB/s,
+   time per GB, what was removed, the peak resident memory of that process (target: under 1
+   GiB, whatever the corpus size), and the extrapolation to a corpus of 10 billion tokens.
 
 `--shakespeare` runs them on tiny-shakespeare instead (downloaded once into data/downloads/, the
 only network use; then `python 01_data.py --source data/downloads/tinyshakespeare.txt`).
 """
 
 import argparse
+import collections
 import importlib
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -33,6 +36,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 data = importlib.import_module("01_data")
@@ -111,6 +116,13 @@ def main(argv=None):
         tokenizers["gpt2"] = data.get_tokenizer("gpt2")
     except RuntimeError as e:
         print(f"    gpt2 unavailable: {e}")
+    val = corpus[int(0.95 * len(corpus)) :]  # as 01's --val-fraction 0.05: no tokenizer saw it
+    ratios = {k: len(val.encode()) / len(t.encode_ordinary(val)) for k, t in tokenizers.items()}
+    ratios["char"] = 1.0  # one token a byte
+    print(
+        "[3] bytes per token on the last 5%: "
+        + ", ".join(f"{k} {r:.2f}" for k, r in ratios.items())
+    )
     source = str(files[0]) if args.shakespeare else "stdlib"
     with tempfile.TemporaryDirectory() as tmp:
         for name, t in tokenizers.items():
@@ -119,47 +131,82 @@ def main(argv=None):
             print(f"[3] prepare {name:5s} {mb / took:6.1f} MB/s ({mb:.1f} MB, "
                   f"{meta['train_tokens'] + meta['val_tokens']:,} tokens, {os.cpu_count()} threads)")  # fmt: skip
     if args.corpus_gb:
-        at_scale(docs, args.corpus_gb)
+        at_scale(corpus, args.corpus_gb)
 
 
-def at_scale(docs, gb: float, folder="data/bench-corpus"):
-    """[4]: write about `gb` GB of .jsonl (the documents again and again, 128 MB a file), then
-    prepare it with GPT-2's tokenizer in a child process, whose peak RSS the kernel reports."""
-    out, lines = Path(folder), [json.dumps({"text": d}) + "\n" for d in docs]
-    files, size, target = [], 0, gb * 1e9
-    while size < target:
+def prose_corpus(corpus: str, gb: float, folder="data/bench-prose", seed=0) -> tuple[Path, float]:
+    """[4]'s corpus, written once (128 MB a file) and reused: documents of 15 to 90 sentences of 4
+    to 20 words drawn from the corpus's 20,000 commonest words (Zipf weights: word k has weight
+    1/k), the eight stop words Gopher counts spread in; 1% exact and 1% near copies (one sentence
+    changed) of earlier documents. Distinct, prose-shaped text: cleaning does all its work and
+    removes little, so its cost is not hidden by documents it drops before the encoder."""
+    out, rng = Path(folder), np.random.default_rng(seed)
+    counts = collections.Counter(w for w in data.WORD.findall(corpus) if w.isalpha())
+    stop = data.STOP_WORDS.split("|")
+    vocab = np.array([w.lower() for w, _ in counts.most_common(20_000)] + stop)
+    weights = 1 / np.arange(1, len(vocab) + 1)
+    weights[-len(stop) :] = weights[0]  # stop words as common as the commonest word
+    weights /= weights.sum()
+
+    def document() -> list[str]:
+        lengths = rng.integers(4, 21, rng.integers(15, 91))
+        words = vocab[rng.choice(len(vocab), lengths.sum(), p=weights)]
+        return [" ".join(s).capitalize() + "." for s in np.split(words, np.cumsum(lengths)[:-1])]
+
+    files, size, kept = [], 0, []
+    while size < gb * 1e9:
         path = out / f"part_{len(files):03d}.jsonl"
         files.append(path)
-        if not path.is_file():  # written once, reused by later runs
-            chunk, n = [], 0
-            while n < 128e6 and size + n < target:
-                chunk.append(lines[(len(files) * 7919 + len(chunk)) % len(lines)])
-                n += len(chunk[-1].encode())
-            data.atomic_write(path, lambda tmp, c=chunk: tmp.write_text("".join(c)))
+        if not path.is_file():
+            lines, n = [], 0
+            while n < 128e6 and size + n < gb * 1e9:
+                roll = rng.random()
+                if (
+                    roll < 0.02 and kept
+                ):  # a copy of an earlier document: exact, or one sentence new
+                    doc = list(kept[rng.integers(len(kept))])
+                    if roll < 0.01:
+                        doc[rng.integers(len(doc))] = document()[0]
+                else:
+                    doc = document()
+                    kept = kept[-999:] + [doc]  # the originals copies are drawn from
+                lines.append(json.dumps({"text": " ".join(doc)}) + "\n")
+                n += len(lines[-1])
+            data.atomic_write(path, lambda tmp, c=lines: tmp.write_text("".join(c)))
         size += path.stat().st_size
-    print(
-        f"[4] {len(files)} files, {size / 1e9:.2f} GB of .jsonl in {out}; preparing with gpt2 ..."
-    )
-    code = ("import importlib, json, sys; d = importlib.import_module('01_data'); "
-            "m = d.prepare(sys.argv[1], 'gpt2', sys.argv[2], block_size=1024); "
-            "print(json.dumps({k: m[k] for k in ('train_tokens', 'val_tokens', 'n_bytes')}))")  # fmt: skip
-    root = Path(__file__).resolve().parents[1]
-    shutil.rmtree(str(out) + "-gpt2", ignore_errors=True)  # prepared before: it would do nothing
-    start = time.perf_counter()
-    run = subprocess.run([sys.executable, "-c", code, str(out), str(out) + "-gpt2"], cwd=root,
-                         capture_output=True, text=True)  # fmt: skip
-    if run.returncode:
-        raise SystemExit(f"[4] preparing {out} failed: {run.stderr.strip().splitlines()[-1]}")
-    took = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux: KiB
-    meta = json.loads(run.stdout.strip().splitlines()[-1])
-    tokens, gb_text = meta["train_tokens"] + meta["val_tokens"], meta["n_bytes"] / 1e9
-    per_gb, tokens_per_gb = took / gb_text, tokens / gb_text
-    ten_b = 10e9 / tokens_per_gb * per_gb / 3600
-    print(f"    {gb_text:.2f} GB of text -> {tokens:,} tokens in {took:.0f} s: "
-          f"{gb_text * 1e3 / took:.1f} MB/s, {per_gb:.0f} s per GB; peak RSS {peak / 2**20:.0f} MiB "
-          f"(target < 1,024); 10 billion tokens ({10e9 / tokens_per_gb:.0f} GB of such text) would "
-          f"take {ten_b:.1f} h on these {os.cpu_count()} cores")  # fmt: skip
+    return out, size
+
+
+def at_scale(corpus: str, gb: float, folder="data/bench-prose"):
+    """[4]: prepare the prose corpus with GPT-2's tokenizer in a child process per cleaning setting
+    (its peak RSS is the kernel's: a child's own, as each runs alone after the last)."""
+    out, size = prose_corpus(corpus, gb, folder)
+    print(f"[4] {size / 1e9:.2f} GB of .jsonl in {out}; preparing with gpt2 ...", flush=True)
+    code = ("import importlib, json, resource, sys; d = importlib.import_module('01_data'); "
+            "m = d.prepare(sys.argv[1], 'gpt2', sys.argv[2], block_size=1024, quality=sys.argv[3], "
+            "dedup=sys.argv[4]); m['peak'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+            "print(json.dumps({k: v for k, v in m.items() if k not in ('shards', 'files')}))")  # fmt: skip
+    root, base = Path(__file__).resolve().parents[1], None
+    for quality, dedup in (("none", "none"), ("none", "exact"), ("gopher", "minhash")):
+        target = f"{out}-gpt2-{quality}-{dedup}"
+        shutil.rmtree(target, ignore_errors=True)  # prepared before: it would do nothing
+        start = time.perf_counter()
+        run = subprocess.run([sys.executable, "-c", code, str(out), target, quality, dedup],
+                             cwd=root, capture_output=True, text=True)  # fmt: skip
+        if run.returncode:
+            raise SystemExit(f"[4] preparing {out} failed: {run.stderr.strip().splitlines()[-1]}")
+        took, meta = time.perf_counter() - start, json.loads(run.stdout.strip().splitlines()[-1])
+        shutil.rmtree(target, ignore_errors=True)  # ~1 GB of shards each
+        tokens, gb_text = meta["train_tokens"] + meta["val_tokens"], meta["n_bytes"] / 1e9
+        per_gb, tokens_per_gb = took / gb_text, tokens / gb_text
+        base = base or took
+        removed = ", ".join(f"{n:,} {why}" for why, n in meta["removed"].items()) or "nothing"
+        print(f"    --quality {quality} --dedup {dedup}: {gb_text:.2f} GB of text, "
+              f"{meta['documents_in']:,} documents, removed {removed} -> {tokens:,} tokens in "
+              f"{took:.0f} s: {gb_text * 1e3 / took:.1f} MB/s, {per_gb:.0f} s per GB "
+              f"({took / base:.2f}x the uncleaned time); peak RSS {meta['peak'] / 2**10:.0f} MiB "
+              f"(target < 1,024); 10 billion tokens ({10e9 / tokens_per_gb:.0f} GB of such text): "
+              f"{10e9 / tokens_per_gb * per_gb / 3600:.1f} h on these {os.cpu_count()} cores")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ char = data.CharTokenizer()
 rng = np.random.default_rng(7)
 LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 VOCAB = ["".join(rng.choice(LETTERS, rng.integers(3, 10))) for _ in range(5_000)]
-STOP = sorted(data.STOP_WORDS)
+STOP = data.STOP_WORDS.split("|")
 
 
 def sentence(r, words=None, stop=True) -> str:
