@@ -596,7 +596,9 @@ def test_the_demo_prints_its_headlines_and_trains_on_the_train_split_only(tmp_pa
     printed = capsys.readouterr().out
     assert "ours == tiktoken: True" in printed, printed
     assert re.search(r"naive [\d.]+ s, incremental [\d.]+ s, same merges: True", printed), printed
-    assert "cleaning (--quality none, --dedup exact): kept 7 of 7 documents; removed: none" in printed
+    assert (
+        "cleaning (--quality none, --dedup exact): kept 7 of 7 documents; removed: none" in printed
+    )
     assert "disjoint: True" in printed and "y is x shifted: True" in printed
     files = sorted(corpus.iterdir())
     cut, docs = data.val_cut(files, 0.2), data.iter_documents(files, [])
