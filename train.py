@@ -89,11 +89,13 @@ class TrainConfig:
     compile: bool = flag(False, "torch.compile each model chunk (GPU speed; slow first steps)")
     max_steps: int = flag(500, "optimizer steps, the LR schedule's length (500 x 4,096 tokens: the CPU job in ~5 min)")
     lr: float = flag(3e-3, "peak learning rate (small models take large ones; GPT-2 used 6e-4)")
-    warmup_steps: int = flag(50, "steps of linear warm-up from 0 to --lr")
-    lr_schedule: str = flag("cosine", "after the warm-up: cosine or wsd (stable, then linear) decay to --min-lr at "
-                                      "--max-steps, cyclic (triangles --lr, --min-lr, --lr) or constant")
+    warmup_steps: int = flag(50, "steps of linear warm-up to --lr (--lr/N at step 0, --lr at step N-1)")
+    lr_schedule: str = flag("cosine", "after the warm-up: cosine (to --min-lr at --max-steps), wsd (warm-up, stable "
+                                      "at --lr, linear decay over the last --decay-fraction), cyclic (--lr down to "
+                                      "--min-lr and back every --cycle-steps) or constant")
     min_lr: float = flag(3e-4, "learning rate at the end of the decay, the bottom of a cycle (a tenth, as Chinchilla)")
-    decay_fraction: float = flag(0.2, "wsd: the last fraction of --max-steps that decays (lengthen a run in the stable part)")
+    decay_fraction: float = flag(0.2, "wsd: the last fraction of --max-steps over which the LR decays; a checkpoint "
+                                      "from before it resumes with a larger --max-steps as if planned so")
     cycle_steps: int = flag(100, "cyclic: steps per triangle, from --lr down to --min-lr and back")
     weight_decay: float = flag(0.1, "decay on matrices (embeddings too, as nanoGPT), not on biases or LayerNorm gains")
     grad_clip: float = flag(1.0, "clip to this global L2 norm over all shards; 0 = off")
@@ -375,14 +377,16 @@ LR_SCHEDULES = ("cosine", "wsd", "cyclic", "constant")  # docs/lr_schedules.png 
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up to lr over warmup_steps, then from step w = warmup_steps, at p = the
-    fraction of the decay done (min 1), with hi = lr, lo = min_lr:
+    """The learning rate at `step`, a pure function of it (a resume continues it exactly). Warm-up:
+    hi·(step + 1)/w for step < w = warmup_steps. Then, with hi = lr, lo = min_lr and p the
+    fraction of the decay done, capped at 1:
       cosine    lo + (hi - lo)(1 + cos πp)/2, p = (step - w)/(max_steps - w)   (GPT-2, Chinchilla)
-      wsd       hi, then lo + (hi - lo)(1 - p), p = (step - s)/(max_steps - s) from the decay's
-                start s = max_steps - decay_fraction·max_steps (Hu et al. 2024: the stable part's
-                checkpoints can be continued with a larger --max-steps; only the decay is redone)
+      wsd       (warm-up, stable, decay: Hu et al. 2024, arXiv 2404.06395) hi until the decay's
+                start s = max_steps - d, d = round(decay_fraction·max_steps), at least 1 (and
+                s >= w); then lo + (hi - lo)(1 - p), p = (step - s)/(max_steps - s). Before
+                s, a checkpoint can go on with a larger --max-steps: only the decay moves
       cyclic    lo + (hi - lo)|1 - 2q|, q = ((step - w) mod cycle_steps)/cycle_steps (Smith
-                2017's triangle, begun at its top so it continues the warm-up)
+                2017, arXiv 1506.01186: his triangle, begun at its top to continue the warm-up)
       constant  hi"""
     w, hi, lo, kind = cfg.warmup_steps, cfg.lr, cfg.min_lr, cfg.lr_schedule
     if step < w:
@@ -391,8 +395,8 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
         return lo + (hi - lo) * abs(1 - 2 * ((step - w) % cfg.cycle_steps) / cfg.cycle_steps)
     if kind == "constant":
         return hi
-    decay_steps = round(cfg.decay_fraction * cfg.max_steps) if kind == "wsd" else cfg.max_steps
-    start = max(w, cfg.max_steps - decay_steps)  # cosine: the warm-up's end
+    decay_steps = max(1, round(cfg.decay_fraction * cfg.max_steps))  # wsd's d
+    start = max(w, cfg.max_steps - decay_steps) if kind == "wsd" else w  # cosine decays from w
     p = min(1.0, max(0, step - start) / max(1, cfg.max_steps - start))
     return lo + (hi - lo) * (1 - p if kind == "wsd" else 0.5 * (1 + math.cos(math.pi * p)))
 

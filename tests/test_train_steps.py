@@ -53,11 +53,13 @@ def test_lr_schedule_at_the_warmup_and_decay_edges():
                   110: 1.0, 500: 1.0}),
      # WSD with decay 1: linear from the warm-up's end (10..110), never before it
      ("wsd", ["--decay-fraction", "1"], {9: 6.0, 10: 6.0, 60: 3.5, 110: 1.0}),
+     # WSD with a decay of round(0.11) steps: one, not none (min_lr from max_steps on)
+     ("wsd", ["--decay-fraction", "0.001"], {108: 6.0, 109: 6.0, 110: 1.0, 500: 1.0}),
      # cyclic, 20 steps a triangle from 10: 6 at 10, 30, 50; 1 at 20, 40; rising 0.5 a step
      ("cyclic", ["--cycle-steps", "20"], {9: 6.0, 10: 6.0, 15: 3.5, 20: 1.0, 25: 3.5, 30: 6.0,
                                          40: 1.0, 109: 5.5, 1000: 1.0}),  # 109: a step below a top
      ("constant", [], {0: 0.6, 9: 6.0, 10: 6.0, 109: 6.0, 10_000: 6.0})],
-    ids=["wsd", "wsd-decay-1", "cyclic", "constant"],
+    ids=["wsd", "wsd-decay-1", "wsd-decay-tiny", "cyclic", "constant"],
 )  # fmt: skip
 def test_the_other_schedules_at_their_edges(schedule, extra, expected):
     """The same lr 6, min_lr 1, 10 warm-up steps and 110 steps (warm-up as above: 0.6 at 0, 6 at
