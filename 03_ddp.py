@@ -298,6 +298,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         super().__init__(params, kwargs)
         self.group, self.stage = _dp_group(group), stage
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.backend = dist.get_backend(self.group)  # "gloo": see _reduce_scatter
         groups = [[p for p in g["params"] if p.requires_grad] for g in self.param_groups]
         members = [set(u.parameters()) for u in units] if units else [set(sum(groups, []))]
         self.flats, shards, taken = [], [[] for _ in groups], set()
@@ -334,7 +335,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         work = dist.all_gather_single(full, shard, group=self.group, async_op=True)
         self.stats["all_gather_calls"] += 1
         self.stats["all_gather_bytes"] += nbytes(full)  # each rank sends (N-1)/N of it
-        self._works.append(work)  # kept a step: ZeRO-3 gathers in backward (DataParallel._works)
+        self._works.append(work)  # kept (see _reduce_scatter): ZeRO-3 gathers in backward too
         return work
 
     def _reduce_scatter(self, flat: FlatParameter) -> tuple:  # SUM every rank's slice r onto r
@@ -343,21 +344,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 flat.take_grad(p)
         if flat.grad is None:  # no gradient here: zeros, as every rank must take part
             flat.grad = flat.full.new_zeros(flat.full.shape)
-        out = flat.grad.new_empty(flat.S)  # (S,)
-        work = dist.reduce_scatter_single(out, flat.grad, op=SUM, group=self.group, async_op=True)
+        # gloo's reduce-scatter is an all-reduce of a copy, which its handle would keep (below):
+        # there, all-reduce in place and take this rank's slice (the same bytes, the same sums)
+        kw = dict(op=SUM, group=self.group, async_op=True)
+        if self.backend == "gloo":
+            work, out = dist.all_reduce(flat.grad, **kw), flat.grad[flat.lo : flat.lo + flat.S]
+        else:
+            out = flat.grad.new_empty(flat.S)  # (S,)
+            work = dist.reduce_scatter_single(out, flat.grad, **kw)
         self.stats["reduce_scatter_calls"] += 1
         self.stats["reduce_scatter_bytes"] += nbytes(flat.grad)
-        # subtle: launched in backward (ZeRO-2/3), it is kept a step too (DataParallel's _works).
-        # Cost on gloo only: its handle holds a copy of flat.grad while it lives (CPU memory of
-        # one more gradient); keeping only the last one aborted 1 of 15 ZeRO-2 exits in CI
+        # subtle: launched in backward (ZeRO-2/3), its handle is kept for a step, to the zero_grad()
+        # after next (DataParallel._works says why; dropped once waited, 1 of 15 ZeRO-2 jobs
+        # aborted at exit in CI). _finish empties the tensors it holds: it keeps no memory.
         self._works.append(work)
         return work, flat, out
 
     def _finish(self, pending: list) -> None:
         for work, flat, out in pending:
             work.wait()
-            flat.shard.grad = out.div_(self.world)  # SUM / N: the mean of the ranks' gradients
-            flat.grad.untyped_storage().resize_(0)  # freed now, even if NCCL still refers to it
+            flat.shard.grad = out.div(self.world)  # SUM / N: the mean of the ranks' gradients
+            for t in (out, flat.grad):  # freed now (the kept handle refers to them), even if
+                t.untyped_storage().resize_(0)  # NCCL still does: the allocator orders it
             flat.grad = None
 
     def reduce_gradients(self) -> None:
@@ -387,7 +395,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             local_g.update({k: v for k, v in g.items() if k != "params"})  # e.g. a new lr
         self.local.step()  # only this rank's shards move
         self._gather_all()
-        self._old_works, self._works = self._works, []  # dropped a step later, by this thread
 
     def _gather_all(self) -> None:  # ZeRO-1/2 (ZeRO-3 gathers a unit when a forward needs it)
         for work in [self._all_gather(f) for f in self.flats] if self.stage < 3 else []:
@@ -396,6 +403,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=True)  # the gradients live in the shards: freed
         self._reduced = False  # subtle: here, not in step(), which a loss scaler may skip
+        self._old_works, self._works = self._works, []  # the handles: dropped a step later
         for f in self.flats:
             f.grad = f.shard.grad = None
 

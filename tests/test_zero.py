@@ -19,6 +19,7 @@ import gc
 import importlib
 import io
 import math
+import os
 
 import pytest
 import torch
@@ -159,6 +160,9 @@ def case_stages(rank, world):
     for stage in STAGES:
         res = {"loss": [], "pieces": [], "log_backward": [], "log_step": []}
         model, wrapper, opt = make(stage)
+        # the collectives NCCL gets: on gloo 03 all-reduces in place instead of reduce-scattering
+        # (it says why; train.py's tests prove that path equal to one process)
+        opt.backend = "nccl"
         for step in range(STEPS):
             with CollectiveLog() as log:
                 opt.zero_grad(set_to_none=True)
@@ -483,6 +487,46 @@ def test_the_comparison_can_fail(world):
     expected = reference(world)["grads"][0][name].reshape(-1)[offset : offset + len(piece)]
     with pytest.raises(AssertionError):
         torch.testing.assert_close(piece * world, expected, **GRAD_TOL)  # SUM without / N
+
+
+def rss_mb() -> float:
+    """This process's resident memory (Linux). Buffers this big are mmap'ed: freed, they leave."""
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _kept_handles_hold_no_memory(rank, world):
+    """ZeRO-2 on gloo around one 64 MB matrix (SGD, lr 0: no state): the resident memory after
+    each of 2 full steps, 4 skipped ones (zero_grad and backward, no step(): what the fp16 loss
+    scaler does on an overflow) and 2 full ones, above the memory before the first backward."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False))  # 16M weights: 64 MB
+    model, opt = ddp.zero_data_parallel(module, 2, module.parameters(), torch.optim.SGD, lr=0.0)
+    x = torch.randn(4, 4096)
+    with torch.no_grad():
+        model(x)
+    gc.collect()
+    base = rss_mb()
+
+    def iteration(step: bool) -> float:
+        opt.zero_grad()
+        model(x).sum().backward()
+        if step:
+            opt.step()
+        gc.collect()
+        return rss_mb() - base
+
+    return [iteration(step) for step in (True, True, False, False, False, False, True, True)]
+
+
+def test_kept_collective_handles_hold_no_memory():
+    """03 keeps every handle a step (exits abort otherwise, tests/ddp_exit_job.py). A kept
+    handle must not keep its buffers: on gloo a reduce-scatter's handle holds a copy of the
+    whole flat gradient (64 MB here), so 03 all-reduces in place there and empties what it
+    hands over. Then each rank holds its 32 MB gradient shard above the memory before the
+    first backward, and nothing more (16 MB of slack): kept reduce-scatter handles held 64 MB
+    each, two steps' worth (+128 MB), and, rotated in step(), grew 64 MB a skipped step."""
+    for growth in run_ranks(_kept_handles_hold_no_memory, 2, timeout=120):
+        assert max(growth) < 32 + 16, f"MB above the start, 2 full, 4 skipped, 2 full: {growth}"
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
