@@ -13,15 +13,16 @@ GPT-2's pre-tokenization regex, so no merge crosses a word boundary or a special
     ties:   among equal counts, the lexicographically greatest (bytes(a), bytes(b)) wins
     encode: in each word, merge the adjacent pair whose concatenation has the lowest rank, repeat
 
-Clean data: --quality gopher keeps prose (Rae et al. 2021's rules, as FineWeb); --dedup drops a
-document seen before: exact (its lowercased, whitespace-collapsed text) or minhash, near copies
-too: sig_i = the least of hash i over its word 5-grams, P(sig_i(A) = sig_i(B)) = Jaccard J(A, B);
-112 hashes in 14 bands of 8, A meets B if a band agrees: P = 1 - (1 - J^8)^14 (92% at J = 0.8, 5%
-at 0.5). The first of a cluster stays; 15 keys of 8 bytes a document: 1.2 GB for 10B tokens.
+Clean data (as FineWeb, Penedo et al. 2024): --quality gopher keeps prose by Gopher's rules (Rae
+et al. 2021); --dedup drops a document seen before: exact (same text up to case and spacing), or
+minhash (Broder 1997), near copies too: J(A, B) = |A∩B|/|A∪B| of word 5-gram sets; the least of a
+hash over A is the least over B iff the least of A∪B is in A∩B: P = J. 112 hashes in 14 bands of 8
+(LSH: a key a band, a shared key a match, found by set lookup): P = 1 - (1 - J^8)^14, 92% at J =
+0.8, 5% at 0.5. The first of a cluster stays; 15 keys of ~75 B a document: 17 GB for 10B tokens.
 
 Who holds what (nothing is distributed yet, except who reads which window):
 
-    files, .jsonl --stream, encode (tiktoken, threads)--> OUT/train_000000.bin ..., val_*, meta.json
+    files, .jsonl --stream, clean, encode (tiktoken)--> OUT/train_000000.bin ..., val_*, meta.json
     each [hdr | t0 ... t(n-1)] (np.memmap, n <= --shard-tokens), cut into windows of T+1 tokens at
     stride T that never cross a shard, W of them across the shards:  \\_window_/\\_window_/ ...
     step s, epoch e = s // steps_per_epoch:  perm_e = permutation(W windows, seed=(seed, e))
@@ -30,7 +31,7 @@ Who holds what (nothing is distributed yet, except who reads which window):
 
 Launch: `python 01_data.py` (a 4,096-token BPE on the standard library's source, shards in data/;
 --source FILES.jsonl for a real corpus; timings: bench/bench_data.py). Left out on purpose:
-Unicode normalisation, regex-free fast trainers and document packing masks.
+Unicode normalisation, fast trainers, packing masks, language ID, URL and repetition filters.
 """
 
 import argparse
@@ -196,6 +197,7 @@ class Tokenizer:
         self._pattern = regex.compile(GPT2_SPLIT_PATTERN)
         self._splitter = _special_splitter(self.special_tokens)
         self._cut = regex.compile(r"(?r)(?<=\S)\s(?=\S)")  # (?r): the last match first
+        assert not any(regex.search(r"\s", t) for t in self.special_tokens), "a special's space"
         self._cache: dict[bytes, list[int]] = {}
 
     @property
@@ -231,13 +233,13 @@ class Tokenizer:
         return ids
 
     def encode_iterable(self, chunks):
-        """Ids of an iterable of strings (a file), equal to `encode("".join(chunks))`: cut before a
-        lone whitespace between non-spaces (" x", "\\nx"), which no pre-token crosses and the regex
-        reads alike on both sides (specials hold none). Memory: about a line of ordinary text."""
+        """`encode("".join(chunks))`, streamed: cut before a lone whitespace between non-spaces
+        (" x", "\\nx"), which no pre-token crosses or looks past (specials hold none). Memory: 64K
+        characters and the text since such a place (long only without them: base64, CJK)."""
         buf = ""
         for chunk in chunks:
-            buf += chunk
-            if len(buf) >= 1 << 16 and (cut := self._cut.search(buf)):  # the last such place
+            new, buf = max(0, len(buf) - 1), buf + chunk  # searched from there: linear time
+            if len(buf) >= 1 << 16 and (cut := self._cut.search(buf, new)):  # the last such place
                 yield from self.encode(buf[: cut.start()])
                 buf = buf[cut.start() :]
         yield from self.encode(buf)
@@ -291,9 +293,8 @@ def get_tokenizer(name: str):
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # noqa: BLE001 - network or cache failure; say what to do
-        fix = "it is downloaded once: offline, set TIKTOKEN_CACHE_DIR to a folder holding its files"
-        raise RuntimeError(f"cannot load GPT-2's tokenizer ({type(e).__name__}: {e}); {fix}, "
-                           "or use --tokenizer char") from e  # fmt: skip
+        fix = "offline: TIKTOKEN_CACHE_DIR=a folder with its files (or --tokenizer char)"
+        raise RuntimeError(f"cannot load GPT-2's tokenizer ({type(e).__name__}: {e}); {fix}") from e
 
 
 # --- Sources: the standard library (the default, offline), or a file, folder or glob -----------
@@ -337,9 +338,8 @@ def source_files(source: str) -> list[Path]:
 
 
 def iter_documents(files, skipped: list, text_field="text"):
-    """Each document, in order, as (start, end, text, whole): its bytes in the source (the text
-    files end to end) and if a split must keep it whole. A file is a document; a .jsonl file one
-    per line (`text_field` of a JSON object), whole. Binary files (`is_binary`) go to `skipped`."""
+    """(start, end, text, whole) per document, in order: a file, or a .jsonl line's `text_field`
+    (whole: never split); start, end: its bytes in the source. Binary files go to `skipped`."""
     offset = 0
     for f in map(Path, files):
         if f.suffix != ".jsonl" and f.stat().st_size > MAX_DOCUMENT_BYTES:  # ~20x it in memory
@@ -386,56 +386,59 @@ def val_cut(files, val_fraction: float) -> int:
 # --- Clean data: quality rules, then duplicates (exact, then near: MinHash with LSH bands) --------
 STOP_WORDS = "the|be|to|of|and|that|have|with"  # Gopher's eight: English prose has them
 WORD, SYMBOLS = regex.compile(r"\w+"), regex.compile(r"[^\w\s]+")  # a word tokenizer's cuts
-LETTERED, STOP = regex.compile(r"\w*[^\W\d_]\w*"), regex.compile(rf"\b(?:{STOP_WORDS})\b", regex.I)
-QUALITY, DEDUP = ("none", "gopher"), ("none", "exact", "minhash")  # --quality, --dedup
+LETTERED, STOP = regex.compile(r"\w*\p{L}\w*"), regex.compile(rf"\b(?:{STOP_WORDS})\b", regex.I)
 
 
 def gopher_rule_broken(text: str) -> str | None:
     """The first Gopher rule (Rae et al. 2021; FineWeb's thresholds) `text` breaks, or None."""
-    real, lines = WORD.findall(text), text.splitlines()  # (C-speed regexes: no loop over words)
-    n, mean = max(1, len(real) + len(SYMBOLS.findall(text))), len("".join(real)) / max(1, len(real))
+    words, lines = WORD.findall(text), text.splitlines()  # (C-speed regexes: no loop over words)
+    n_words = max(1, len(words) + len(SYMBOLS.findall(text)))  # symbol runs count, as FineWeb's
+    mean = len("".join(words)) / max(1, len(words))
     share = lambda test: sum(map(test, lines)) / max(1, len(lines))  # noqa: E731 - of the lines
-    rules = {  # reason: broken?                             what it removes
-        "not 50 to 100,000 words": not 50 <= len(real) <= 100_000,  # fragments; dumps, logs
+    rules = {  # reason: broken?                           what it removes (too few; too many)
+        "words not 50 to 100,000": not 50 <= len(words) <= 100_000,  # fragments; dumps, logs
         "mean word not 3 to 10 characters": not 3 <= mean <= 10,  # number lists; URLs, base64
-        "'#' over 0.1 a word": text.count("#") / n > 0.1,  # hashtag spam
-        "'...' over 0.1 a word": (text.count("...") + text.count("…")) / n > 0.1,  # teasers
-        "bullet lines over 90%": share(lambda ln: ln.lstrip().startswith(("•", "-"))) > 0.9,
-        "'...' line ends over 30%": share(lambda ln: ln.rstrip().endswith(("...", "…"))) > 0.3,
-        "alphabetic words under 80%": len(LETTERED.findall(text)) / n < 0.8,  # (symbols: none)
-        "under 2 stop words": len(STOP.findall(text)) < 2,  # not English prose
-    }  # (bullets: lists, not prose; '...' line ends: snippets; alphabetic words: tables, code)
+        "'#' over 0.1 a word": text.count("#") / n_words > 0.1,  # hashtag spam
+        "'...' over 0.1 a word": (text.count("...") + text.count("…")) / n_words > 0.1,  # teasers
+        "bullet lines over 90%": share(lambda s: s.lstrip().startswith(("•", "-"))) > 0.9,  # lists
+        "'...' line ends over 30%": share(lambda s: s.rstrip().endswith(("...", "…"))) > 0.3,
+        "alphabetic words under 80%": len(LETTERED.findall(text)) / n_words < 0.8,  # tables, code
+        "under 2 stop words": len(STOP.findall(text)) < 2,  # not English prose (occurrences)
+    }
     return next((why for why, broken in rules.items() if broken), None)
 
 
 class Deduplicator:
-    """The keys of every text seen (see the top; 0.9: 99.96%, 0.3: 0.1%). This Python set holds
-    ~90 bytes a key, ~10x the packed 8 (a 10B-token corpus: sort packed keys, or shard them)."""
+    """Every text's keys, in a set (~75 B a key; packed and sorted: 8 B, 1.8 GB for 10B tokens)."""
 
     def __init__(self, mode: str, hashes: int = 112, bands: int = 14):
-        rng = np.random.default_rng(SHARD_MAGIC)  # fixed: the same signatures on every run
-        self.a, self.b = rng.integers(0, 2**64, (2, hashes, 1), np.uint64) | 1  # a odd, as needed
-        self.mode, self.bands, self.seen = mode, bands, set()
+        rng = np.random.default_rng(SHARD_MAGIC)  # any fixed seed: the same removals every run
+        self.a, self.b = rng.integers(0, 2**64, (2, hashes, 1), np.uint64) | 1  # (hashes, 1) each
+        self.mode, self.bands, self.seen = mode, bands, set()  # (a odd: a·s mod 2^64 is 1-to-1)
 
-    def minhash(self, text: str, n: int = 5) -> np.ndarray:
-        """(hashes,): entry i is the least h_i(s) = (a_i·s + b_i) >> 32 (multiply-shift, mod 2^64)
-        over the hashes s of the text's word n-grams (lowercase): mean(sig1 == sig2) ~ Jaccard."""
+    def minhash(self, text: str, n: int = 5) -> np.ndarray | None:
+        """(hashes,): entry i = min over the text's lowercase word n-grams s of (a_i·s + b_i) >> 32
+        (multiply-shift mod 2^64; crc32 a word: hash() varies by process). None: under n words."""
         words = np.array([zlib.crc32(w.encode()) for w in WORD.findall(text.lower())], np.uint64)
-        words, k = np.pad(words, (0, max(0, n - len(words)))), max(1, len(words) - n + 1)
-        shingles = words[:k].copy()  # (k,) 64-bit hashes of the n-grams w_j .. w_j+n-1
+        if (k := len(words) - n + 1) < 1:  # no n-gram: the exact key alone (else every such
+            return None  # text, the empty one too, would meet every other)
+        shingles = words[:k].copy()  # (k,) a polynomial hash of each n-gram, base 2^64/φ (odd)
         for i in range(1, n):
             shingles = shingles * np.uint64(0x9E3779B97F4A7C15) + words[i : i + k]
         sig = np.full(len(self.a), np.iinfo(np.uint64).max, np.uint64)
         for c in range(0, k, 4096):  # (hashes, 4,096) at a time: bounded memory for a long text
             sig = np.minimum(sig, (self.a * shingles[c : c + 4096] + self.b).min(1))
-        return sig >> 32  # (the min of x >> 32 is the min of x, >> 32: one shift, not k)
+        return sig >> 32  # the top 32 bits, the well-mixed ones (min(x >> 32) = min(x) >> 32)
 
-    def reason(self, text: str) -> str | None:
+    def why_duplicate(self, text: str) -> str | None:
+        """What duplicate `text` is, or None; its keys are kept either way (a chain goes too)."""
         digest = lambda b: hashlib.blake2b(b, digest_size=8).digest()  # noqa: E731
         keys = [("exact duplicate", digest(" ".join(text.lower().split()).encode()))]
-        if self.mode == "minhash":  # a band's key: its index and its 8 rows
-            rows = self.minhash(text).reshape(self.bands, -1)
-            keys += [("near duplicate", bytes([i]) + digest(r)) for i, r in enumerate(rows)]
+        if self.mode == "minhash" and (sig := self.minhash(text)) is not None:  # a key a band:
+            rows = sig.reshape(self.bands, -1)  # its index (band 2 never meets band 5), its rows
+            keys += [
+                ("near duplicate", digest(bytes([i]) + r.tobytes())) for i, r in enumerate(rows)
+            ]
         why = next((why for why, key in keys if key in self.seen), None)
         self.seen.update(key for _, key in keys)
         return why
@@ -547,10 +550,9 @@ def encode_documents(enc, pieces, writers: dict, total_bytes: int) -> None:
 def prepare(source, tokenizer, out_dir, val_fraction=0.05, block_size=1024, tokenizer_name=None,
             before_write=None, shard_tokens=SHARD_TOKENS, text_field="text", quality="none",
             dedup="exact") -> dict:  # fmt: skip
-    """Stream `source` (files, a folder, a glob; .jsonl lines), cleaned (`quality`, `dedup`), by
-    `tokenizer` into shards of at most `shard_tokens` ids per split, listed in OUT/meta.json.
-    Idempotent. Atomic: shards are written beside OUT, OUT's meta.json goes, they are renamed in,
-    the new meta.json last: no half shard after a crash. Bad input: one line, OUT untouched."""
+    """Stream `source` (files, a folder, a glob; .jsonl lines), cleaned, by `tokenizer` into shards
+    of <= `shard_tokens` ids a split, in OUT/meta.json. Idempotent; atomic: shards are written
+    beside OUT, its meta.json goes, they are renamed in, meta.json last. Bad input: one line."""
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     name = tokenizer_name or (tokenizer if isinstance(tokenizer, str) else type(tok).__name__)
     files, settings = source_files(source), dict(val_fraction=val_fraction, block_size=block_size)
@@ -593,21 +595,21 @@ def write_shards(source, tok, files, staging, val_fraction, block_size, shard_to
                  quality, dedup) -> dict:  # fmt: skip
     """Every document cleaned and encoded into shards in `staging`, then the checks of the text."""
     cut, skipped, seen, removed = val_cut(files, val_fraction), [], Counter(), Counter()
-    dtype, dedupe = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32, Deduplicator(dedup)
+    dtype, deduper = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32, Deduplicator(dedup)
     writers = {split: ShardWriter(staging, split, dtype, shard_tokens) for split in SPLITS}
 
     def pieces():  # (split, text, source bytes read so far), counting documents on the way
         for doc in iter_documents(files, skipped, text_field):
             seen.update(documents=1, bytes=len(doc[2].encode()), text=bool(doc[2].strip()))
-            broken = quality == "gopher" and gopher_rule_broken(doc[2])  # first: it leaves no keys
-            if why := broken or (dedup != "none" and dedupe.reason(doc[2])):
+            broken = quality == "gopher" and gopher_rule_broken(doc[2])  # first: adds no keys
+            if why := broken or (dedup != "none" and deduper.why_duplicate(doc[2])):
                 removed[why] += 1  # (its bytes still count towards the val cut)
             else:
                 yield from ((split, text, doc[1]) for split, text in split_document(doc, cut))
 
     enc = tok.to_tiktoken() if isinstance(tok, Tokenizer) else tok  # tiktoken's fast encoder
     encode_documents(enc, pieces(), writers, val_cut(files, 0.0))
-    kept, why = seen["documents"] - removed.total(), [f"{n:,} {r}" for r, n in removed.items()]
+    kept, why = seen["documents"] - removed.total(), [f"{r} ({n:,})" for r, n in removed.items()]
     binary = f"; skipped {len(skipped)} of {len(files)} files as binary" if skipped else ""
     print(f"cleaning (--quality {quality}, --dedup {dedup}): kept {kept:,} of {seen['documents']:,}"
           f" documents; removed: {', '.join(why) or 'none'}{binary}")  # fmt: skip
@@ -618,8 +620,9 @@ def write_shards(source, tok, files, staging, val_fraction, block_size, shard_to
     counts = {split: sum(s["tokens"] for s in w.shards) for split, w in writers.items()}
     for split, n in counts.items():
         if n < block_size + 1:
-            few = f"the {split} split has {n} tokens, fewer than one block of {block_size}+1"
-            raise ValueError(f"{few}: a bigger corpus or --val-fraction, or a smaller --block-size")
+            few = f"{n} tokens, fewer than one block of {block_size}+1 ({kept:,} documents kept)"
+            fix = "more text or --val-fraction, less cleaning, or a smaller --block-size"
+            raise ValueError(f"the {split} split has {few}: {fix}")
     shards = {split: w.shards for split, w in writers.items()}
     meta = dict(vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source, shards=shards)
     meta.update(dtype=np.dtype(dtype).name, documents_in=seen["documents"], n_bytes=seen["bytes"])
@@ -646,9 +649,8 @@ class DataLoader:
         self.steps_per_epoch = self.n_windows // (dp_size * batch_size)
         if self.steps_per_epoch < 1:
             have = f"{paths[0].parent}/{split}: {len(paths)} shard(s) hold {self.n_windows} windows"
-            have += f" of {block_size}+1 tokens"
             need = f"one step needs dp_size*batch_size = {dp_size * batch_size}"
-            raise ValueError(f"{have}, but {need}")
+            raise ValueError(f"{have} of {block_size}+1 tokens, but {need}")
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, step within the epoch): the data position a checkpoint records."""
@@ -690,8 +692,8 @@ def main(argv=None) -> None:
     arg("--text-field", default="text", help="the field of each .jsonl line that holds the text")
     arg("--shard-tokens", type=int, default=SHARD_TOKENS, help="ids per shard file at most")
     arg("--bpe-sample-mb", type=float, default=16, help="train split's first MB the BPE learns on")
-    arg("--quality", default="none", choices=QUALITY, help="gopher: keep prose only (not for code)")
-    arg("--dedup", default="exact", choices=DEDUP, help="drop repeats: exact, or near ones too")
+    arg("--quality", default="none", choices=["none", "gopher"], help="gopher: English prose only")
+    arg("--dedup", default="exact", choices=["none", "exact", "minhash"], help="minhash: near too")
     arg("--out", help="output folder; data/SOURCE-TOKENIZER when not given")
     args = parser.parse_args(argv)
     small_vocab = args.tokenizer == "bpe" and args.vocab_size < 257  # 256 bytes + <|endoftext|>
@@ -699,24 +701,21 @@ def main(argv=None) -> None:
     if small_vocab or not sizes or not 0 < args.val_fraction < 1:
         parser.error("need --vocab-size >= 257 for bpe, 0 < --val-fraction < 1, sizes > 0 and "
                      "--shard-tokens > --block-size (a window never crosses a shard)")  # fmt: skip
-    tok_label = f"bpe{args.vocab_size}" if args.tokenizer == "bpe" else Path(args.tokenizer).stem
-    out = Path(args.out or f"data/{Path(args.source).stem}-{tok_label}")
+    bpe = args.tokenizer == "bpe"  # (bad input fails in the try below: one line)
+    label = f"bpe{args.vocab_size}" if bpe else Path(args.tokenizer).stem
+    out = Path(args.out or f"data/{Path(args.source).stem}-{label}")
     try:
-        name, save_tok = str(out / "tokenizer.tiktoken"), None
-        if args.tokenizer == "bpe":
-            tok = demo_bpe(source_files(args.source), args)  # bad input fails here
-            save_tok = lambda: tok.save(name)  # noqa: E731 - by prepare, once the input passed
-        else:
-            tok, name = get_tokenizer(args.tokenizer), args.tokenizer
+        tok = demo_bpe(source_files(args.source), args) if bpe else get_tokenizer(args.tokenizer)
+        name = str(out / "tokenizer.tiktoken") if bpe else args.tokenizer
+        save_tok = (lambda: tok.save(name)) if bpe else None  # by prepare, once the input passed
         meta = prepare(args.source, tok, out, args.val_fraction, args.block_size, name, save_tok,
                        args.shard_tokens, args.text_field, args.quality, args.dedup)  # fmt: skip
+        for split, shards in meta["shards"].items():  # also when prepare found them done
+            n, files = meta[split + "_tokens"], len(shards)
+            print(f"  {out}/{split}_*.bin: {n:,} tokens in {files} shard(s)")
+        loaders = [DataLoader(out, "train", 2, 8, seed=0, dp_rank=r, dp_size=2) for r in (0, 1)]
     except (ValueError, FileNotFoundError, RuntimeError) as e:  # bad input: one line, no traceback
         raise SystemExit(f"01_data.py: error: {' '.join(str(e).splitlines())}") from None
-    for split, shards in meta["shards"].items():  # also when prepare found them done
-        print(
-            f"  {out}/{split}_*.bin: {meta[f'{split}_tokens']:,} tokens in {len(shards)} shard(s)"
-        )
-    loaders = [DataLoader(out, "train", 2, 8, seed=0, dp_rank=r, dp_size=2) for r in (0, 1)]
     a, b = (set(ld.window_ids(0).tolist()) for ld in loaders)  # B = 2 windows of T = 8 each
     x, y = loaders[0].get_batch(0)  # (B, T) each
     rows = " | ".join(f"{tok.decode(row[:6].tolist())!r}" for row in (x[0], y[0]))

@@ -34,7 +34,7 @@ def breakers(r) -> list:
     """(rule, a document that breaks it and no rule before it), both ends of the ranges."""
     lines = [sentence(r) for _ in range(40)]
     numbers = " ".join(f"{w} {r.integers(1000, 9999)}" for w in VOCAB[:200])
-    words, mean = "not 50 to 100,000 words", "mean word not 3 to 10 characters"
+    words, mean = "words not 50 to 100,000", "mean word not 3 to 10 characters"
     return [
         (words, " ".join(lines[:3])),
         (words, "\n".join(sentence(r) for _ in range(8_500))),  # ~110,000 words
@@ -63,6 +63,31 @@ def test_every_gopher_rule_catches_its_breaker_and_prose_passes():
         assert data.gopher_rule_broken(document(r)) is None
 
 
+def test_the_rules_bite_at_their_thresholds_not_a_word_off():
+    """Prose of exactly 50 words passes and 49 fail; exactly 80% of words with a letter passes,
+    fewer fail; two stop words pass, one fails. (FineWeb's comparisons: <, >, < 0.8.)"""
+    body = [w for w in " ".join(sentence(np.random.default_rng(5)) for _ in range(20)).split()]
+    body = [w.strip(".").lower() for w in body if w.strip(".").lower() not in STOP][:48]
+    prose = lambda words: " ".join(["the", "of", *words])  # noqa: E731 - two stop words first
+    assert data.gopher_rule_broken(prose(body)) is None  # 50 words
+    assert data.gopher_rule_broken(prose(body[:47])) == "words not 50 to 100,000"  # 49
+    assert data.gopher_rule_broken(" ".join(["the", *body, "zz"])) == "under 2 stop words"
+    digits = [str(1000 + i) for i in range(13)]  # 13 of 65 words without a letter: 80%
+    assert data.gopher_rule_broken(prose(body + digits[:2] + digits)) == (
+        "alphabetic words under 80%"
+    )  # 15 of 65 (77%)
+    assert data.gopher_rule_broken(prose(body[:2] + body + digits[:1] + digits[:12])) is None
+
+
+def test_texts_without_five_words_meet_only_their_exact_copies():
+    """Under 5 words there is no 5-gram: the exact key alone, so "", "!!!" and "a b" do not all
+    match each other as near duplicates (a zero-padded signature made them one cluster)."""
+    dedupe = data.Deduplicator("minhash")
+    assert dedupe.minhash("one two three four") is None
+    assert [dedupe.why_duplicate(t) for t in ("", "!!!", "???", "a b", "A  b", "")] == [
+        None, None, None, None, "exact duplicate", "exact duplicate"]  # fmt: skip
+
+
 def planted(r, n_clean=60, n_exact=10, n_near=10) -> tuple[list, list, dict]:
     """(documents in order, the clean ones, what each plant should be removed as)."""
     clean = [document(r) for _ in range(n_clean)]
@@ -76,7 +101,8 @@ def planted(r, n_clean=60, n_exact=10, n_near=10) -> tuple[list, list, dict]:
     plants = exact + near + [text for _, text in rules]
     half = n_clean // 2  # copies after their originals; clean text after the big breaker (val)
     docs = clean[:half] + [plants[k] for k in r.permutation(len(plants))] + clean[half:]
-    removed = Counter({"exact duplicate": n_exact, "near duplicate": n_near})
+    docs.append(clean[1])  # in val, a copy of a train document: leaked into val, it must go
+    removed = Counter({"exact duplicate": n_exact + 1, "near duplicate": n_near})
     removed.update(reason for reason, _ in rules)
     return docs, clean, removed
 
@@ -131,7 +157,7 @@ def test_minhash_estimates_the_jaccard_similarity_within_its_error():
         b = [w if r.random() > k / 200 else VOCAB[r.integers(len(VOCAB))] for w in a]
         sa, sb = shingles(" ".join(a)), shingles(" ".join(b))
         j = len(sa & sb) / len(sa | sb)
-        sigs = [dedupe.minhash(" ".join(t)) for t in (a, b)]
+        sigs = [dedupe.minhash(" ".join(t)) for t in (a, b)]  # (112,) each
         estimate = float(np.mean(sigs[0] == sigs[1]))
         sigma = math.sqrt(j * (1 - j) / len(dedupe.a))
         assert abs(estimate - j) <= 4 * sigma + 1e-9, (k, j, estimate)

@@ -207,6 +207,16 @@ def test_encode_iterable_equals_encode_for_any_chunking(trained, real_text):
         assert list(trained.encode_iterable(chunks)) == expected
 
 
+def test_encode_iterable_without_a_place_to_cut_and_specials_with_spaces(trained):
+    """120K characters with no whitespace at all stream whole (no cut) and still equal encode;
+    a special token that holds a space is refused, since a cut could fall inside it."""
+    text = "ab,cd;" * 20_000 + EOT + "ef"
+    chunks = (text[i : i + 1000] for i in range(0, len(text), 1000))
+    assert list(trained.encode_iterable(chunks)) == trained.encode(text)
+    with pytest.raises(AssertionError, match="a special's space"):
+        data.Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|im start|>"])
+
+
 def test_encode_iterable_runs_in_bounded_memory(trained):
     """4 MB of text streamed from a generator: the peak Python allocation stays far below the
     input size (a non-streaming encoder holds the 4 MB string plus a list of ~1M ids)."""
