@@ -41,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 data = importlib.import_module("01_data")
+gpus = importlib.import_module("bench.gpus")
 SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
@@ -83,10 +84,7 @@ def main(argv=None):
         "--corpus-gb", type=float, default=0, help="[4]: a corpus this big (0: skip)"
     )
     args = parser.parse_args(argv)
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}"
-    )
+    print(f"machine: {gpus.machine()}, Python {platform.python_version()}")
     files = [download_shakespeare()] if args.shakespeare else data.stdlib_files()
     docs = [text for _, _, text, _ in data.iter_documents(files, [])]
     corpus = data.EOT.join(docs)

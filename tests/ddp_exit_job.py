@@ -11,10 +11,11 @@ collective copied from backward's thread-local state (gloo's AsyncWork keeps a T
 a finalising interpreter ends the thread instead, in the middle of a C++ destructor, and the
 process aborts with "terminate called without an active exception" (SIGABRT). So 03_ddp.py keeps
 every handle it launches in backward until its own thread drops it, later: DataParallel's
-all-reduces (a pass), ZeRO's all-gathers and reduce-scatters (a step). Every backward here
-launches collectives from both places the wrappers launch them: gradient hooks (the blocks' and
-the head's buckets or flats) and the end-of-backward callback (the bucket, or the root unit's flat, holding `late`, whose gradient
-comes from a no_sync() pass). tests/test_ddp.py has the counts.
+all-reduces (a pass), ZeRO's all-gathers and reduce-scatters (to the zero_grad() after next).
+Every backward here launches collectives from both places the wrappers launch them: gradient
+hooks (the blocks' and the head's buckets or flats) and the end-of-backward callback (the
+bucket, or the root unit's flat, holding `late`, whose gradient comes from a no_sync() pass).
+tests/test_ddp.py has the counts.
 NaiveDataParallel is not run here: it all-reduces after backward, from the caller's own thread
 state, so its collectives copy no Python object and it keeps no handles (30 naive-only jobs,
 run as the test runs these: 0 aborted).
