@@ -626,7 +626,8 @@ def test_ranks_exit_cleanly_after_backward():
     backward all-gathers dropped once waited (broken on purpose) 1 of 30 and 3 of 45; the
     reduce-scatters dropped once waited: 1 of 212 ZeRO-2 and ZeRO-3 jobs; keeping only the last
     one until step(): 1 of 15 ZeRO-2 jobs in a CI run (2026-11-26). Every reduce-scatter kept a
-    step, as now: 0 of 90 (60 ZeRO-2), and 0 of 264 (128 DataParallel) before that change.
+    step: 0 of 90 (60 ZeRO-2); kept to the zero_grad() after next, as now: 0 of 60 (40 ZeRO-2);
+    0 of 264 (128 DataParallel) before those changes.
     30 DataParallel jobs miss its bug with probability about 0.94^30 = 16%, the 15 ZeRO-3 jobs
     miss its all-gathers' about half the time: a guard over repeated runs, not a one-shot proof.
     """
