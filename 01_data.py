@@ -387,6 +387,7 @@ def val_cut(files, val_fraction: float) -> int:
 STOP_WORDS = "the|be|to|of|and|that|have|with"  # Gopher's eight: English prose has them
 WORD, SYMBOLS = regex.compile(r"\w+"), regex.compile(r"[^\w\s]+")  # a word tokenizer's cuts
 LETTERED, STOP = regex.compile(r"\w*\p{L}\w*"), regex.compile(rf"\b(?:{STOP_WORDS})\b", regex.I)
+QUALITY, DEDUP = ("none", "gopher"), ("none", "exact", "minhash")  # --quality, --dedup
 
 
 def gopher_rule_broken(text: str) -> str | None:
@@ -692,8 +693,8 @@ def main(argv=None) -> None:
     arg("--text-field", default="text", help="the field of each .jsonl line that holds the text")
     arg("--shard-tokens", type=int, default=SHARD_TOKENS, help="ids per shard file at most")
     arg("--bpe-sample-mb", type=float, default=16, help="train split's first MB the BPE learns on")
-    arg("--quality", default="none", choices=["none", "gopher"], help="gopher: English prose only")
-    arg("--dedup", default="exact", choices=["none", "exact", "minhash"], help="minhash: near too")
+    arg("--quality", default="none", choices=QUALITY, help="gopher: web prose by Gopher's rules")
+    arg("--dedup", default="exact", choices=DEDUP, help="exact copies; minhash: near ones too")
     arg("--out", help="output folder; data/SOURCE-TOKENIZER when not given")
     args = parser.parse_args(argv)
     small_vocab = args.tokenizer == "bpe" and args.vocab_size < 257  # 256 bytes + <|endoftext|>
