@@ -331,9 +331,7 @@ def source_files(source: str) -> list[Path]:
     found = p.rglob("*") if p.is_dir() else [p] if p.is_file() else map(Path, pattern)
     files = stdlib_files() if source == "stdlib" else sorted(f for f in found if f.is_file())
     if not files:
-        raise FileNotFoundError(
-            f"source {source!r} is not a file, a directory with files or a glob"
-        )
+        raise FileNotFoundError(f"source {source!r} is not a file, a folder with files or a glob")
     return files
 
 
@@ -392,10 +390,10 @@ QUALITY, DEDUP = ("none", "gopher"), ("none", "exact", "minhash")  # --quality, 
 
 def gopher_rule_broken(text: str) -> str | None:
     """The first Gopher rule (Rae et al. 2021; FineWeb's thresholds) `text` breaks, or None."""
-    words, lines = WORD.findall(text), text.splitlines()  # (C-speed regexes: no loop over words)
+    words, lines = WORD.findall(text), text.splitlines() or [""]  # (C-speed regexes, no loops)
     n_words = max(1, len(words) + len(SYMBOLS.findall(text)))  # symbol runs count, as FineWeb's
     mean = len("".join(words)) / max(1, len(words))
-    share = lambda test: sum(map(test, lines)) / max(1, len(lines))  # noqa: E731 - of the lines
+    share = lambda test: sum(map(test, lines)) / len(lines)  # noqa: E731 - of the lines
     rules = {  # reason: broken?                           what it removes (too few; too many)
         "words not 50 to 100,000": not 50 <= len(words) <= 100_000,  # fragments; dumps, logs
         "mean word not 3 to 10 characters": not 3 <= mean <= 10,  # number lists; URLs, base64
@@ -435,11 +433,11 @@ class Deduplicator:
         """What duplicate `text` is, or None; its keys are kept either way (a chain goes too)."""
         digest = lambda b: hashlib.blake2b(b, digest_size=8).digest()  # noqa: E731
         keys = [("exact duplicate", digest(" ".join(text.lower().split()).encode()))]
-        if self.mode == "minhash" and (sig := self.minhash(text)) is not None:  # a key a band:
-            rows = sig.reshape(self.bands, -1)  # its index (band 2 never meets band 5), its rows
-            keys += [
-                ("near duplicate", digest(bytes([i]) + r.tobytes())) for i, r in enumerate(rows)
-            ]
+        if self.mode == "minhash" and (sig := self.minhash(text)) is not None:  # a key a band: its
+            bands = enumerate(
+                sig.reshape(self.bands, -1)
+            )  # index (band 2 never meets band 5), rows
+            keys += [("near duplicate", digest(bytes([i]) + b.tobytes())) for i, b in bands]
         why = next((why for why, key in keys if key in self.seen), None)
         self.seen.update(key for _, key in keys)
         return why
@@ -595,6 +593,7 @@ def prepare(source, tokenizer, out_dir, val_fraction=0.05, block_size=1024, toke
 def write_shards(source, tok, files, staging, val_fraction, block_size, shard_tokens, text_field,
                  quality, dedup) -> dict:  # fmt: skip
     """Every document cleaned and encoded into shards in `staging`, then the checks of the text."""
+    assert quality in QUALITY and dedup in DEDUP, f"quality {quality!r} or dedup {dedup!r} unknown"
     cut, skipped, seen, removed = val_cut(files, val_fraction), [], Counter(), Counter()
     dtype, deduper = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32, Deduplicator(dedup)
     writers = {split: ShardWriter(staging, split, dtype, shard_tokens) for split in SPLITS}
@@ -610,10 +609,10 @@ def write_shards(source, tok, files, staging, val_fraction, block_size, shard_to
 
     enc = tok.to_tiktoken() if isinstance(tok, Tokenizer) else tok  # tiktoken's fast encoder
     encode_documents(enc, pieces(), writers, val_cut(files, 0.0))
-    kept, why = seen["documents"] - removed.total(), [f"{r} ({n:,})" for r, n in removed.items()]
+    kept, lost = seen["documents"] - removed.total(), [f"{r} ({n:,})" for r, n in removed.items()]
     binary = f"; skipped {len(skipped)} of {len(files)} files as binary" if skipped else ""
     print(f"cleaning (--quality {quality}, --dedup {dedup}): kept {kept:,} of {seen['documents']:,}"
-          f" documents; removed: {', '.join(why) or 'none'}{binary}")  # fmt: skip
+          f" documents; removed: {', '.join(lost) or 'none'}{binary}")  # fmt: skip
     if not seen["text"]:
         why = f"{len(skipped)} of {len(files)} files binary (NUL or not UTF-8)"
         why = why if skipped else "empty or whitespace only"

@@ -499,8 +499,8 @@ BAD_SOURCES = {  # case: (files to write, the --source to name, what the one-lin
     "empty-file": ({"e.txt": b""}, "e.txt", "holds no text: empty or whitespace"),
     "png-file": ({"x.png": PNG}, "x.png", "holds no text: 1 of 1 files binary"),
     "random-bytes": ({"r.bin": NOT_UTF8}, "r.bin", "holds no text: 1 of 1 files binary"),
-    "missing-path": ({}, "nope.txt", "is not a file, a directory with files"),
-    "empty-folder": ({"d": None}, "d", "is not a file, a directory with files"),
+    "missing-path": ({}, "nope.txt", "is not a file, a folder with files"),
+    "empty-folder": ({"d": None}, "d", "is not a file, a folder with files"),
     "no-text-files": ({"d/ls": ELF, "d/x.png": PNG, "d/b.txt": b"\n"}, "d", "2 of 3 files binary"),
     "too-short": ({"s.txt": b"too short"}, "s.txt", "fewer than one block of 64+1"),
 }
