@@ -177,12 +177,14 @@ def prose_corpus(corpus: str, gb: float, folder="data/bench-prose", seed=0) -> t
 
 def at_scale(corpus: str, gb: float, folder="data/bench-prose"):
     """[4]: prepare the prose corpus with GPT-2's tokenizer in a child process per cleaning setting
-    (its peak RSS is the kernel's: a child's own, as each runs alone after the last)."""
+    (its peak RSS from /proc/self/status's VmHWM, the child's own: getrusage's ru_maxrss would
+    carry the parent's over the fork and exec, 755 MiB here whatever the child did)."""
     out, size = prose_corpus(corpus, gb, folder)
     print(f"[4] {size / 1e9:.2f} GB of .jsonl in {out}; preparing with gpt2 ...", flush=True)
-    code = ("import importlib, json, resource, sys; d = importlib.import_module('01_data'); "
+    code = ("import importlib, json, sys; d = importlib.import_module('01_data'); "
             "m = d.prepare(sys.argv[1], 'gpt2', sys.argv[2], block_size=1024, quality=sys.argv[3], "
-            "dedup=sys.argv[4]); m['peak'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+            "dedup=sys.argv[4]); m['peak'] = [int(line.split()[1]) for line in open('/proc/self/status') "
+            "if line.startswith('VmHWM')][0]; "
             "print(json.dumps({k: v for k, v in m.items() if k not in ('shards', 'files')}))")  # fmt: skip
     root, base = Path(__file__).resolve().parents[1], None
     for quality, dedup in (("none", "none"), ("none", "exact"), ("gopher", "minhash")):
