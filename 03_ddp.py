@@ -574,6 +574,10 @@ def zero_memory_formula(stage: int, psi: float, world: int) -> float:
 
 # ------------------------ the demo: every variant equals one process; bytes per rank vs formula
 PRESET, T, B, STEPS, SEED = "small", 64, 4, 3, 1337  # 02's ~0.8M GPT on bytes; B rows per rank
+# Freed on return, a wrapper would drop handles launched in its last backward moments later; a
+# gloo thread still holding one then frees it at exit and aborts (tests/ddp_exit_job.py): once
+# in 6 runs of this demo (a CI run). A script keeps its model to the end; the demo keeps them here.
+WRAPPERS = []
 FORMULAS = {"DP": "16Ψ", "ZeRO-1": "8Ψ + 8Ψ/N", "ZeRO-2": "4Ψ + 12Ψ/N", "ZeRO-3": "16Ψ/N"}
 
 
@@ -609,6 +613,7 @@ def run_demo(rank: int, world: int, device) -> None:
             opt.zero_grad(set_to_none=True)
             model(*(t[mine] for t in batches[-1]))[1].backward()
             memory[name] = memory_per_rank(model.module, opt)
+        WRAPPERS.append((model, opt))  # subtle: alive to the exit, as a script's model (below)
     losses, psi = torch.stack(losses), len(weights[0])  # weights: (Ψ,) each
     errors = torch.stack([(w - weights[0]).abs().max() for w in weights])
     dist.all_reduce(losses, op=SUM)  # the mean of the ranks' losses: the global batch's loss
