@@ -169,9 +169,18 @@ class DataParallel(nn.Module):
 
     forward = NaiveDataParallel.forward
 
-    def __init__(self, module: nn.Module, bucket_mb: float | None = 25.0, group=None):
+    def __init__(
+        self,
+        module,
+        bucket_mb=25.0,
+        group=None,
+        compression="none",
+        powersgd_rank=4,
+        powersgd_warmup_steps=10,
+    ):
         ok = bucket_mb is None or (isinstance(bucket_mb, int | float) and bucket_mb > 0)
         assert ok, f"bucket_mb must be a positive number of MB or None (no cap), got {bucket_mb!r}"
+        assert compression in COMPRESSION, f"compression: one of {COMPRESSION}, got {compression!r}"
         super().__init__()
         self.module, self.group = module, _dp_group(group)
         self.world = dist.get_world_size(self.group)
@@ -182,9 +191,13 @@ class DataParallel(nn.Module):
         self.buckets = make_buckets(self.params, bucket_mb)
         self._where = {p: (bk, i) for bk in self.buckets for i, p in enumerate(bk.params)}
         self._done, self._sync, self._queued = set(), True, False  # _done: copied in this pass
-        # _works[b]: bucket b's all-reduce. subtle: kept a pass longer: one launched in backward
-        # holds a Python object, and freed by gloo as Python exits it aborts (tests/ddp_exit_job.py)
-        self._works, self._previous_works = [], []
+        # _works: (work, tensor, bucket) per all-reduce of this pass. subtle: kept a pass longer:
+        # one launched in backward holds a Python object, and freed by gloo as Python exits it
+        # aborts (tests/ddp_exit_job.py)
+        self._works, self._previous_works, self._launched = [], [], 0
+        self.compression, self._divisor = compression, self.world if compression == "none" else 1
+        args = self.params, powersgd_rank, powersgd_warmup_steps
+        self.powersgd = PowerSGD(*args) if compression == "powersgd" else None
         hook = weak_hook(self, "_hook")
         handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
         self._detach = [weakref.finalize(self, handle.remove) for handle in handles]
@@ -209,6 +222,7 @@ class DataParallel(nn.Module):
             return
         if not self._queued:  # first gradient of this backward pass: finish when autograd does
             self._queued, self._previous_works, self._works = True, self._works, []  # see __init__
+            self._launched = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._copy_in(p)
         self._launch_full_buckets()
@@ -216,21 +230,33 @@ class DataParallel(nn.Module):
     def _copy_in(self, p: torch.Tensor) -> None:
         bucket, i = self._where[p]
         # divide while copying, as DDP: free, and a sum of N fp16 gradients cannot overflow (x/N
-        # is exact for N = 2^k). If p.grad is the view already (set_to_none=False): in place.
-        torch.div(p.grad, self.world, out=bucket.views[i])
+        # is exact for N = 2^k); compressed: later (as DDP's hooks). If p.grad is the view already
+        # (set_to_none=False): in place.
+        torch.div(p.grad, self._divisor, out=bucket.views[i])
         bucket.ready += 1
         self._done.add(p)
 
     def _launch_full_buckets(self) -> None:
         # subtle: in index order, whatever order gradients finish in (or buckets 2 and 3 mix)
-        while len(self._works) < len(self.buckets):
-            bucket = self.buckets[len(self._works)]
+        while self._launched < len(self.buckets) and not (self.powersgd and self.powersgd.active):
+            bucket = self.buckets[self._launched]
             if bucket.ready < len(bucket.params):
                 return
-            work = dist.all_reduce(bucket.buffer, op=SUM, group=self.group, async_op=True)
-            self._works.append(work)
-            self.stats["allreduce_calls"] += 1
-            self.stats["allreduce_bytes"] += nbytes(bucket.buffer)
+            sent = bucket.buffer  # "none": divided by N while copied in
+            if self.compression in HALF:  # fp16_compress_hook's order: cast, then / N
+                sent = sent.to(HALF[self.compression]).div_(self.world)
+            elif self.compression == "powersgd":  # its warm-up steps: exact
+                sent.div_(self.world)
+            self._all_reduce(sent, bucket)
+            self._launched += 1
+
+    def _all_reduce(self, tensor: torch.Tensor, bucket=None):
+        """Start SUMming tensor over the group, counted and kept (see __init__)."""
+        work = dist.all_reduce(tensor, op=SUM, group=self.group, async_op=True)
+        self._works.append((work, tensor, bucket))
+        self.stats["allreduce_calls"] += 1
+        self.stats["allreduce_bytes"] += nbytes(tensor)
+        return work
 
     def _finish_backward(self) -> None:
         self._queued = False
@@ -240,8 +266,11 @@ class DataParallel(nn.Module):
             for p in late:
                 self._copy_in(p)
             self._launch_full_buckets()
-        for work in self._works:  # (a missing gradient: none of ours is left half-done either)
+        for work, sent, bucket in self._works:  # (a missing gradient: none left half-done)
             work.wait()  # on GPU: makes the current stream wait, not the host
+            if sent is not bucket.buffer:  # fp16/bf16: back into the gradients; then freed, as
+                bucket.buffer.copy_(sent)  # the handle, kept, holds it
+                sent.untyped_storage().resize_(0)
         for bucket in self.buckets:
             bucket.ready = 0
         self._done.clear()
@@ -250,10 +279,15 @@ class DataParallel(nn.Module):
                 f"DataParallel: no gradient in this backward for {', '.join(missing)}: the other "
                 "ranks would wait for it forever (use it in every loss, or requires_grad_(False))"
             )
-        assert len(self._works) == len(self.buckets), "every bucket must be launched by now"
+        if self.powersgd and self.powersgd.active:  # every bucket full, none sent: sketch them
+            self.powersgd.reduce({p: bk.views[i] for p, (bk, i) in self._where.items()}, self)
+        else:
+            assert self._launched == len(self.buckets), "every bucket must be launched by now"
         for p, (bucket, i) in self._where.items():  # subtle: the next synced backward
             p.grad = bucket.views[i]  # overwrites this view: clone a gradient to keep it
         self.stats["syncs"] += 1
+        if self.powersgd:
+            self.powersgd.steps += 1
 
 
 # -------------- ZeRO: shard what every rank holds N times (Rajbhandari et al. 2019, 1910.02054)
@@ -570,6 +604,76 @@ def zero_memory_formula(stage: int, psi: float, world: int) -> float:
     """Bytes per rank, Ψ fp32 parameters, AdamW: 4Ψ weights + 4Ψ grads + 8Ψ (m, v), sharded / N."""
     N = world
     return [16 * psi, 8 * psi + 8 * psi / N, 4 * psi + 12 * psi / N, 16 * psi / N][stage]
+
+
+# ------------ gradient compression: fewer bytes in DataParallel's all-reduce (the third lesson)
+COMPRESSION, HALF = ("none", "fp16", "bf16", "powersgd"), dict(fp16=torch.half, bf16=torch.bfloat16)
+
+
+def orthonormal(a: torch.Tensor) -> torch.Tensor:  # (k, r), r <= k: a basis of its columns' span
+    return torch.linalg.qr(a).Q  # (Householder: a zero column still gives a unit vector)
+
+
+class PowerSGD:
+    """Rank-r PowerSGD with error feedback (see the top), run by DataParallel after backward
+    once warmup_steps synced passes have all-reduced exactly (torch's start_powerSGD_iter)."""
+
+    def __init__(self, params: list, rank: int = 4, warmup_steps: int = 10, seed: int = 0):
+        assert rank >= 1 and warmup_steps >= 0, (
+            f"rank {rank} >= 1, warmup_steps {warmup_steps} >= 0"
+        )
+        self.rank, self.warmup_steps, self.seed, self.steps = rank, warmup_steps, seed, 0
+        self.matrices = [p for p in params if p.dim() >= 2]  # sketched, as (p.shape[0], rest)
+        self.vectors = [p for p in params if p.dim() < 2]  # biases, LayerNorm: sent whole
+        self.qs, self.errors = [], []  # per matrix: Q (n, r), warm-started; residual e (m, n)
+
+    @property
+    def active(self) -> bool:
+        return self.steps >= self.warmup_steps
+
+    def reduce(self, grads: dict, dp: DataParallel) -> None:
+        """grads[p]: this rank's sum (not / N), replaced by the sketch of the ranks' mean."""
+        vec = torch.cat([grads[p].reshape(-1) for p in self.vectors])  # one exact all-reduce
+        vec_work = dp._all_reduce(vec)
+        Ms = [grads[p].view(p.shape[0], -1) for p in self.matrices]  # (m, n) each
+        if not self.qs:  # the first sketch: the same random Q on every rank (the seed's)
+            g = torch.Generator().manual_seed(self.seed)
+            self.qs = [torch.randn(M.shape[1], min(self.rank, *M.shape), generator=g) for M in Ms]
+            self.qs, self.errors = (
+                [q.to(M) for q, M in zip(self.qs, Ms)],
+                list(map(torch.zeros_like, Ms)),
+            )
+        for M, e in zip(Ms, self.errors):
+            M.add_(e)  # error feedback: what the last sketch missed
+        P = torch.cat([(M @ orthonormal(q)).reshape(-1) for M, q in zip(Ms, self.qs)])
+        dp._all_reduce(P).wait()  # Σ_ranks M Q (no / N: orthonormalised next)
+        ps = [
+            orthonormal(p.view(len(M), -1))
+            for p, M in zip(P.split([len(M) * q.shape[1] for M, q in zip(Ms, self.qs)]), Ms)
+        ]
+        Q = torch.cat([(M.T @ p).reshape(-1) for M, p in zip(Ms, ps)])
+        dp._all_reduce(Q).wait()
+        Q.div_(dp.world)  # Mᵀ P of the ranks' mean M
+        self.qs = [q.view_as(old) for q, old in zip(Q.split([q.numel() for q in self.qs]), self.qs)]
+        for M, p, q, e in zip(Ms, ps, self.qs, self.errors):
+            e.copy_(M)
+            torch.matmul(p, q.T, out=M)  # the update: P Qᵀ = P Pᵀ M̄ (rank <= r)
+            e.sub_(M)  # the residual: what this rank had minus what was applied
+        vec_work.wait()
+        for p, v in zip(self.vectors, vec.div_(dp.world).split([p.numel() for p in self.vectors])):
+            grads[p].copy_(v.view_as(p))
+
+    def state_dict(self) -> dict:
+        """Training state (a resume must continue it): the step count, Q and the residuals."""
+        clones = lambda ts: [t.clone() for t in ts]  # noqa: E731
+        return {"steps": self.steps, "qs": clones(self.qs), "errors": clones(self.errors)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps, to = (
+            state["steps"],
+            lambda ts: [t.to(p.device) for t, p in zip(ts, self.matrices)],
+        )
+        self.qs, self.errors = to(state["qs"]), to(state["errors"])
 
 
 # ------------------------ the demo: every variant equals one process; bytes per rank vs formula
