@@ -76,6 +76,11 @@ class TrainConfig:
     virtual_stages: int = flag(1, "model chunks per pipeline rank; > 1 needs interleaved")
     sequence_parallel: bool = flag(False, "with --tp: also shard LayerNorm/dropout activations along the sequence (04)")
     zero: int = flag(0, "ZeRO stage over the DP group (03): 1 shards AdamW's state, 2 also the gradients, 3 also the weights")
+    grad_compression: str = flag("none", "the DP all-reduce's gradients (03): none, fp16 or bf16 (half the bytes) or "
+                                         "powersgd (a rank --powersgd-rank sketch per matrix; error feedback)")
+    powersgd_rank: int = flag(4, "powersgd: the sketch's rank r, (m + n)·r numbers sent per m x n matrix")
+    powersgd_warmup_steps: int = flag(10, "powersgd: exact all-reduces first (early training is the most sensitive; "
+                                          "torch's start_powerSGD_iter, 1,000 by default for long runs)")
     batch_size: int = flag(32, "global batch: sequences per optimizer step, all DP ranks (32 x 128 tokens on a CPU)")
     micro_batch_size: int = flag(8, "sequences per microbatch per DP rank")
     block_size: int = flag(0, "tokens per sequence = the model's context (no untrained positions); 0 = the preset's")
@@ -147,7 +152,8 @@ def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 def check_flags(cfg: TrainConfig, world_size: int) -> None:
     """The checks that need no file: they run before anything is read, prepared or written."""
     positive = ("dp", "tp", "pp", "virtual_stages", "batch_size", "micro_batch_size", "max_steps",
-                "lr", "eval_steps", "log_interval", "keep_checkpoints", "cycle_steps")  # fmt: skip
+                "lr", "eval_steps", "log_interval", "keep_checkpoints", "cycle_steps",
+                "powersgd_rank")  # fmt: skip
     for f in fields(TrainConfig):  # numbers: these > 0, the rest >= 0 (`not`: NaN fails too)
         value, sign = getattr(cfg, f.name), ">" if f.name in positive else ">="
         if f.type in (int, float) and not (value > 0 if sign == ">" else value >= 0):
@@ -165,17 +171,31 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
                                  ("model", cfg.model, tuple(model_lib.PRESETS)),
                                  ("recompute", cfg.recompute, model_lib.RECOMPUTE),
                                  ("lr_schedule", cfg.lr_schedule, LR_SCHEDULES),
+                                 ("grad_compression", cfg.grad_compression, ddp_lib.COMPRESSION),
                                  ("tokenizer", cfg.tokenizer, ("", *DEFAULT_DATA))):  # fmt: skip
         if value not in choices:
             flag_name, choices = "--" + name.replace("_", "-"), ", ".join(filter(None, choices))
             raise ConfigError(f"{flag_name} {value}: use one of {choices}")
     for name, on, dim, size, what in (  # a flag that would silently do nothing is a mistake
         ("--zero", cfg.zero, "--dp", cfg.dp, "shards over the DP replicas"),
+        (
+            "--grad-compression",
+            cfg.grad_compression != "none",
+            "--dp",
+            cfg.dp,
+            "compresses DP's all-reduce",
+        ),
         ("--sequence-parallel", cfg.sequence_parallel, "--tp", cfg.tp, "shards over TP ranks"),
         ("--virtual-stages", cfg.virtual_stages > 1, "--pp", cfg.pp, "cuts pipeline ranks"),
     ):
         if on and size == 1:
             raise ConfigError(f"{name} {what}, but {dim} is 1: it would do nothing")
+    gc = f"--grad-compression {cfg.grad_compression}"
+    if cfg.grad_compression != "none" and cfg.zero:  # (03 compresses DataParallel's all-reduce)
+        raise ConfigError(f"{gc} with --zero {cfg.zero}: ZeRO reduce-scatters; use --zero 0")
+    if cfg.grad_compression == "powersgd" and cfg.dtype == "fp16":
+        why = "an overflowed step's inf would stay in its residuals: use bf16 or fp32"
+        raise ConfigError(f"{gc} with --dtype fp16: {why}")
     if cfg.zero > 3 or (cfg.zero == 3 and cfg.pp > 1):  # (03: refused for several chunks a rank)
         why = "re-gathers every block for every microbatch" if cfg.zero == 3 else "is 0 to 3"
         raise ConfigError(f"--zero {cfg.zero}{' with --pp' * (cfg.pp > 1)}: a stage {why}")
@@ -356,8 +376,10 @@ def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device: torch.devi
         shards = [f.shard for f in opt.flats]  # their .grad: this rank's (reduced) gradients
         scaled = SimpleNamespace(param_groups=[{"params": shards}], step=opt.step)
         return [ddp_lib.ZeroDataParallel(c, opt) for c in chunks], opt, scaled
-    if grid.dp > 1:
-        chunks = [ddp_lib.DataParallel(c, group=grid.dp_group) for c in chunks]
+    if grid.dp > 1:  # (the same PowerSGD seed on every rank: 03's default)
+        how = dict(compression=cfg.grad_compression, powersgd_rank=cfg.powersgd_rank,
+                   powersgd_warmup_steps=cfg.powersgd_warmup_steps)  # fmt: skip
+        chunks = [ddp_lib.DataParallel(c, group=grid.dp_group, **how) for c in chunks]
     return chunks, (opt := AdamW(groups, **kw)), opt
 
 
@@ -434,12 +456,20 @@ def global_grad_norm(run: Run, grads) -> torch.Tensor:
     return all_reduce_sum(squares, run.grid.pp_group, run.grid.pp).sqrt()
 
 
+def comm_bytes(run: Run) -> int:
+    """The gradient bytes this rank gave the DP collectives so far (03's count of each payload)."""
+    if run.cfg.zero:
+        return run.optimizer.stats["reduce_scatter_bytes"]
+    return sum(c.stats["allreduce_bytes"] for c in run.chunks)  # (dp > 1: DataParallel's)
+
+
 def train_step(run: Run, step: int) -> dict:
     """One optimizer step. Every microbatch's token losses are SUMmed and divided by the step's
     token count over all DP replicas (06), with PP or without, so ignored (-1) targets weigh as in
     one big batch; the loss returned is the step's mean, the same on every rank."""
     cfg, grid, b = run.cfg, run.grid, run.cfg.micro_batch_size
     x, y = run.train.get_batch(step)  # (B/dp, T): this DP rank's share of the global batch
+    sent = comm_bytes(run) if grid.dp > 1 else 0
     run.optimizer.zero_grad(set_to_none=True)
     microbatches = list(zip(x.split(b), y.split(b)))
     n_tokens = mp_lib.global_token_count(microbatches, group=grid.dp_group)
@@ -468,7 +498,8 @@ def train_step(run: Run, step: int) -> dict:
         group["lr"] = lr
     run.scaler.step(run.scaled)  # skipped (on every rank) when fp16 gradients overflowed
     run.scaler.update()
-    return {"loss": loss.item(), "lr": lr, "grad_norm": norm.item()}
+    stats = {"loss": loss.item(), "lr": lr, "grad_norm": norm.item()}
+    return stats | ({"comm_bytes": comm_bytes(run) - sent} if grid.dp > 1 else {})
 
 
 @torch.no_grad()
@@ -561,6 +592,7 @@ def save_checkpoint(run: Run, step: int) -> None:
     shard = {"model": models,
              "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
              "rng": rng, "tp_rng": None if tp_rng is None else tp_rng.state_dict(),
+             "powersgd": [c.powersgd.state_dict() for c in run.chunks if getattr(c, "powersgd", 0)],
              "step": step,  # the data position too: batches are a pure function of the step
              "data_position": list(run.train.position(step)), "config": asdict(cfg)}  # fmt: skip
     data_lib.atomic_write(partial / shard_name(rank), lambda tmp: torch.save(shard, tmp))
@@ -608,6 +640,9 @@ def load_checkpoint(run: Run) -> int:
             run.optimizer.load_state_dict(shard["optimizer"])  # casts to each parameter's device
             if shard["scaler"]:
                 run.scaler.load_state_dict(shard["scaler"])
+            psgd = [c.powersgd for c in run.chunks if getattr(c, "powersgd", None)]
+            for p, state in zip(psgd, shard.get("powersgd", []), strict=True):  # Q, residuals
+                p.load_state_dict(state)
             if shard["tp_rng"] is not None:
                 run.modules()[0].tp_rng.load_state_dict(shard["tp_rng"])  # 04's tracker
             torch.set_rng_state(shard["rng"]["torch"])

@@ -102,16 +102,49 @@ def test_two_rank_layouts_equal_one_process(data_dir, tmp_path, reference):
         ("pp2-interleaved", pp2 + ["--schedule", "interleaved", "--virtual-stages", "2"]),
         ("pp2-fp16", pp2 + ["--dtype", "fp16"]),
         ("dp2-zero2-fp16", dp2 + ["--zero", "2", "--dtype", "fp16"]),
+        *COMPRESSED,
     ]
     results = run_ranks(_train_configs, 2, data_dir, str(tmp_path), configs, timeout=300)[0]
     for (name, _), got in zip(configs, results):
-        if name.endswith("fp16"):  # loss scaling: 16-bit rounding, as in the 16-bit test below
+        if name in dict(COMPRESSED):
+            check_compressed(name, got, reference, results[0], data_dir)
+        elif name.endswith("fp16"):  # loss scaling: 16-bit rounding, as in the 16-bit test below
             for key in ("loss", "grad_norm"):  # a norm of scaled gradients is x 65536
                 torch.testing.assert_close(torch.tensor([r[key] for r in got]),
                                            torch.tensor([r[key] for r in reference]), rtol=2e-3,
                                            atol=0, msg=lambda m, k=key, n=name: f"{n}, {k}: {m}")  # fmt: skip
         else:
             assert_same_curve(got, reference, name)
+
+
+# 2 exact steps, then compressed; "full": rank 32 = min(m, n) of every matrix of the tiny GPT
+COMPRESSED = [
+    ("dp2-fp16-comm", ["--dp", "2", "--micro-batch-size", "2", "--grad-compression", "fp16"]),
+    ("dp2-powersgd-r1", ["--dp", "2", "--micro-batch-size", "2", "--grad-compression", "powersgd",
+                         "--powersgd-rank", "1", "--powersgd-warmup-steps", "2"]),
+]  # fmt: skip
+FULL_RANK = ["--grad-compression", "powersgd", "--powersgd-rank", "32", "--powersgd-warmup-steps",
+             "0"]  # fmt: skip
+
+
+def check_compressed(name, got, reference, uncompressed, data_dir):
+    """comm_bytes, the bytes each rank all-reduced per step: fp16 half of fp32's (4Ψ, measured
+    by the dp2 run); PowerSGD r=1 4Ψ in its 2 exact steps, then 4·(Σ(m+n) + Σ vectors). The
+    loss: fp16 within 16-bit rounding of one process; PowerSGD r=1 a sketch, near it."""
+    cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir])
+    gpt = train.model_lib.GPT(train.validate(cfg, 1))
+    psi = sum(p.numel() for p in gpt.parameters())
+    assert [r["comm_bytes"] for r in uncompressed] == [4 * psi] * 4, "dp2: fp32, every parameter"
+    sketch = sum(len(p) + p[0].numel() if p.dim() == 2 else p.numel() for p in gpt.parameters())
+    expected = [2 * psi] * 4 if "fp16" in name else [4 * psi] * 2 + [4 * sketch] * 2
+    assert [r["comm_bytes"] for r in got] == expected, name
+    # measured: fp16 1.3e-4 (grad norm), within the 16-bit test's 2e-3; r=1's loss 6.7e-4 (its
+    # grad norm is the sketch's, 3% off: not compared); a lost update moves the loss by > 1e-2
+    rtol = 2e-3 if "fp16" in name else 5e-3
+    for key in ("loss", "grad_norm") if "fp16" in name else ("loss",):
+        torch.testing.assert_close(torch.tensor([r[key] for r in got]),
+                                   torch.tensor([r[key] for r in reference]), rtol=rtol, atol=0,
+                                   msg=lambda m, k=key: f"{name}, {k}: {m}")  # fmt: skip
 
 
 def test_zero_composes_with_tp_and_pp_on_4_ranks(data_dir, tmp_path, reference):
@@ -124,6 +157,8 @@ def test_zero_composes_with_tp_and_pp_on_4_ranks(data_dir, tmp_path, reference):
         ("dp2-pp2-zero2", dp2 + ["--pp", "2", "--zero", "2", "--micro-batch-size", "1"]),
         ("dp2-pp2-zero1-interleaved", dp2 + ["--pp", "2", "--zero", "1", "--micro-batch-size",
                                              "1", "--schedule", "interleaved", "--virtual-stages", "2"]),
+        ("dp2-tp2-powersgd-full", dp2 + ["--tp", "2"] + FULL_RANK),  # each TP shard sketched
+        ("dp2-pp2-powersgd-full", dp2 + ["--pp", "2", "--micro-batch-size", "1"] + FULL_RANK),
     ]  # fmt: skip
     results = run_ranks(_train_configs, 4, data_dir, str(tmp_path), configs, timeout=300)[0]
     for (name, _), got in zip(configs, results):
@@ -220,8 +255,10 @@ def _straight_and_resumed(rank, world, data_dir, tmp, extra):
     [(1, ["--micro-batch-size", "4", "--dropout", "0.1", "--lr-schedule", "wsd",
           "--decay-fraction", "0.5"]),  # the resume at step 3 is where WSD's decay starts
      (4, ["--dp", "2", "--tp", "2", "--micro-batch-size", "2", "--dropout", "0.1"]),
-     (2, ["--dp", "2", "--zero", "3", "--micro-batch-size", "2", "--dropout", "0.1"])],
-    ids=["1-rank", "dp2-tp2", "dp2-zero3"],
+     (2, ["--dp", "2", "--zero", "3", "--micro-batch-size", "2", "--dropout", "0.1"]),
+     (2, ["--dp", "2", "--micro-batch-size", "2", "--grad-compression", "powersgd",
+          "--powersgd-rank", "2", "--powersgd-warmup-steps", "2"])],  # resumed with Q, residuals
+    ids=["1-rank", "dp2-tp2", "dp2-zero3", "dp2-powersgd"],
 )  # fmt: skip
 def test_resume_is_bit_identical(data_dir, tmp_path, world, extra):
     """Dropout on, so the RNG states must be restored too. Losses and gradient norms are
@@ -528,6 +565,13 @@ def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tm
         (["--lr-schedule", "step"], 1, "--lr-schedule step: use one of cosine, wsd, cyclic, constant"),
         (["--decay-fraction", "0"], 1, "--decay-fraction 0.0: a fraction of the run, in (0, 1]"),
         (["--cycle-steps", "0"], 1, "--cycle-steps must be > 0, got 0"),
+        (["--grad-compression", "fp16"], 1, "--grad-compression compresses DP's all-reduce, but"),
+        (["--grad-compression", "zip"], 1, "--grad-compression zip: use one of none, fp16, bf16"),
+        (["--dp", "2", "--zero", "2", "--grad-compression", "fp16"], 2,
+         "--grad-compression fp16 with --zero 2: ZeRO reduce-scatters"),
+        (["--dp", "2", "--grad-compression", "powersgd", "--dtype", "fp16"], 2,
+         "--grad-compression powersgd with --dtype fp16: an overflowed step's inf would stay"),
+        (["--powersgd-rank", "0"], 1, "--powersgd-rank must be > 0, got 0"),
     ],
     ids=["world-size", "n_head", "n_layer", "microbatches", "schedule-unknown",
          "virtual-needs-interleaved", "interleaved-microbatches", "block-size", "data-dir", "dropout",
@@ -535,7 +579,8 @@ def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tm
          "steps-this-run", "negative-sizes", "batch-over-data", "out-dir-file", "zero-at-dp1",
          "zero-4", "zero3-with-pp",
          "sp-at-tp1", "virtual-at-pp1", "tokenizer-mismatch", "tokenizer-unknown",
-         "lr-schedule", "decay-fraction", "cycle-steps"],
+         "lr-schedule", "decay-fraction", "cycle-steps", "compression-at-dp1", "compression-unknown",
+         "compression-with-zero", "powersgd-fp16", "powersgd-rank"],
 )  # fmt: skip
 def test_bad_configurations_fail_fast_with_one_line(data_dir, argv, world, message):
     """Each bad flag is one line naming it, from validate(), before any process group. "DATA"
