@@ -29,18 +29,30 @@ all-gather the weights. ZeRO-2: the reduce-scatters run from gradient hooks duri
 by unit, each full gradient freed at once. ZeRO-3: weights too; a unit is all-gathered just before
 its forward (the next one prefetched), freed, gathered again for its backward (not the root).
 
+Gradient compression: DP sends ~2·4Ψ bytes per rank and step; across nodes on Ethernet that is
+the step. fp16/bf16 (torch's fp16_compress_hook): cast each bucket, / N, all-reduce, cast back:
+half the bytes, each gradient rounded to 11 or 8 significant bits. PowerSGD (Vogels et al. 2019,
+arXiv 1905.13727) sends a rank-r sketch of each m×n gradient matrix M (vectors go whole), with Q
+(n×r) warm-started from the last step and e the last step's residual, 0 at first:
+    M += e     P = orthonormal(all-reduce(M Q))     Q = all-reduce(Mᵀ P) / N     (m×r, n×r)
+    update = P Qᵀ = P Pᵀ M̄ (rank r)     e = M - update     sent: (m + n)·r elements, not m·n
+Error feedback (e) keeps it converging: what a sketch misses is sent later, not lost (the updates
+add up to the gradients less one residual). The first steps all-reduce exactly, as torch's.
+
 Launch:  python 03_ddp.py [--ranks N]                             (runs torchrun for you)
          torchrun --standalone --nproc_per_node=2 03_ddp.py      (or 4; CPU/gloo or GPUs/NCCL)
-It checks every variant against one process and prints bytes per rank for stages 0-3 next to
-the formulas. Step times, traffic, torch DDP, FSDP2, GPT-2's sizes: bench/bench_ddp.py.
+It checks every variant against one process, prints bytes per rank for stages 0-3 next to the
+formulas, and each compression's bytes and loss. Step times, traffic, torch DDP, FSDP2, GPT-2's
+sizes: bench/bench_ddp.py; compression's loss and break-even bandwidth: bench/bench_compression.py.
 
 What changed from 02_model.py: nothing inside the GPT; rank r trains it on its own rows (train.py:
 01's loader given dp_rank, dp_size). Simple first: NaiveDataParallel, then DataParallel (buckets
-overlapped with backward); ZeroOptimizer (ZeRO-1), then ZeroDataParallel (ZeRO-2/3).
+overlapped with backward); ZeroOptimizer (ZeRO-1), then ZeroDataParallel (ZeRO-2/3); then
+DataParallel(compression=...): fp16/bf16, then PowerSGD.
 
-Left out on purpose: DDP's find_unused_parameters (unused: an error here), gradient compression
-and bf16 hooks, bucket rebuilding, ZeRO's CPU/NVMe offload and ZeRO++, FSDP2's DTensor shards and
-its gathers in bf16 (under autocast, ZeRO-3 keeps autocast's 16-bit weight copies to backward).
+Left out on purpose: DDP's find_unused_parameters (unused: an error here), bucket rebuilding,
+PowerSGD in backward (it runs after) or under ZeRO, ZeRO's CPU/NVMe offload, ZeRO++, FSDP2's DTensor
+shards and bf16 gathers (under autocast, ZeRO-3 keeps autocast's 16-bit weight copies to backward).
 """
 
 import argparse
@@ -91,13 +103,16 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def split_like(flat: torch.Tensor, tensors: list) -> list:  # flat's pieces, shaped as tensors
+    return [t.view_as(x) for t, x in zip(flat.split([x.numel() for x in tensors]), tensors)]
+
+
 @torch.no_grad()
 def broadcast_from_first_rank(module: nn.Module, group) -> None:
     """Make the replicas identical: every parameter (frozen too) and buffer, from group rank 0."""
     # subtle: src is a *global* rank: a DP subgroup of a 3D grid ({1, 3}, say) starts at rank 1
-    src = dist.get_global_rank(group, 0)
     for t in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(t.detach(), src=src, group=group)
+        dist.broadcast(t.detach(), src=dist.get_global_rank(group, 0), group=group)
 
 
 # ------------------------------ simple first: after backward, all-reduce every gradient in turn
@@ -108,11 +123,11 @@ class NaiveDataParallel(nn.Module):
     no_sync = contextlib.nullcontext  # a no-op: not calling all_reduce_gradients() is the no-sync
 
     def __init__(self, module: nn.Module, group=None):
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): DataParallel.__init__ runs this one too
         self.module, self.group = module, _dp_group(group)
         self.world = dist.get_world_size(self.group)
         broadcast_from_first_rank(module, self.group)
-        self.params = [p for p in module.parameters() if p.requires_grad]  # tied: once
+        self.params = [p for p in module.parameters() if p.requires_grad]  # tied: once; frozen: out
         self.stats = {"allreduce_calls": 0, "allreduce_bytes": 0, "syncs": 0}
 
     def forward(self, *args, **kwargs):
@@ -134,24 +149,20 @@ class NaiveDataParallel(nn.Module):
 # ----------------- the real thing: flat buckets, all-reduced asynchronously while backward runs
 class Bucket:  # parameters (backward order, one dtype and device), their gradients' flat buffer
     def __init__(self, params: list):
-        self.params, self.ready = params, 0  # ready: gradients copied in during this backward
-        numels = [p.numel() for p in params]
-        self.buffer = params[0].new_zeros(sum(numels))  # (sum of numels,)
-        self.views = [v.view_as(p) for v, p in zip(self.buffer.split(numels), params)]  # p's slice
+        self.params, self.buffer = params, params[0].new_zeros(sum(p.numel() for p in params))
+        self.views = split_like(self.buffer, params)  # buffer: (sum of numels,); p's slice, as p
 
 
 def make_buckets(params, cap_mb: float | None) -> list[Bucket]:
     """Pack params, last-registered first (≈ backward's order), in buckets of ≤ cap_mb (None: ∞)."""
-    cap = float("inf") if cap_mb is None else cap_mb * 2**20
-    groups, size = [], 0
+    cap, groups = float("inf") if cap_mb is None else cap_mb * 2**20, []
     for p in reversed(params):
-        last = groups[-1][-1] if groups else None
-        same_kind = last is not None and (last.dtype, last.device) == (p.dtype, p.device)
-        if not same_kind or size + nbytes(p) > cap:
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += nbytes(p)
+        last = groups[-1] if groups else []
+        same_kind = last and (last[-1].dtype, last[-1].device) == (p.dtype, p.device)
+        if same_kind and sum(map(nbytes, last)) + nbytes(p) <= cap:
+            last.append(p)
+        else:
+            groups.append([p])
     return [Bucket(group) for group in groups]
 
 
@@ -169,33 +180,19 @@ class DataParallel(nn.Module):
 
     forward = NaiveDataParallel.forward
 
-    def __init__(
-        self,
-        module,
-        bucket_mb=25.0,
-        group=None,
-        compression="none",
-        powersgd_rank=4,
-        powersgd_warmup_steps=10,
-    ):
+    def __init__(self, module, bucket_mb=25.0, group=None, compression="none",
+                 powersgd_rank=4, powersgd_warmup_steps=10):  # fmt: skip
         ok = bucket_mb is None or (isinstance(bucket_mb, int | float) and bucket_mb > 0)
         assert ok, f"bucket_mb must be a positive number of MB or None (no cap), got {bucket_mb!r}"
         assert compression in COMPRESSION, f"compression: one of {COMPRESSION}, got {compression!r}"
-        super().__init__()
-        self.module, self.group = module, _dp_group(group)
-        self.world = dist.get_world_size(self.group)
-        broadcast_from_first_rank(module, self.group)
+        NaiveDataParallel.__init__(self, module, group)  # module, group, world, params, stats
         self.names = {p: name for name, p in module.named_parameters()}  # a tied tensor: once
-        self.params = [p for p in module.parameters() if p.requires_grad]  # frozen: skipped
-        self.stats = {"allreduce_calls": 0, "allreduce_bytes": 0, "syncs": 0}
         self.buckets = make_buckets(self.params, bucket_mb)
         self._where = {p: (bk, i) for bk in self.buckets for i, p in enumerate(bk.params)}
         self._done, self._sync, self._queued = set(), True, False  # _done: copied in this pass
-        # _works: (work, tensor, bucket) per all-reduce of this pass. subtle: kept a pass longer:
-        # one launched in backward holds a Python object, and freed by gloo as Python exits it
-        # aborts (tests/ddp_exit_job.py)
-        self._works, self._previous_works, self._launched = [], [], 0
-        self.compression, self._divisor = compression, self.world if compression == "none" else 1
+        # _works: (work, tensor, bucket) per all-reduce. subtle: kept a pass longer: launched in
+        # backward, freed by gloo as Python exits, one aborts (tests/ddp_exit_job.py)
+        self._works, self._previous_works, self.compression = [], [], compression
         args = self.params, powersgd_rank, powersgd_warmup_steps
         self.powersgd = PowerSGD(*args) if compression == "powersgd" else None
         hook = weak_hook(self, "_hook")
@@ -222,36 +219,32 @@ class DataParallel(nn.Module):
             return
         if not self._queued:  # first gradient of this backward pass: finish when autograd does
             self._queued, self._previous_works, self._works = True, self._works, []  # see __init__
-            self._launched = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._copy_in(p)
-        self._launch_full_buckets()
 
-    def _copy_in(self, p: torch.Tensor) -> None:
+    def _copy_in(self, p: torch.Tensor) -> None:  # then start the buckets now full
         bucket, i = self._where[p]
         # divide while copying, as DDP: free, and a sum of N fp16 gradients cannot overflow (x/N
-        # is exact for N = 2^k); compressed: later (as DDP's hooks). If p.grad is the view already
-        # (set_to_none=False): in place.
-        torch.div(p.grad, self._divisor, out=bucket.views[i])
-        bucket.ready += 1
+        # is exact for N = 2^k; compressed: later, as torch's hooks). p.grad the view: in place
+        torch.div(p.grad, self.world if self._mode == "none" else 1, out=bucket.views[i])
         self._done.add(p)
+        self._launch_full_buckets()
+
+    @property
+    def _mode(self) -> str:  # the compression now: PowerSGD's warm-up steps are "none" (exact)
+        return "none" if self.powersgd and not self.powersgd.active else self.compression
 
     def _launch_full_buckets(self) -> None:
         # subtle: in index order, whatever order gradients finish in (or buckets 2 and 3 mix)
-        while self._launched < len(self.buckets) and not (self.powersgd and self.powersgd.active):
-            bucket = self.buckets[self._launched]
-            if bucket.ready < len(bucket.params):
+        while len(self._works) < len(self.buckets) and self._mode != "powersgd":
+            bucket = self.buckets[len(self._works)]
+            if not self._done.issuperset(bucket.params):  # a gradient still to come
                 return
-            sent = bucket.buffer  # "none": divided by N while copied in
-            if self.compression in HALF:  # fp16_compress_hook's order: cast, then / N
-                sent = sent.to(HALF[self.compression]).div_(self.world)
-            elif self.compression == "powersgd":  # its warm-up steps: exact
-                sent.div_(self.world)
-            self._all_reduce(sent, bucket)
-            self._launched += 1
+            sent = bucket.buffer  # "none": divided by N while copied in; fp16_compress_hook's
+            sent = sent if self._mode == "none" else sent.to(HALF[self._mode]).div_(self.world)
+            self._all_reduce(sent, bucket)  # order: cast, then / N
 
-    def _all_reduce(self, tensor: torch.Tensor, bucket=None):
-        """Start SUMming tensor over the group, counted and kept (see __init__)."""
+    def _all_reduce(self, tensor: torch.Tensor, bucket=None):  # started, counted, kept (__init__)
         work = dist.all_reduce(tensor, op=SUM, group=self.group, async_op=True)
         self._works.append((work, tensor, bucket))
         self.stats["allreduce_calls"] += 1
@@ -265,24 +258,21 @@ class DataParallel(nn.Module):
         if not (missing := [self.names[p] for p in late if p.grad is None]):
             for p in late:
                 self._copy_in(p)
-            self._launch_full_buckets()
         for work, sent, bucket in self._works:  # (a missing gradient: none left half-done)
             work.wait()  # on GPU: makes the current stream wait, not the host
             if sent is not bucket.buffer:  # fp16/bf16: back into the gradients; then freed, as
                 bucket.buffer.copy_(sent)  # the handle, kept, holds it
                 sent.untyped_storage().resize_(0)
-        for bucket in self.buckets:
-            bucket.ready = 0
         self._done.clear()
         if missing:
             raise RuntimeError(
                 f"DataParallel: no gradient in this backward for {', '.join(missing)}: the other "
                 "ranks would wait for it forever (use it in every loss, or requires_grad_(False))"
             )
-        if self.powersgd and self.powersgd.active:  # every bucket full, none sent: sketch them
+        if self._mode == "powersgd":  # every bucket full, none sent: sketch them
             self.powersgd.reduce({p: bk.views[i] for p, (bk, i) in self._where.items()}, self)
         else:
-            assert self._launched == len(self.buckets), "every bucket must be launched by now"
+            assert len(self._works) == len(self.buckets), "every bucket must be launched by now"
         for p, (bucket, i) in self._where.items():  # subtle: the next synced backward
             p.grad = bucket.views[i]  # overwrites this view: clone a gradient to keep it
         self.stats["syncs"] += 1
@@ -310,15 +300,16 @@ class FlatParameter:
         if shard_params:
             self.free()
 
-    def free(self) -> None:  # ZeRO-3: the views stay, their memory goes (FSDP's trick); what
-        self.full.untyped_storage().resize_(0)  # autograd saved of them sees the next gather
-        self.gathered = False
+    def free(self) -> None:  # ZeRO-3 (a prefetch still in flight: waited for): the views stay,
+        if self.work is not None:
+            self.work.wait()
+        self.full.untyped_storage().resize_(0)  # their memory goes (FSDP's trick); what autograd
+        self.work, self.gathered = None, False  # saved of them sees the next gather
 
     def take_grad(self, p) -> None:  # p.grad moves in, adding (no_sync passes accumulate here)
         if self.grad is None:
             self.grad = self.full.new_zeros(self.full.shape)  # the padding stays 0
-        o = self.offset[p]
-        self.grad[o : o + p.numel()].add_(p.grad.reshape(-1))
+        self.grad.narrow(0, self.offset[p], p.numel()).add_(p.grad.reshape(-1))
         p.grad = None
         self.ready += 1
 
@@ -373,25 +364,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return work
 
     def _reduce_scatter(self, flat: FlatParameter) -> tuple:  # SUM every rank's slice r onto r
-        for p in flat.params:  # ZeRO-1: still in p.grad; ZeRO-2/3: the hooks moved them
-            if p.grad is not None:
-                flat.take_grad(p)
+        for p in (p for p in flat.params if p.grad is not None):
+            flat.take_grad(p)  # ZeRO-1: still in p.grad; ZeRO-2/3: the hooks moved them
         if flat.grad is None:  # no gradient here: zeros, as every rank must take part
             flat.grad = flat.full.new_zeros(flat.full.shape)
-        # gloo's reduce-scatter is an all-reduce of a copy, which its handle would keep (below):
-        # there, all-reduce in place and take this rank's slice (the same bytes, the same sums)
+        # gloo's reduce-scatter is an all-reduce of a copy, which its handle would keep (below)
         kw = dict(op=SUM, group=self.group, async_op=True)
-        if self.backend == "gloo":
+        if self.backend == "gloo":  # so all-reduce in place, take slice r: same bytes, same sums
             work, out = dist.all_reduce(flat.grad, **kw), flat.grad[flat.lo : flat.lo + flat.S]
         else:
             out = flat.grad.new_empty(flat.S)  # (S,)
             work = dist.reduce_scatter_single(out, flat.grad, **kw)
         self.stats["reduce_scatter_calls"] += 1
         self.stats["reduce_scatter_bytes"] += nbytes(flat.grad)
-        # subtle: launched in backward (ZeRO-2/3), its handle is kept for a step, to the zero_grad()
-        # after next (DataParallel._works says why; dropped once waited, 1 of 15 ZeRO-2 jobs
-        # aborted at exit in CI). _finish empties the tensors it holds: it keeps no memory.
-        self._works.append(work)
+        # subtle: the handle, launched in backward (ZeRO-2/3), is kept to the zero_grad() after next
+        # (see DataParallel._works; dropped once waited, 1 of 15 ZeRO-2 jobs aborted at exit in CI)
+        self._works.append(work)  # (_finish empties the tensors it holds: it keeps no memory)
         return work, flat, out
 
     def _finish(self, pending: list) -> None:
@@ -480,8 +468,7 @@ class ZeroDataParallel(nn.Module):
         self.module, self.opt, self.stage = module, optimizer, optimizer.stage
         units, self.stats = zero_units(module), optimizer.stats
         self.flats = [f for f in optimizer.flats if any(f.unit is u for u in units)]
-        # pipeline chunks: one ZeroOptimizer, a ZeroDataParallel around each (with ZeRO-3 every
-        # microbatch would all-gather every unit again)
+        # pipeline chunks, one optimizer, a wrapper each: ZeRO-3 re-gathers all units per microbatch
         if self.stage == 3 and len(self.flats) < len(optimizer.flats):
             raise ValueError("ZeRO-3 with several pipeline chunks per rank is refused: use ZeRO-2")
         self._unit_flats = {u: [f for f in self.flats if f.unit is u] for u in units}
@@ -493,8 +480,7 @@ class ZeroDataParallel(nn.Module):
         bwd_order = [module, *units[:-1]]  # root (its head first), h3 .. h0
         self._after = dict(zip(fwd_order, [*fwd_order[1:], None]))  # the unit to prefetch
         self._before = dict(zip(bwd_order, [*bwd_order[1:], None]))
-        for u in units if self.stage == 3 else []:
-            # (torch.compile runs them eagerly: it cannot trace the storage resizing)
+        for u in units if self.stage == 3 else []:  # eager: torch.compile can't trace resize_()
             u.register_forward_pre_hook(eager(weak_hook(self, "_gather", u, self._after[u])))
             u.register_forward_hook(eager(weak_hook(self, "_post_forward", u)))
 
@@ -522,9 +508,6 @@ class ZeroDataParallel(nn.Module):
 
     def _free(self, unit) -> None:
         for f in self._unit_flats[unit]:
-            if f.work is not None:  # a prefetch still in flight
-                f.work.wait()
-            f.work = None
             f.free()
 
     def _post_forward(self, unit, module, args, output) -> None:
@@ -550,13 +533,11 @@ class ZeroDataParallel(nn.Module):
         if self.stage == 3 and flat.unit is not self.module:
             if all(f.ready == len(f.params) for f in self._unit_flats[flat.unit]):
                 self._free(flat.unit)  # its backward is over
-        if self._sync:
-            self._launch()
+        self._launch()
 
-    def _launch(self, everything: bool = False) -> None:
-        # subtle: in flat order, never in hook order: the same collectives in the same order on
-        # every rank (NCCL's rule)
-        while self._next < len(self.flats):
+    def _launch(self, everything: bool = False) -> None:  # (no_sync(): nothing)
+        # subtle: flat order, not hook order: the same collectives in one order on every rank (NCCL)
+        while self._sync and self._next < len(self.flats):
             flat = self.flats[self._next]
             if not everything and flat.ready < len(flat.params):
                 return
@@ -566,10 +547,9 @@ class ZeroDataParallel(nn.Module):
 
     def _end_backward(self) -> None:
         self._in_backward = False
-        if self._sync:
-            self._launch(everything=True)
-            self.opt._finish(self._pending)
-            self._pending = []
+        self._launch(everything=True)  # the rest (no_sync(): none, and none pending)
+        self.opt._finish(self._pending)
+        self._pending = []
         for u in self._unit_flats if self.stage == 3 else []:
             self._free(u)
 
@@ -593,11 +573,10 @@ def memory_per_rank(module: nn.Module, optimizer) -> dict:
     params = [*module.parameters(), *(f.shard for f in flats)]
     grads = [g for g in [p.grad for p in params] + [f.grad for f in flats] if g is not None]
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-
-    def size(tensors) -> int:
-        return sum({(s := t.untyped_storage()).data_ptr(): s.nbytes() for t in tensors}.values())
-
-    return {"params": size(params), "grads": size(grads), "optimizer": size(state)}
+    sizes = {}  # each storage once
+    for kind, ts in {"params": params, "grads": grads, "optimizer": state}.items():
+        sizes[kind] = sum({(s := t.untyped_storage()).data_ptr(): s.nbytes() for t in ts}.values())
+    return sizes
 
 
 def zero_memory_formula(stage: int, psi: float, world: int) -> float:
@@ -619,68 +598,50 @@ class PowerSGD:
     once warmup_steps synced passes have all-reduced exactly (torch's start_powerSGD_iter)."""
 
     def __init__(self, params: list, rank: int = 4, warmup_steps: int = 10, seed: int = 0):
-        assert rank >= 1 and warmup_steps >= 0, (
-            f"rank {rank} >= 1, warmup_steps {warmup_steps} >= 0"
-        )
+        assert rank >= 1 and warmup_steps >= 0, f"rank {rank} < 1 or warmup {warmup_steps} < 0"
         self.rank, self.warmup_steps, self.seed, self.steps = rank, warmup_steps, seed, 0
-        self.matrices = [p for p in params if p.dim() >= 2]  # sketched, as (p.shape[0], rest)
+        self.matrices = [p for p in params if p.dim() >= 2]  # sketched, as (len(p), the rest)
         self.vectors = [p for p in params if p.dim() < 2]  # biases, LayerNorm: sent whole
         self.qs, self.errors = [], []  # per matrix: Q (n, r), warm-started; residual e (m, n)
 
-    @property
-    def active(self) -> bool:
-        return self.steps >= self.warmup_steps
+    active = property(lambda self: self.steps >= self.warmup_steps)  # sketching, not exact
 
     def reduce(self, grads: dict, dp: DataParallel) -> None:
         """grads[p]: this rank's sum (not / N), replaced by the sketch of the ranks' mean."""
-        vec = torch.cat([grads[p].reshape(-1) for p in self.vectors])  # one exact all-reduce
-        vec_work = dp._all_reduce(vec)
-        Ms = [grads[p].view(p.shape[0], -1) for p in self.matrices]  # (m, n) each
+        Ms = [grads[p].view(len(p), -1) for p in self.matrices]  # (m, n) each
         if not self.qs:  # the first sketch: the same random Q on every rank (the seed's)
             g = torch.Generator().manual_seed(self.seed)
             self.qs = [torch.randn(M.shape[1], min(self.rank, *M.shape), generator=g) for M in Ms]
-            self.qs, self.errors = (
-                [q.to(M) for q, M in zip(self.qs, Ms)],
-                list(map(torch.zeros_like, Ms)),
-            )
+            self.qs, self.errors = [q.to(M) for q, M in zip(self.qs, Ms)], [0 * M for M in Ms]
         for M, e in zip(Ms, self.errors):
             M.add_(e)  # error feedback: what the last sketch missed
-        P = torch.cat([(M @ orthonormal(q)).reshape(-1) for M, q in zip(Ms, self.qs)])
-        dp._all_reduce(P).wait()  # Σ_ranks M Q (no / N: orthonormalised next)
-        ps = [
-            orthonormal(p.view(len(M), -1))
-            for p, M in zip(P.split([len(M) * q.shape[1] for M, q in zip(Ms, self.qs)]), Ms)
-        ]
-        Q = torch.cat([(M.T @ p).reshape(-1) for M, p in zip(Ms, ps)])
-        dp._all_reduce(Q).wait()
-        Q.div_(dp.world)  # Mᵀ P of the ranks' mean M
-        self.qs = [q.view_as(old) for q, old in zip(Q.split([q.numel() for q in self.qs]), self.qs)]
+        ps = [M @ orthonormal(q) for M, q in zip(Ms, self.qs)]  # (m, r) each
+        vectors = [grads[p] for p in self.vectors]  # sent whole, with the Ps
+        dp._all_reduce(flat := torch.cat([t.reshape(-1) for t in ps + vectors])).wait()
+        sums = split_like(flat, ps + vectors)  # Σ_ranks M Q, (m, r) each, and the vectors' sums
+        ps = [orthonormal(p) for p in sums[: len(ps)]]  # (no / N: it is orthonormalised)
+        qs = [M.T @ p for M, p in zip(Ms, ps)]  # (n, r) each
+        dp._all_reduce(flat := torch.cat([q.reshape(-1) for q in qs])).wait()
+        self.qs = split_like(flat.div_(dp.world), qs)  # Mᵀ P of the ranks' mean M: warm start
         for M, p, q, e in zip(Ms, ps, self.qs, self.errors):
             e.copy_(M)
-            torch.matmul(p, q.T, out=M)  # the update: P Qᵀ = P Pᵀ M̄ (rank <= r)
-            e.sub_(M)  # the residual: what this rank had minus what was applied
-        vec_work.wait()
-        for p, v in zip(self.vectors, vec.div_(dp.world).split([p.numel() for p in self.vectors])):
-            grads[p].copy_(v.view_as(p))
+            torch.matmul(p, q.T, out=M)  # the update P Qᵀ = P Pᵀ M̄, of rank <= r
+            e.sub_(M)  # the residual: what this rank had, less what is applied
+        for v, total in zip(vectors, sums[len(ps) :]):
+            v.copy_(total).div_(dp.world)
 
-    def state_dict(self) -> dict:
-        """Training state (a resume must continue it): the step count, Q and the residuals."""
-        clones = lambda ts: [t.clone() for t in ts]  # noqa: E731
-        return {"steps": self.steps, "qs": clones(self.qs), "errors": clones(self.errors)}
+    def state_dict(self) -> dict:  # training state: a resume must continue it (torch.save copies)
+        return {"steps": self.steps, "qs": self.qs, "errors": self.errors}
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps, to = (
-            state["steps"],
-            lambda ts: [t.to(p.device) for t, p in zip(ts, self.matrices)],
-        )
-        self.qs, self.errors = to(state["qs"]), to(state["errors"])
+        to = lambda ts: [t.to(p.device) for t, p in zip(ts, self.matrices)]  # noqa: E731
+        self.steps, self.qs, self.errors = state["steps"], to(state["qs"]), to(state["errors"])
 
 
 # ------------------------ the demo: every variant equals one process; bytes per rank vs formula
 PRESET, T, B, STEPS, SEED = "small", 64, 4, 3, 1337  # 02's ~0.8M GPT on bytes; B rows per rank
-# Freed on return, a wrapper would drop handles launched in its last backward moments later; a
-# gloo thread still holding one then frees it at exit and aborts (tests/ddp_exit_job.py): once
-# in 6 runs of this demo (a CI run). A script keeps its model to the end; the demo keeps them here.
+# Freed on return, a wrapper drops handles of its last backward that a gloo thread may free at
+# exit, aborting (tests/ddp_exit_job.py; 1 in 6 demo runs in CI): kept, as a script's model.
 WRAPPERS = []
 FORMULAS = {"DP": "16Ψ", "ZeRO-1": "8Ψ + 8Ψ/N", "ZeRO-2": "4Ψ + 12Ψ/N", "ZeRO-3": "16Ψ/N"}
 
@@ -734,16 +695,35 @@ def run_demo(rank: int, world: int, device) -> None:
         formula = f"{FORMULAS[name]:<13}{zero_memory_formula(stage, psi, world):11,.0f}"
         print0(f"   {name:<6} {cells} = {sum(m.values()):10,} | {formula}")
     print0("   (+ AdamW's 4-byte step count per stepped tensor, + padding to N·S: try --ranks 3)")
+    compression_demo(rank, world, config, device)
+
+
+def compression_demo(rank, world, config, device, steps=30, warmup=5) -> None:
+    """Bytes sent in a step after the warm-up, and the loss on held-out rows (ranks agree)."""
+    batches = model_lib.byte_batches(T, B * world, steps, SEED + 1, device)
+    held_out = model_lib.byte_batches(T, 32, 1, SEED + 2, device)[0]  # (x, y), each (32, T)
+    mine, sent = slice(rank * B, (rank + 1) * B), {}
+    print0(f"\n3. compression: {steps} AdamW steps ({warmup} exact); bytes sent in the last")
+    for name in ("none", "fp16", "bf16", "powersgd r=1", "powersgd r=4"):
+        torch.manual_seed(SEED)
+        kw = dict(powersgd_rank=int(name[-1]) if "=" in name else 4, powersgd_warmup_steps=warmup)
+        model = DataParallel(model_lib.GPT(config).to(device), 1.0, None, name.split()[0], **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for x, y in batches:
+            before = model.stats["allreduce_bytes"]
+            train_step(model, opt, x[mine], y[mine])
+        sent[name], loss = model.stats["allreduce_bytes"] - before, model(*held_out)[1].item()
+        ratio = f"1/{sent['none'] / sent[name]:.0f}"
+        print0(f"   {name:<13} {sent[name]:>9,} bytes {ratio:>7}   held-out loss {loss:.3f}")
+        WRAPPERS.append((model, opt))
 
 
 def relaunch_with_torchrun(ranks: int, argv, script: str) -> None:
     """`python script ARGS` is `torchrun --standalone --nproc_per_node=ranks script ARGS`."""
-    from torch.distributed.run import main as torchrun
-
     args = ["--standalone", f"--nproc_per_node={ranks}", script, *argv]
     print(f"not started by torchrun, so running: torchrun {' '.join(args)}", flush=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several ranks
-    torchrun(args)
+    importlib.import_module("torch.distributed.run").main(args)  # torchrun's own main
 
 
 def main(argv=None) -> None:

@@ -63,6 +63,8 @@ class Logger:
         mfu_text = "n/a" if util is None else f"{100 * util:.1f}%"
         mfu_text += f" (hfu {100 * hw:.1f}%)" if hw != util else ""  # full recomputation's
         rate = f"{tok_s:,.0f} tok/s ({tok_s / world:,.0f}/rank) | mfu {mfu_text}"
+        if "comm_bytes" in stats:  # dp > 1: the gradient bytes this rank all-reduced this step
+            rate += f" | comm {stats['comm_bytes'] / 1e6:.2f} MB"
         ddp_lib.print0(f"step {step:5d} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
                        f"norm {stats['grad_norm']:.3f} | {rate} | mem {mem / 1e9:.2f} GB | "
                        f"eta {eta / 60:.1f} min")  # fmt: skip
