@@ -30,14 +30,16 @@ by unit, each full gradient freed at once. ZeRO-3: weights too; a unit is all-ga
 its forward (the next one prefetched), freed, gathered again for its backward (not the root).
 
 Gradient compression: DP sends ~2·4Ψ bytes per rank and step; across nodes on Ethernet that is
-the step. fp16/bf16 (torch's fp16_compress_hook): cast each bucket, / N, all-reduce, cast back:
-half the bytes, each gradient rounded to 11 or 8 significant bits. PowerSGD (Vogels et al. 2019,
-arXiv 1905.13727) sends a rank-r sketch of each m×n gradient matrix M (vectors go whole), with Q
-(n×r) warm-started from the last step and e the last step's residual, 0 at first:
-    M += e     P = orthonormal(all-reduce(M Q))     Q = all-reduce(Mᵀ P) / N     (m×r, n×r)
-    update = P Qᵀ = P Pᵀ M̄ (rank r)     e = M - update     sent: (m + n)·r elements, not m·n
-Error feedback (e) keeps it converging: what a sketch misses is sent later, not lost (the updates
-add up to the gradients less one residual). The first steps all-reduce exactly, as torch's.
+the step. fp16/bf16 (torch's fp16_compress_hook, op for op): cast each bucket, / N (the sum then
+cannot overflow), all-reduce, cast back: half the bytes, gradients rounded to 11 or 8 bits.
+PowerSGD (Vogels et al. 2019, arXiv 1905.13727) sends a rank-r sketch of each gradient matrix M
+(m×n: p.grad as (len(p), the rest)); vectors go whole (a sketch of m×1 costs m + 1). M̄: the mean.
+    M += e    P = orthonormal(all-reduce(M·orthonormal(Q))) (m×r)    Q = all-reduce(Mᵀ P)/N (n×r)
+    update = P Qᵀ = P Pᵀ M̄ (rank r)     e = M - update (m×n)     sent: (m + n)·r, not m·n
+One power-iteration step per training step: Q is warm-started (gradients drift slowly), and
+orthonormal columns make P Pᵀ a projection. Error feedback (e, 4 bytes per weight more) keeps it
+converging: what a sketch misses is sent later, not lost (the updates add up to the gradients
+less one residual). The first steps, whose gradients change fastest, are exact.
 
 Launch:  python 03_ddp.py [--ranks N]                             (runs torchrun for you)
          torchrun --standalone --nproc_per_node=2 03_ddp.py      (or 4; CPU/gloo or GPUs/NCCL)
@@ -224,8 +226,8 @@ class DataParallel(nn.Module):
 
     def _copy_in(self, p: torch.Tensor) -> None:  # then start the buckets now full
         bucket, i = self._where[p]
-        # divide while copying, as DDP: free, and a sum of N fp16 gradients cannot overflow (x/N
-        # is exact for N = 2^k; compressed: later, as torch's hooks). p.grad the view: in place
+        # divide while copying, as DDP: free, and x/N is exact for N = 2^k (compressed: copied
+        # whole, / N later, as torch's hooks). p.grad already the view (set_to_none=False): in place
         torch.div(p.grad, self.world if self._mode == "none" else 1, out=bucket.views[i])
         self._done.add(p)
         self._launch_full_buckets()
@@ -602,17 +604,18 @@ class PowerSGD:
         self.rank, self.warmup_steps, self.seed, self.steps = rank, warmup_steps, seed, 0
         self.matrices = [p for p in params if p.dim() >= 2]  # sketched, as (len(p), the rest)
         self.vectors = [p for p in params if p.dim() < 2]  # biases, LayerNorm: sent whole
-        self.qs, self.errors = [], []  # per matrix: Q (n, r), warm-started; residual e (m, n)
+        self.errors = [torch.zeros_like(p).view(len(p), -1) for p in self.matrices]  # e (m, n)
+        self.qs = []  # Q (n, r) per matrix, drawn at the first sketch, then warm-started
 
     active = property(lambda self: self.steps >= self.warmup_steps)  # sketching, not exact
 
     def reduce(self, grads: dict, dp: DataParallel) -> None:
-        """grads[p]: this rank's sum (not / N), replaced by the sketch of the ranks' mean."""
+        """grads[p]: this rank's own gradient (not yet / N), replaced by the sketch of the mean."""
         Ms = [grads[p].view(len(p), -1) for p in self.matrices]  # (m, n) each
         if not self.qs:  # the first sketch: the same random Q on every rank (the seed's)
             g = torch.Generator().manual_seed(self.seed)
             self.qs = [torch.randn(M.shape[1], min(self.rank, *M.shape), generator=g) for M in Ms]
-            self.qs, self.errors = [q.to(M) for q, M in zip(self.qs, Ms)], [0 * M for M in Ms]
+            self.qs = [q.to(M) for q, M in zip(self.qs, Ms)]
         for M, e in zip(Ms, self.errors):
             M.add_(e)  # error feedback: what the last sketch missed
         ps = [M @ orthonormal(q) for M, q in zip(Ms, self.qs)]  # (m, r) each
@@ -634,7 +637,7 @@ class PowerSGD:
         return {"steps": self.steps, "qs": self.qs, "errors": self.errors}
 
     def load_state_dict(self, state: dict) -> None:
-        to = lambda ts: [t.to(p.device) for t, p in zip(ts, self.matrices)]  # noqa: E731
+        to = lambda ts: [t.to(p.device) for t, p in zip(ts, self.matrices, strict=True)]  # noqa
         self.steps, self.qs, self.errors = state["steps"], to(state["qs"]), to(state["errors"])
 
 
@@ -716,6 +719,7 @@ def compression_demo(rank, world, config, device, steps=30, warmup=5) -> None:
         ratio = f"1/{sent['none'] / sent[name]:.0f}"
         print0(f"   {name:<13} {sent[name]:>9,} bytes {ratio:>7}   held-out loss {loss:.3f}")
         WRAPPERS.append((model, opt))
+    print0("   (30 steps: no verdict on the loss; the main job's: bench/bench_compression.py)")
 
 
 def relaunch_with_torchrun(ranks: int, argv, script: str) -> None:

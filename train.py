@@ -163,10 +163,8 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"world_size={world_size} but {sizes} or change the sizes")
     if not 0 <= cfg.dropout < 1:
         raise ConfigError(f"--dropout {cfg.dropout}: a probability, in [0, 1)")
-    if not 0 < cfg.decay_fraction <= 1:
-        raise ConfigError(
-            f"--decay-fraction {cfg.decay_fraction}: a fraction of the run, in (0, 1]"
-        )
+    if not 0 < (fraction := cfg.decay_fraction) <= 1:
+        raise ConfigError(f"--decay-fraction {fraction}: a fraction of the run, in (0, 1]")
     for name, value, choices in (("dtype", cfg.dtype, ("auto", *mp_lib.DTYPES)),
                                  ("model", cfg.model, tuple(model_lib.PRESETS)),
                                  ("recompute", cfg.recompute, model_lib.RECOMPUTE),
@@ -190,12 +188,14 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
     ):
         if on and size == 1:
             raise ConfigError(f"{name} {what}, but {dim} is 1: it would do nothing")
-    gc = f"--grad-compression {cfg.grad_compression}"
     if cfg.grad_compression != "none" and cfg.zero:  # (03 compresses DataParallel's all-reduce)
-        raise ConfigError(f"{gc} with --zero {cfg.zero}: ZeRO reduce-scatters; use --zero 0")
+        raise ConfigError(f"--grad-compression with --zero {cfg.zero}: ZeRO reduce-scatters")
+    for f in ("powersgd_rank", "powersgd_warmup_steps"):  # (a flag that would do nothing)
+        if getattr(cfg, f) != getattr(TrainConfig, f) and cfg.grad_compression != "powersgd":
+            raise ConfigError(f"--{f.replace('_', '-')} needs --grad-compression powersgd")
     if cfg.grad_compression == "powersgd" and cfg.dtype == "fp16":
         why = "an overflowed step's inf would stay in its residuals: use bf16 or fp32"
-        raise ConfigError(f"{gc} with --dtype fp16: {why}")
+        raise ConfigError(f"--grad-compression powersgd with --dtype fp16: {why}")
     if cfg.zero > 3 or (cfg.zero == 3 and cfg.pp > 1):  # (03: refused for several chunks a rank)
         why = "re-gathers every block for every microbatch" if cfg.zero == 3 else "is 0 to 3"
         raise ConfigError(f"--zero {cfg.zero}{' with --pp' * (cfg.pp > 1)}: a stage {why}")
@@ -545,12 +545,13 @@ def check_resume_layout(cfg: TrainConfig) -> None:
     """--resume continues the newest readable checkpoint's run: the same shards (found by global
     rank, shaped by ZeRO and the virtual stages) and batches (the seed and the batch shape)."""
     keys = ("dp", "tp", "pp", "virtual_stages", "zero", "seed", "batch_size", "micro_batch_size",
-            "block_size")  # fmt: skip
+            "block_size", "grad_compression", "powersgd_rank")  # fmt: skip
     for ckpt in complete_checkpoints(cfg.out_dir):  # nothing to resume: start fresh (said later)
         try:
             saved = json.loads((ckpt / "meta.json").read_text())["config"]
         except (OSError, ValueError, KeyError):
             continue  # a damaged meta.json: load_checkpoint names it and falls back too
+        saved = {**asdict(TrainConfig()), **saved}  # a flag newer than the checkpoint: its default
         for k in (k for k in keys if saved[k] != getattr(cfg, k)):
             name, now = "--" + k.replace("_", "-"), getattr(cfg, k)
             was = f"{ckpt} was written with {name} {saved[k]}, this run has {name} {now}"

@@ -99,14 +99,15 @@ def case_error_feedback(rank, world):
         with model.no_sync():
             model(x, y)[1].backward()
         g = [p.grad.clone() for p in matrices(model.module)]
-        before = [e.clone() for e in model.powersgd.errors] or [torch.zeros_like(t) for t in g]
+        before = [e.clone() for e in model.powersgd.errors]  # (zeros before the first sketch)
         sent = model.stats["allreduce_bytes"]
         step(model, opt, x, y)
         update = [p.grad.clone() for p in matrices(model.module)]
         after = [e.clone() for e in model.powersgd.errors]
         out.append(dict(g=g, before=before, update=update, after=after))
         out[-1]["bytes"] = model.stats["allreduce_bytes"] - sent
-    return out
+    weights = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+    return {"steps": out, "weights": weights}
 
 
 def torch_first_qs(bucket: list, names: dict, r: int, seed: int = 0) -> dict:
@@ -208,7 +209,11 @@ def test_powersgd_error_feedback_identity_rank_and_bytes():
     vectors = sum(p.numel() for p in model.parameters() if p.dim() < 2)
     sketch = sum(m.shape[0] + m.shape[1] for m in matrices(model))
     psi = sum(p.numel() for p in model.parameters())
-    for rank_steps in results(2, "error_feedback"):
+    ranks = results(2, "error_feedback")
+    # the replicas stay replicas: every rank orthonormalises the same P (the same QR, the same
+    # bits), so after 3 sketched steps the weights must be identical, not just close
+    assert torch.equal(ranks[0]["weights"], ranks[1]["weights"]), "the replicas drifted apart"
+    for rank_steps in (r["steps"] for r in ranks):
         assert [s["bytes"] for s in rank_steps] == [4 * psi] + [4 * (sketch + vectors)] * 3
         for s, st in enumerate(rank_steps[1:], start=1):
             for g, e0, u, e1 in zip(st["g"], st["before"], st["update"], st["after"]):
