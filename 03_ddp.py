@@ -279,7 +279,7 @@ class DataParallel(nn.Module):
             p.grad = bucket.views[i]  # overwrites this view: clone a gradient to keep it
         self.stats["syncs"] += 1
         if self.powersgd:
-            self.powersgd.steps += 1
+            self.powersgd.steps += 1  # synced passes: its warm-up counts these
 
 
 # -------------- ZeRO: shard what every rank holds N times (Rajbhandari et al. 2019, 1910.02054)

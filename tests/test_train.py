@@ -115,6 +115,10 @@ def test_two_rank_layouts_equal_one_process(data_dir, tmp_path, reference):
                                            atol=0, msg=lambda m, k=key, n=name: f"{n}, {k}: {m}")  # fmt: skip
         else:
             assert_same_curve(got, reference, name)
+        if name.startswith("dp2") and name not in dict(COMPRESSED):  # 4Ψ (ZeRO: + its padding)
+            pad = [r["comm_bytes"] - results[0][0]["comm_bytes"] for r in got]
+            assert all(0 <= b < 4 * 2 * 16 for b in pad), f"{name}: comm_bytes - 4Ψ = {pad}"
+    assert "comm_bytes" not in reference[0], "one process sends nothing"
 
 
 # PowerSGD: 1 exact step, then sketched; "full": rank 32 = min(m, n) of every matrix of the tiny GPT
