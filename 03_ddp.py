@@ -72,6 +72,8 @@ import torch.nn as nn
 model_lib = importlib.import_module("02_model")
 
 SUM = dist.ReduceOp.SUM  # never AVG: gloo does not have it
+# DataParallel(compression=...), the third lesson below: fp16/bf16 send buckets in that dtype
+COMPRESSION, HALF = ("none", "fp16", "bf16", "powersgd"), dict(fp16=torch.half, bf16=torch.bfloat16)
 eager = torch.compiler.disable
 
 
@@ -588,9 +590,6 @@ def zero_memory_formula(stage: int, psi: float, world: int) -> float:
 
 
 # ------------ gradient compression: fewer bytes in DataParallel's all-reduce (the third lesson)
-COMPRESSION, HALF = ("none", "fp16", "bf16", "powersgd"), dict(fp16=torch.half, bf16=torch.bfloat16)
-
-
 def orthonormal(a: torch.Tensor) -> torch.Tensor:  # (k, r), r <= k: a basis of its columns' span
     return torch.linalg.qr(a).Q  # (Householder: a zero column still gives a unit vector)
 
