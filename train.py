@@ -174,21 +174,16 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
         if value not in choices:
             flag_name, choices = "--" + name.replace("_", "-"), ", ".join(filter(None, choices))
             raise ConfigError(f"{flag_name} {value}: use one of {choices}")
+    compressed = cfg.grad_compression != "none"
     for name, on, dim, size, what in (  # a flag that would silently do nothing is a mistake
         ("--zero", cfg.zero, "--dp", cfg.dp, "shards over the DP replicas"),
-        (
-            "--grad-compression",
-            cfg.grad_compression != "none",
-            "--dp",
-            cfg.dp,
-            "compresses DP's all-reduce",
-        ),
+        ("--grad-compression", compressed, "--dp", cfg.dp, "compresses DP's all-reduce"),
         ("--sequence-parallel", cfg.sequence_parallel, "--tp", cfg.tp, "shards over TP ranks"),
         ("--virtual-stages", cfg.virtual_stages > 1, "--pp", cfg.pp, "cuts pipeline ranks"),
     ):
         if on and size == 1:
             raise ConfigError(f"{name} {what}, but {dim} is 1: it would do nothing")
-    if cfg.grad_compression != "none" and cfg.zero:  # (03 compresses DataParallel's all-reduce)
+    if compressed and cfg.zero:  # (03 compresses DataParallel's all-reduce)
         raise ConfigError(f"--grad-compression with --zero {cfg.zero}: ZeRO reduce-scatters")
     for f in ("powersgd_rank", "powersgd_warmup_steps"):  # (a flag that would do nothing)
         if getattr(cfg, f) != getattr(TrainConfig, f) and cfg.grad_compression != "powersgd":
@@ -593,7 +588,8 @@ def save_checkpoint(run: Run, step: int) -> None:
     shard = {"model": models,
              "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict(),
              "rng": rng, "tp_rng": None if tp_rng is None else tp_rng.state_dict(),
-             "powersgd": [c.powersgd.state_dict() for c in run.chunks if getattr(c, "powersgd", 0)],
+             "powersgd": [c.powersgd.state_dict() for c in run.chunks
+                          if getattr(c, "powersgd", None)],
              "step": step,  # the data position too: batches are a pure function of the step
              "data_position": list(run.train.position(step)), "config": asdict(cfg)}  # fmt: skip
     data_lib.atomic_write(partial / shard_name(rank), lambda tmp: torch.save(shard, tmp))
