@@ -47,10 +47,9 @@ It checks every variant against one process, prints bytes per rank for stages 0-
 formulas, and each compression's bytes and loss. Step times, traffic, torch DDP, FSDP2, GPT-2's
 sizes: bench/bench_ddp.py; compression's loss and break-even bandwidth: bench/bench_compression.py.
 
-What changed from 02_model.py: nothing inside the GPT; rank r trains it on its own rows (train.py:
-01's loader given dp_rank, dp_size). Simple first: NaiveDataParallel, then DataParallel (buckets
-overlapped with backward); ZeroOptimizer (ZeRO-1), then ZeroDataParallel (ZeRO-2/3); then
-DataParallel(compression=...): fp16/bf16, then PowerSGD.
+What changed from 02_model.py: nothing inside the GPT; rank r trains it on its own rows (01's
+loader). Simple first: NaiveDataParallel, then DataParallel (buckets overlap the backward);
+ZeroOptimizer (ZeRO-1), then ZeroDataParallel (ZeRO-2/3); then DataParallel(compression=...).
 
 Left out on purpose: DDP's find_unused_parameters (unused: an error here), bucket rebuilding,
 PowerSGD in backward (it runs after) or under ZeRO, ZeRO's CPU/NVMe offload, ZeRO++, FSDP2's DTensor
@@ -75,6 +74,8 @@ SUM = dist.ReduceOp.SUM  # never AVG: gloo does not have it
 # DataParallel(compression=...), the third lesson below: fp16/bf16 send buckets in that dtype
 COMPRESSION, HALF = ("none", "fp16", "bf16", "powersgd"), dict(fp16=torch.half, bf16=torch.bfloat16)
 eager = torch.compiler.disable
+RS = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+AG = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 
 def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, int, torch.device]:
@@ -361,7 +362,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Start gathering the shards into flat.full (ZeRO-3: its memory first; else in place)."""
         full, shard = flat.full, flat.shard.detach()
         full.untyped_storage().resize_(nbytes(full))
-        work = dist.all_gather_single(full, shard, group=self.group, async_op=True)
+        work = getattr(dist, AG)(full, shard, group=self.group, async_op=True)
         self.stats["all_gather_calls"] += 1
         self.stats["all_gather_bytes"] += nbytes(full)  # each rank sends (N-1)/N of it
         self._works.append(work)  # kept (see _reduce_scatter): ZeRO-3 gathers in backward too
@@ -378,7 +379,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             work, out = dist.all_reduce(flat.grad, **kw), flat.grad[flat.lo : flat.lo + flat.S]
         else:
             out = flat.grad.new_empty(flat.S)  # (S,)
-            work = dist.reduce_scatter_single(out, flat.grad, **kw)
+            work = getattr(dist, RS)(out, flat.grad, **kw)
         self.stats["reduce_scatter_calls"] += 1
         self.stats["reduce_scatter_bytes"] += nbytes(flat.grad)
         # subtle: the handle, launched in backward (ZeRO-2/3), is kept to the zero_grad() after next

@@ -9,8 +9,8 @@ batches (02's byte_batches: real text, so the loss curves mean something), in on
     python bench/bench_mixed_precision.py --preset small --vocab-size 4096 --modes fp32
 
 On a GPU the memory column is torch.cuda.max_memory_allocated for that mode alone (each mode
-runs on its own, after the previous one is freed); on a CPU it is the sum of the components, and
-a second table prints each one measured against its formula: parameters, gradients, AdamW's
+runs on its own, after the previous one is freed); on a CPU it is the sum of the components. A
+second table prints each component measured against its formula: parameters, gradients, AdamW's
 state and the activations saved for the backward (06's saved_activation_bytes against
 activation_formula). --figure writes the loss curves of every mode (the README's
 docs/mixed_precision_loss.png comes from the CPU line above). The speed-up is a tensor-core
@@ -109,11 +109,9 @@ def run(mode: str, config, batches, args, device) -> dict:
             t0 = time.perf_counter()
             losses.append(mp.train_step(model, optimizer, scaler, master, ac, x, y))  # synced
             times.append(time.perf_counter() - t0)
-        if device.type == "cuda":
-            memory = torch.cuda.max_memory_allocated(device)
-        else:
-            table = memory_table(model, optimizer, master, ac, *batches[0], build_mode)
-            memory = sum(measured for measured, _ in table.values())
+        memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        table = memory_table(model, optimizer, master, ac, *batches[0], build_mode)
+        memory = memory or sum(measured for measured, _ in table.values())
     ms = 1e3 * statistics.median(times[args.warmup :])
     return dict(ms=ms, memory=memory, table=table, losses=losses, skipped=scaler.skipped_steps)
 
@@ -236,11 +234,13 @@ def print_recompute(config, args, device, mode: str):
 
 
 def print_memory(results: dict):
-    """The CPU's per-component table: measured / formula, in KB."""
-    columns = "".join(f"{k:>20}" for k in next(iter(results.values()))["table"])
-    print(f"\n{'KB: measured / formula':<24}{columns}")
+    """The per-component table: measured / formula, in MB, and their sums (a GPU's peak adds the
+    step's short-lived tensors, the logits' among them, and the allocator's rounding)."""
+    columns = "".join(f"{k:>22}" for k in next(iter(results.values()))["table"])
+    print(f"\n{'MB: measured / formula':<24}{columns}{'sum':>22}")
     for mode, r in results.items():
-        cells = "".join(f"{m / 1024:>10,.1f} / {f / 1024:>7,.1f}" for m, f in r["table"].values())
+        pairs = list(r["table"].values()) + [tuple(map(sum, zip(*r["table"].values())))]
+        cells = "".join(f"{m / 2**20:>11,.2f} / {f / 2**20:>8,.2f}" for m, f in pairs)
         print(f"{mode:<24}{cells}")
 
 
@@ -331,7 +331,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     print("speed-up = fp32's ms/step / this mode's; memory: CUDA peak allocated, or on a CPU the "
           "sum of params, grads, AdamW state and saved activations")  # fmt: skip
-    if not cuda and results:
+    if results:
         print_memory(results)
     if args.figure and "fp32" in results:
         plot_losses(results, args.figure)

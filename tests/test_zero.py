@@ -683,3 +683,16 @@ def test_zero3_refuses_several_pipeline_chunks_per_rank(world):
         assert res[2] == [3, 3], res
         assert "ZeRO-3 with several pipeline chunks per rank is refused" in res[3], res
         assert "\n" not in res[3]
+
+
+def test_collective_names_fall_back_to_older_torch(monkeypatch):
+    """torch 2.13 renamed the one-tensor collectives (the old names warn there); the GPU image's
+    torch 2.11 has only the old ones, and 03's ZeRO died there on reduce_scatter_single. Without
+    the new names, 03 picks the old ones, which torch still has: same signature, same op."""
+    assert (ddp.RS, ddp.AG) == ("reduce_scatter_single", "all_gather_single")
+    for new in ("reduce_scatter_single", "all_gather_single"):
+        monkeypatch.delattr(dist, new)
+    older = importlib.util.module_from_spec(importlib.util.find_spec("03_ddp"))
+    older.__spec__.loader.exec_module(older)  # 03 imported afresh, as under torch 2.11
+    assert (older.RS, older.AG) == ("reduce_scatter_tensor", "all_gather_into_tensor")
+    assert callable(getattr(dist, older.RS)) and callable(getattr(dist, older.AG))

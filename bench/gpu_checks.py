@@ -1,0 +1,131 @@
+"""The CUDA-only branches of docs/cluster.md that a short program can check on one GPU, each
+printed as `PASS` or `FAIL` with what was measured. bench/gpu_run.sh runs it with the rest.
+
+    python bench/gpu_checks.py        (needs a GPU; about 30 s)
+
+1. the loss scaler's inf flag on the GPU for an optimizer with no gradients (06; NCCL needs it);
+2. 04's RNGStateTracker with the CUDA generator: the fork's stream is its own, the default
+   stream goes on as if the fork never happened;
+3. which attention kernel SDPA runs for 02's attention, per dtype (torch.profiler's names);
+4. recomputation (02, selective and full) with dropout on CUDA's generator: loss and gradients
+   against no recomputation, beside a second run without it (the GPU's own run-to-run noise);
+5. --dtype auto (train.resolve_dtype) picks bf16 where torch.cuda.is_bf16_supported();
+6. the card's dense peaks in bench/gpus.py's table (MFU's denominator).
+"""
+
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
+model_lib = importlib.import_module("02_model")
+tp_lib = importlib.import_module("04_tensor_parallel")
+mp_lib = importlib.import_module("06_mixed_precision")
+gpus = importlib.import_module("bench.gpus")
+train = importlib.import_module("train")
+
+
+def report(name: str, ok: bool, detail: str) -> bool:
+    print(f"{'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
+    return ok
+
+
+def scaler_without_gradients(device) -> bool:
+    p = torch.nn.Parameter(torch.ones(3, device=device))  # never given a .grad
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    scaler = mp_lib.DynamicLossScaler()
+    scaler.unscale_(optimizer)
+    flag = scaler._state(optimizer)["found_inf"]
+    return report("scaler, no gradients", flag.device.type == "cuda" and flag.item() == 0,
+                  f"found_inf on {flag.device}, value {flag.item()}")  # fmt: skip
+
+
+def rng_tracker(device) -> bool:
+    torch.manual_seed(0)  # every device's generator
+    plain = [torch.rand(4, device=device) for _ in range(2)]  # the default stream, no fork
+    torch.manual_seed(0)  # every device's generator
+    tracker, first = tp_lib.RNGStateTracker(device, seed=7), torch.rand(4, device=device)
+    with tracker.fork():
+        forked = torch.rand(4, device=device)
+    second = torch.rand(4, device=device)
+    again = tp_lib.RNGStateTracker(device, seed=7)
+    with again.fork():
+        same = torch.rand(4, device=device)
+    ok = first.equal(plain[0]) and second.equal(plain[1]) and forked.equal(same)
+    ok &= not forked.equal(plain[1])
+    return report("RNGStateTracker on CUDA", ok, "default stream untouched by the fork, the fork's "
+                  "stream repeats from its seed, and differs from the default")  # fmt: skip
+
+
+def attention_kernels(device) -> bool:
+    config = model_lib.GPTConfig.from_preset("gpt2", n_layer=1, vocab_size=256)
+    model = model_lib.GPT(config).to(device)
+    x = torch.randint(0, 256, (2, config.block_size), device=device)
+    found = {}
+    for name, dtype in mp_lib.DTYPES.items():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with mp_lib.autocast_context(dtype, "cuda"):
+                _, loss = model(x, x)
+            loss.backward()
+            torch.cuda.synchronize()
+        names = {e.key for e in prof.key_averages()}
+        found[name] = sorted(k for k in names if any(w in k.lower() for w in
+                             ("flash", "fmha", "attention", "cudnn")))[:3]  # fmt: skip
+    for name, kernels in found.items():
+        print(f"      {name}: {kernels}")
+    flash = any("flash" in k.lower() for k in found["bf16"])
+    return report("SDPA kernel", flash, "bf16 and fp16 run flash attention" if flash else
+                  "bf16 does not run a flash kernel")  # fmt: skip
+
+
+def recompute_with_dropout(device) -> bool:
+    """One forward and backward per mode, the same init and CUDA seed: the replay must redraw the
+    same dropout masks (torch's checkpoint rewinds the CUDA generator)."""
+    base = model_lib.GPTConfig.from_preset("small", vocab_size=256, dropout=0.1)
+    x = torch.randint(0, 256, (8, base.block_size), device=device)
+    results = {}
+    for mode in ("none", "none again", "selective", "full"):
+        torch.manual_seed(0)
+        config = dataclasses.replace(base, recompute=mode.split()[0])
+        model = model_lib.GPT(config).to(device)
+        torch.manual_seed(1)
+        with torch.autocast(device.type, torch.bfloat16):
+            _, loss = model(x, x)
+        loss.backward()
+        results[mode] = [loss.detach()] + [p.grad for p in model.parameters()]
+    ok = True
+    for mode in ("none again", "selective", "full"):
+        diff = max((a - b).abs().max().item() for a, b in zip(results["none"], results[mode]))
+        ok &= report(f"recompute {mode} with dropout", diff == 0, f"loss and every gradient "
+                     f"against none: max |diff| {diff:.1e}")  # fmt: skip
+    return ok
+
+
+def auto_dtype(device) -> bool:
+    dtype = train.resolve_dtype(train.TrainConfig(dtype="auto"), device)
+    want = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return report("--dtype auto", dtype == want, f"{dtype} (is_bf16_supported: {want})")
+
+
+def peaks() -> bool:
+    name = torch.cuda.get_device_name()
+    table = {d: gpus.peak_flops(name, d) for d in ("bf16", "fp16", "tf32", "fp32")}
+    return report("peak FLOP/s known", table["bf16"] is not None, f"{name!r}: {table}")
+
+
+def main() -> None:
+    assert torch.cuda.is_available(), "gpu_checks.py needs a CUDA GPU"
+    device = torch.device("cuda")
+    print(gpus.machine(), f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+    checks = (scaler_without_gradients, rng_tracker, attention_kernels, recompute_with_dropout,
+              auto_dtype)  # fmt: skip
+    results = [check(device) for check in checks] + [peaks()]
+    print(f"{sum(results)} of {len(results)} checks passed")
+    sys.exit(0 if all(results) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# bench/gpu_run.sh: every CUDA path of the course on one GPU, and the GPU's measurements, in one
+# go (GPU time is scarce: one call runs the whole list). Each section writes RESULTS/NAME.log and
+# a line to RESULTS/summary.txt (exit code, seconds); a section that fails or hangs (its timeout)
+# does not stop the others. With PACK, RESULTS is packed there after phase 1 and after every
+# section of phase 2, so a run cut short still leaves what it finished. docs/results.md holds what it printed.
+#
+#   bash bench/gpu_run.sh out/gpu [out/gpu.tar.gz]     (needs a GPU; 5½ minutes on an H200)
+#
+# Data: data/stdlib-bpe4096 and data/stdlib-gpt2 (python 01_data.py [--tokenizer gpt2]).
+# Phase 1 checks correctness, its jobs side by side (nothing is timed); phase 2 times, one job
+# at a time, the most wanted first.
+set -u
+W=${1:-out/gpu}
+PACK=${2:-}
+R=/tmp/gpu_runs  # train.py's run folders: checkpoints of GPT-2 124M are 1.5 GB, kept out of W
+rm -rf "$R"
+mkdir -p "$W" "$R"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1)
+
+section() {  # section NAME TIMEOUT_S COMMAND...: run it, log its output and its exit code
+    local name=$1 limit=$2 t0=$SECONDS rc
+    shift 2
+    timeout "$limit" "$@" >"$W/$name.log" 2>&1
+    rc=$?
+    echo "$name: exit $rc, $((SECONDS - t0)) s: $*" >>"$W/summary.txt"
+}
+
+pack() {  # after each phase-2 section: what a cut-short run leaves
+    if [ -n "$PACK" ]; then tar -czf "$PACK" -C "$W" .; fi
+}
+
+small() {  # small NAME ARGS...: train.py on the 4-layer model and the 4,096-token BPE data
+    local name=$1
+    shift
+    section "$name" 120 "$@" --model small --data-dir data/stdlib-bpe4096 --out-dir "$R/$name"
+}
+
+train_series() {  # the dtypes, a resume against a straight run (and a second straight run: the
+    # GPU's own run-to-run noise), --export and --sample; dropout on, so the CUDA RNG state counts
+    small fp32 "$PY" train.py --dtype fp32 --max-steps 20 --log-interval 5 --eval-interval 10 \
+        --sample-tokens 40
+    small bf16 "$PY" train.py --dtype bf16 --max-steps 20 --log-interval 5 --eval-interval 10 \
+        --sample-tokens 40
+    small fp16 "$PY" train.py --dtype fp16 --max-steps 20 --log-interval 5 --eval-interval 10 \
+        --sample-tokens 40
+    local resume=(--dropout 0.1 --max-steps 20 --ckpt-interval 10 --log-interval 1
+        --eval-interval 0 --sample-tokens 0)  # --dtype auto: bf16 on a GPU that has it
+    small straight "${TORCHRUN[@]}" train.py "${resume[@]}"
+    small straight_again "${TORCHRUN[@]}" train.py "${resume[@]}"
+    small split "${TORCHRUN[@]}" train.py "${resume[@]}" --steps-this-run 10
+    section resumed 120 "${TORCHRUN[@]}" train.py "${resume[@]}" --model small \
+        --data-dir data/stdlib-bpe4096 --out-dir "$R/split" --resume
+    section compare 60 "$PY" -c '
+import json, sys
+def rows(name):
+    lines = open(f"{sys.argv[1]}/{name}/metrics.jsonl").read().splitlines()
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in map(json.loads, lines)
+            if r["kind"] == "train"}
+a, again, split = rows("straight"), rows("straight_again"), rows("split")
+print("steps", sorted(split))
+for name, other in (("straight again", again), ("stopped at 10 and resumed", split)):
+    diff = max(abs(x - y) for s in a for x, y in zip(a[s], other[s]))
+    print(f"{name}: bit-exact {all(a[s] == other[s] for s in a)}, max |diff| {diff:.2e}")
+' "$R"
+    section export 120 "$PY" train.py --export "$R/split"
+    section sample 120 "$PY" train.py --sample "$R/split/model.pt" --sample-tokens 40
+}
+
+demos() {  # every numbered script at world size 1 (03-05 under torchrun: NCCL with one rank)
+    section demo_01 120 "$PY" 01_data.py --out "$R/data01"
+    section demo_02 120 "$PY" 02_model.py
+    section demo_03 120 "$PY" 03_ddp.py --ranks 1
+    section demo_04 120 "$PY" 04_tensor_parallel.py --ranks 1
+    section demo_05 120 "$PY" 05_pipeline.py --ranks 1
+    section demo_06 120 "$PY" 06_mixed_precision.py
+}
+
+section env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton, tiktoken, numpy; \
+print(torch.__version__, torch.version.cuda, torch.backends.cudnn.version(), triton.__version__, \
+tiktoken.__version__, numpy.__version__)'; nproc; free -g"
+
+# phase 1: correctness, side by side
+section checks 120 "$PY" bench/gpu_checks.py &
+train_series &
+demos &
+wait
+pack
+[ "${PHASES:-12}" = 1 ] && exit 0  # (PHASES=1: phase 1 alone, to try the script on a CPU)
+
+# phase 2: timings, one at a time
+section precision 150 "$PY" bench/bench_mixed_precision.py --steps 25 --warmup 5
+pack
+section gpt2_compile 200 "$PY" train.py --model gpt2 --data-dir data/stdlib-gpt2 --dtype bf16 \
+    --compile --batch-size 64 --micro-batch-size 32 --max-steps 40 --warmup-steps 5 --lr 6e-4 \
+    --log-interval 10 --eval-interval 0 --eval-steps 2 --ckpt-interval 0 --sample-tokens 0 \
+    --out-dir "$R/gpt2"
+cp "$R/gpt2/metrics.jsonl" "$W/gpt2_metrics.jsonl" 2>/dev/null
+pack
+section compiled_step 240 "$PY" bench/bench_compiled_step.py --presets gpt2,gpt2-medium \
+    --profile-dir "$W/profile"
+pack
+section bench_model 90 "$PY" bench/bench_model.py --steps 10
+pack
+cat "$W/summary.txt"
