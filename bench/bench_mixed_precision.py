@@ -237,7 +237,7 @@ def print_memory(results: dict):
     """The per-component table: measured / formula, in MB, and their sums (a GPU's peak adds the
     step's short-lived tensors, the logits' among them, and the allocator's rounding)."""
     columns = "".join(f"{k:>22}" for k in next(iter(results.values()))["table"])
-    print(f"\n{'MB: measured / formula':<24}{columns}{'sum':>22}")
+    print(f"\n{'MiB: measured / formula':<24}{columns}{'sum':>22}")
     for mode, r in results.items():
         pairs = list(r["table"].values()) + [tuple(map(sum, zip(*r["table"].values())))]
         cells = "".join(f"{m / 2**20:>11,.2f} / {f / 2**20:>8,.2f}" for m, f in pairs)
@@ -313,7 +313,7 @@ def main(argv=None):
     print(f"{args.preset}: {model_lib.count_params(config):,} parameters, V = {V}, "
           f"B = {args.batch_size}, T = {T}, on {name}, torch {torch.__version__}")  # fmt: skip
     print(f"{'mode':<24} {'ms/step':>9} {'tokens/s':>10} {'speed-up':>8} {'MFU':>6} "
-          f"{'memory MB':>10} {'loss':>7} {'skipped':>7}")  # fmt: skip
+          f"{'memory MiB':>10} {'loss':>7} {'skipped':>7}")  # fmt: skip
     results, base = {}, None
     for mode in [m for m in args.modes.split(",") if m and (cuda or m != "tf32")]:  # tf32: GPU
         r = results[mode] = run(mode, config, batches, args, device)

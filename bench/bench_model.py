@@ -234,7 +234,7 @@ def main(argv=None):
     print(f"{gpus.machine()}, "
           f"{torch.get_num_threads()} threads; median of {args.steps} training steps "
           f"(forward + backward + AdamW) on {args.device}")  # fmt: skip
-    if args.device.type == "cuda":  # GPT-2's own vocabulary, padded to 50,304 by 02
+    if args.device.type == "cuda":  # GPT-2's own vocabulary, 50,257 rows (unpadded, as HF's)
         for dtype_name in ("fp32", "bf16"):
             bench_preset("gpt2", 50257, args.batch_size, args, dtype_name)
     else:

@@ -3,11 +3,18 @@
 # go (GPU time is scarce: one call runs the whole list). Each section writes RESULTS/NAME.log and
 # a line to RESULTS/summary.txt (exit code, seconds); a section that fails or hangs (its timeout)
 # does not stop the others. With PACK, RESULTS is packed there after phase 1 and after every
-# section of phase 2, so a run cut short still leaves what it finished. docs/results.md holds what it printed.
+# section of phase 2, so a run cut short still leaves what it finished. docs/results.md holds what
+# it printed on an H200 (there in two calls: the rows of phase 2's second half came later).
 #
-#   bash bench/gpu_run.sh out/gpu [out/gpu.tar.gz]     (needs a GPU; 5½ minutes on an H200)
+#   python 01_data.py && python 01_data.py --tokenizer gpt2      # the data, once (GPT-2's
+#   bash bench/gpu_run.sh out/gpu [out/gpu.tar.gz]                # tokenizer: TIKTOKEN_CACHE_DIR)
 #
-# Data: data/stdlib-bpe4096 and data/stdlib-gpt2 (python 01_data.py [--tokenizer gpt2]).
+# Needs a GPU with 48 GB or more (gpt2-medium at B = 32 peaks at 41 GiB); about 8 minutes on an
+# H200, whose speed the timeouts assume. It deletes /tmp/gpu_runs (train.py's run folders) first.
+# Read: every line of summary.txt says exit 0 (a timeout is 124), checks.log ends "6 of 6 checks
+# passed", compare.log says "bit-exact True" twice; the numbers are in the timing sections' logs.
+# PYTHON picks the interpreter (python3); PHASES=1 runs phase 1 alone (to try the script).
+#
 # Phase 1 checks correctness, its jobs side by side (nothing is timed); phase 2 times, one job
 # at a time, the most wanted first.
 set -u
@@ -55,16 +62,22 @@ train_series() {  # the dtypes, a resume against a straight run (and a second st
         --data-dir data/stdlib-bpe4096 --out-dir "$R/split" --resume
     section compare 60 "$PY" -c '
 import json, sys
-def rows(name):
+def rows(name):  # every train row, step -> (loss, grad_norm)
     lines = open(f"{sys.argv[1]}/{name}/metrics.jsonl").read().splitlines()
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in map(json.loads, lines)
             if r["kind"] == "train"}
+resumed = open(sys.argv[2]).read()  # a resume that found no checkpoint restarts from step 0
+assert "resumed from" in resumed and "(step 9)" in resumed, "the second half did not resume"
 a, again, split = rows("straight"), rows("straight_again"), rows("split")
-print("steps", sorted(split))
+assert sorted(a) == sorted(split) == list(range(20)), (sorted(a), sorted(split))
+print("steps", sorted(split), "; the second half resumed from the step-9 checkpoint")
+same = True
 for name, other in (("straight again", again), ("stopped at 10 and resumed", split)):
     diff = max(abs(x - y) for s in a for x, y in zip(a[s], other[s]))
+    same &= all(a[s] == other[s] for s in a)
     print(f"{name}: bit-exact {all(a[s] == other[s] for s in a)}, max |diff| {diff:.2e}")
-' "$R"
+sys.exit(0 if same else 1)
+' "$R" "$W/resumed.log"
     section export 120 "$PY" train.py --export "$R/split"
     section sample 120 "$PY" train.py --sample "$R/split/model.pt" --sample-tokens 40
 }
@@ -99,9 +112,19 @@ section gpt2_compile 200 "$PY" train.py --model gpt2 --data-dir data/stdlib-gpt2
     --out-dir "$R/gpt2"
 cp "$R/gpt2/metrics.jsonl" "$W/gpt2_metrics.jsonl" 2>/dev/null
 pack
+section gpt2_compile_m64 200 "$PY" train.py --model gpt2 --data-dir data/stdlib-gpt2 \
+    --dtype bf16 --compile --batch-size 64 --micro-batch-size 64 --max-steps 40 --warmup-steps 5 \
+    --lr 6e-4 --log-interval 10 --eval-interval 0 --eval-steps 2 --ckpt-interval 0 \
+    --sample-tokens 0 --out-dir "$R/gpt2_m64"  # one microbatch: no accumulation
+pack
 section compiled_step 240 "$PY" bench/bench_compiled_step.py --presets gpt2,gpt2-medium \
     --profile-dir "$W/profile"
 pack
 section bench_model 90 "$PY" bench/bench_model.py --steps 10
+pack
+section compiled_step_b64 90 "$PY" bench/bench_compiled_step.py --presets gpt2 --batch-size 64
+pack
+section compiled_step_large 240 "$PY" bench/bench_compiled_step.py --presets gpt2-large,gpt2-xl \
+    --batch-size 16
 pack
 cat "$W/summary.txt"
