@@ -55,6 +55,7 @@ tp_lib = importlib.import_module("04_tensor_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
 run_log = importlib.import_module("bench.run_log")  # metrics.jsonl (loss, MFU, ETA), loss.png
+sampling = importlib.import_module("bench.sampling")  # model.pt: read it, sample from it (--sample)
 
 # what `python 01_data.py --tokenizer T` writes, per T; the default --data-dir, prepared if missing
 DEFAULT_DATA = dict(bpe="data/stdlib-bpe4096", gpt2="data/stdlib-gpt2", char="data/stdlib-char")
@@ -698,23 +699,6 @@ def export(run_dir) -> Path:
     return out
 
 
-def load_exported(path) -> tuple:
-    blob = torch.load(path, map_location="cpu", weights_only=True)
-    model = model_lib.GPT(model_lib.GPTConfig(**blob["model_config"]))
-    model.load_state_dict(blob["model"])
-    return model, blob
-
-
-def sample(model_pt, prompt: str, n_tokens: int, seed: int = 0) -> str:
-    model, blob = load_exported(model_pt)
-    t = blob["tokenizer"]  # a name (an older model.pt: a path), or a BPE's vocab and merges
-    tok = data_lib.get_tokenizer(t) if isinstance(t, str) else data_lib.Tokenizer(**t)
-    idx = torch.tensor([tok.encode(prompt) or [tok.eot_token]])
-    generator = torch.Generator().manual_seed(seed)
-    out = model.generate(idx, n_tokens, temperature=0.8, top_k=50, generator=generator)
-    return tok.decode(out[0].tolist())
-
-
 # -------------------------------------------------------------------------------------- preemption
 def watch_preemption():
     """SIGTERM/SIGUSR1 (Slurm's warning, a spot instance going away) set a flag. preempted(run), a
@@ -760,7 +744,7 @@ def train(run: Run) -> None:
         model_pt = export(cfg.out_dir)
         print(f"exported {model_pt} (step {step}); loss curve: {run_log.plot_losses(cfg.out_dir)}")
         if cfg.sample_tokens:
-            text = sample(model_pt, "\n", cfg.sample_tokens, seed=cfg.seed)
+            text = sampling.sample(model_pt, "\n", cfg.sample_tokens, seed=cfg.seed)
             print(f"--- sample ({cfg.sample_tokens} tokens) ---\n{text}\n---")
 
 
@@ -770,7 +754,7 @@ def main(argv=None) -> None:
         print(f"wrote {export(args.export)}")
         return
     if args.sample:
-        print(sample(args.sample, args.prompt, cfg.sample_tokens or 200, cfg.seed))
+        print(sampling.sample(args.sample, args.prompt, cfg.sample_tokens or 200, cfg.seed))
         return
     world = int(os.environ.get("WORLD_SIZE", 1))
     try:  # everything that can be checked, before any process group or file exists

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tests.distributed import run_ranks
 
 train = importlib.import_module("train")
+sampling = importlib.import_module("bench.sampling")
 data = importlib.import_module("01_data")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -395,7 +396,7 @@ def test_resume_survives_ordinary_damage(data_dir, tmp_path, capsys):
         f.write('{"kind": "train", "step": 4, "lo')  # half a row: killed mid-write
     stale = tmp_path / "checkpoints" / "step_0000099.partial"
     stale.mkdir()
-    assert train.load_exported(train.export(tmp_path))[1]["step"] == 1
+    assert sampling.load_exported(train.export(tmp_path))[1]["step"] == 1
     run_main(args + ["--resume", "--max-steps", "6"])
     out = capsys.readouterr().out
     assert "meta.json is unreadable" in out and "(step 1)" in out
@@ -498,7 +499,7 @@ def _sharded_logits(rank, world, data_dir, tmp):
 def test_export_of_tp2_pp2_gives_one_model_with_the_same_logits(data_dir, tmp_path):
     results = run_ranks(_sharded_logits, 4, data_dir, str(tmp_path), timeout=240)
     sharded, x = results[2]  # global rank 2: pp stage 1, tp rank 0
-    model, blob = train.load_exported(tmp_path / "model.pt")
+    model, blob = sampling.load_exported(tmp_path / "model.pt")
     assert blob["step"] == 1
     logits, _ = model(x)
     # same weights, different reduction order (TP's row-parallel all-reduce): fp32 rounding
