@@ -238,10 +238,14 @@ def _replaying(inner, stream, state):
         stream.state = now
 
 
-def cross_entropy_loss(logits, targets, reduction="mean"):
+def cross_entropy_loss(logits, targets, reduction="mean", *, vocab_size=None):
     """Next-token cross-entropy in fp32 of (B, T, V) logits and (B, T) targets, -1 ignored; "sum"
-    lets a caller divide by its own token count (accumulation, 06); 04 swaps in a vocab-parallel."""
+    lets a caller divide by its own token count (accumulation, 06); 04 swaps in a vocab-parallel.
+    Columns from vocab_size on are padding, never a target: masked, they take no probability
+    (GPT-2's weights put real logits far below 0, where an unmasked padding row's would win)."""
     flat = logits.float().reshape(-1, logits.size(-1))  # (B*T, V); fp32 softmax, even under bf16
+    if vocab_size is not None and vocab_size < (V := flat.size(-1)):  # a copy: logits unchanged
+        flat = flat.index_fill(1, torch.arange(vocab_size, V, device=flat.device), -math.inf)
     return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1, reduction=reduction)
 
 
@@ -259,7 +263,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(C, V, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight  # one (V, C) tensor, two uses
-        self.loss_fn = cross_entropy_loss  # an attribute, so a later file can replace it
+        self.loss_fn = functools.partial(cross_entropy_loss, vocab_size=config.vocab_size)
         self._init_weights()
 
     @torch.no_grad()
@@ -392,7 +396,7 @@ class GPT(nn.Module):
         return cls.from_hf_state_dict(state_dict, n_head=n_head)
 
 
-# --------------------------------------------------------------------------- counting
+# --------------------------------------------------------------------------- counting; demo data
 
 
 def count_params(config: GPTConfig, non_embedding: bool = False) -> int:
@@ -418,15 +422,11 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
     return 6 * N + 12 * config.n_layer * config.n_head * config.head_dim * T
 
 
-# --------------------------------------------------------------------------- demo data
-
-
 def byte_batches(block_size: int, batch_size: int, steps: int = 1, seed: int = 0, device="cpu"):
     """A list of `steps` batches (x, y) of random windows of this file's own bytes (V = 256):
     (B, T) int64, y is x shifted by one byte, each in its own storage. The demos of 02, 04, 05 and
     06 train on these: no tokenizer needed, and the same seed gives the same batches."""
-    data = torch.tensor(list(Path(__file__).read_bytes()), dtype=torch.long)  # (n,)
-    T = block_size
+    data, T = torch.tensor(list(Path(__file__).read_bytes()), dtype=torch.long), block_size  # (n,)
     assert len(data) > T + 1, f"block_size={T} needs more than {len(data)} bytes of text"
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(len(data) - T, (steps, batch_size), generator=g)  # (steps, B)
@@ -451,8 +451,8 @@ def print_presets():
 def overfit_demo(model: GPT, x, y, args):
     """Train on one batch only: the loss must fall from ln(V) toward 0 (memorisation)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    print(f"overfitting one batch {tuple(x.shape)} of bytes, {model.num_params():,} parameters:")
-    print(f"the loss falls from ln V = {math.log(model.config.padded_vocab_size):.4f} toward 0")
+    print(f"overfitting one batch {tuple(x.shape)} of bytes, {model.num_params():,} parameters: "
+          f"the loss falls from ln V = {math.log(model.config.vocab_size):.4f} toward 0")  # fmt: skip
     for step in range(args.steps + 1):
         _, loss = model(x, y)  # the loss after `step` updates
         if step % max(args.steps // 5, 1) == 0 or step == args.steps:

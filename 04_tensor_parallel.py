@@ -44,8 +44,7 @@ What changed from 03_ddp.py: DP copies the model and splits the batch, sending g
 step; TP splits every matrix, keeps the whole batch and sends activations in every layer.
 
 Left out on purpose: overlapping the backward all-reduce with the weight-gradient matmul; saving
-only X/tp under SP; one coalesced all-reduce of SP's replicated gradients after backward (f in the
-graph stays right under accumulation and pipelines); 2D tensor and context parallelism.
+only X/tp under SP; one coalesced all-reduce of SP's gradients; 2D tensor, context parallelism.
 """
 
 import argparse
@@ -71,8 +70,7 @@ TP_RNG = "tensor_parallel"  # the per-rank dropout stream's name in checkpoints
 
 # --------------------------------------------------------------------------- raw collectives
 def _chunks(x: torch.Tensor, group, dim: int):  # x cut into tp equal chunks along dim
-    tp = dist.get_world_size(group)
-    if x.size(dim) % tp:
+    if x.size(dim) % (tp := dist.get_world_size(group)):
         raise ValueError(f"dim {dim} of {tuple(x.shape)}: with SP T must be a multiple of tp={tp}")
     return x.chunk(tp, dim=dim)
 
@@ -106,8 +104,7 @@ class CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # this rank's share of dL/dX -> the sum over ranks
-        # subtle: reduce a copy. A backward must never modify its incoming gradient in place:
-        # autograd may share that tensor with other consumers (torch 2.13 hands over a private one)
+        # subtle: reduce a copy: autograd may share the incoming gradient with other consumers
         return _all_reduce(grad.clone(), ctx.group), None
 
 
@@ -345,7 +342,7 @@ class ParallelSelfAttention(nn.Module):
 
 
 # --------------------------------------------------------------------------- the loss
-def vocab_parallel_cross_entropy(logits, targets, reduction="mean", *, group):
+def vocab_parallel_cross_entropy(logits, targets, reduction="mean", *, group, vocab_size=None):
     """02's loss, mean (or sum) of -log softmax[target] where target != -1, from (B, T, V/tp) logit
     shards: log sum_exp - x[target], both pieces summed over ranks (3 all-reduces of (B*T,), the
     max included), so every rank computes the same loss. No backward to write: g's is the
@@ -355,9 +352,12 @@ def vocab_parallel_cross_entropy(logits, targets, reduction="mean", *, group):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     x = logits.float().reshape(-1, logits.size(-1))  # (N, V/tp), N = B*T; fp32 softmax, as 02
     rows, targets, n = x.size(-1), targets.reshape(-1), torch.arange(len(x), device=x.device)
+    first = dist.get_rank(group) * rows  # this rank's first column: vocabulary id
+    if vocab_size is not None and (pad := max(vocab_size - first, 0)) < rows:  # padding columns
+        x = x.index_fill(1, torch.arange(pad, rows, device=x.device), -math.inf)  # no probability
     m = _all_reduce(x.detach().max(dim=-1).values, group, dist.ReduceOp.MAX)  # 1: global max
     x = x - m.unsqueeze(-1)  # exp(x - m) <= 1: no overflow; a constant shift, no gradient
-    local = targets - dist.get_rank(group) * rows  # (N,) target ids, in this rank's columns
+    local = targets - first  # (N,) target ids, in this rank's columns
     mine = (local >= 0) & (local < rows)  # this rank holds the target's column
     picked = x[n, local.clamp(0, rows - 1)] * mine  # (N,) x[n, target_n] if mine, else 0
     target_logit = ReduceFromTensorParallel.apply(picked, group)  # 2: x[target], from its owner
@@ -401,7 +401,7 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
     if not torch.equal(both[: len(sums)], -both[len(sums) :]):
         differ = "the model's weights differ across TP ranks"
         raise ValueError(f"{differ}: torch.manual_seed alike before GPT(config)")
-    t, sp = model.transformer, sequence_parallel
+    t, sp, V = model.transformer, sequence_parallel, model.config.vocab_size
     seed = (torch.initial_seed() if seed is None else seed) + 1 + dist.get_world_size()
     rng = RNGStateTracker(t.wte.weight.device, (seed + dist.get_rank()) % 2**63)  # one per rank
     tied = model.lm_head.weight is t.wte.weight
@@ -421,7 +421,7 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
         t.wpe = SequenceParallelPositionEmbedding(t.wpe, group)
         t.drop = ParallelDropout(t.drop.p, rng)
         t.ln_f = SequenceParallelLayerNorm(t.ln_f, group)
-    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group)
+    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, vocab_size=V)
     model.tp_group, model.tp_rng, model.sequence_parallel = group, rng, sp
     return model
 

@@ -46,7 +46,8 @@ def test_forward_shapes_and_ignored_targets():
     masked = targets.clone()
     masked[:, 5:] = -1
     _, loss_masked = model(idx, masked)
-    expected = F.cross_entropy(logits[:, :5].reshape(-1, 256), targets[:, :5].reshape(-1))
+    real = logits[:, :5, :250].reshape(-1, 250)  # the padding columns take no part (masked)
+    expected = F.cross_entropy(real, targets[:, :5].reshape(-1))
     # Same numbers, same fp32 reduction over 15 terms: only summation order can differ.
     torch.testing.assert_close(loss_masked, expected, rtol=1e-6, atol=1e-6)
 
@@ -467,6 +468,32 @@ def test_generate_never_emits_padding_ids():
     for temperature in (0.0, 1.0, 2.0):
         out = model.generate(prompt, 20, temperature=temperature)
         assert out.max() < 250
+
+
+def test_padding_columns_take_no_probability_in_the_loss():
+    """vocab_size 250 padded to 256, the padding columns' logits rigged to win (GPT-2's real
+    logits sit far below 0, so a padding row left near 0 would): the loss and every real
+    gradient equal those of the same weights with 250 rows and no padding, to fp32 rounding,
+    and the padding rows get no gradient. Unmasked, the loss is off by more than 1."""
+    padded, exact = (make_model(tiny(vocab_size=250, pad_vocab_multiple=m)) for m in (64, 1))
+    with torch.no_grad():
+        for name, p in exact.named_parameters():  # the same real weights in both
+            p.copy_(dict(padded.named_parameters())[name][: p.size(0)])
+    head, bonus = padded.head, torch.zeros(256)
+    bonus[250:] = 10.0
+    padded.head = lambda x: head(x) + bonus  # (B, T, 256): the padding columns + 10
+    idx, targets = torch.randint(0, 250, (4, 32)), torch.randint(0, 250, (4, 32))
+    (logits, loss), (_, loss_exact) = padded(idx, targets), exact(idx, targets)
+    # subtle: 1e-6 covers logsumexp over the same 250 finite values with 6 -inf added
+    torch.testing.assert_close(loss, loss_exact, rtol=1e-6, atol=1e-6)
+    unmasked = model_lib.cross_entropy_loss(logits, targets)  # the padding columns counted
+    assert (unmasked - loss).item() > 1.0, (unmasked.item(), loss.item())
+    loss.backward()
+    loss_exact.backward()
+    for name, p in exact.named_parameters():
+        g = dict(padded.named_parameters())[name].grad
+        torch.testing.assert_close(g[: p.size(0)], p.grad, rtol=1e-5, atol=1e-7)
+    assert padded.transformer.wte.weight.grad[250:].abs().max() == 0
 
 
 # --------------------------------------------------------------------------- config

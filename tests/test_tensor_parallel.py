@@ -188,6 +188,20 @@ def case_cross_entropy(rank, tp, group):
         close(loss, expected.detach(), f"cross-entropy {reduction}: loss")
         loss.backward()
         close(local.grad, full.grad.chunk(tp, -1)[rank], f"cross-entropy {reduction}: grad")
+    # the last 5 columns padding (the last rank's), rigged to win: 02's masked loss, and no
+    # gradient there (so the vocab-parallel loss masks the same global columns 02 does)
+    logits[..., V - 5 :] = 50.0
+    full, local = logits.clone().requires_grad_(), logits.chunk(tp, -1)[rank].clone()
+    expected = model_lib.cross_entropy_loss(full, targets.clamp(max=V - 6), vocab_size=V - 5)
+    local.requires_grad_()
+    loss = tp_lib.vocab_parallel_cross_entropy(
+        local, targets.clamp(max=V - 6), group=group, vocab_size=V - 5
+    )
+    close(loss, expected.detach(), "cross-entropy with padding: loss")
+    expected.backward()
+    loss.backward()
+    close(local.grad, full.grad.chunk(tp, -1)[rank], "cross-entropy with padding: grad")
+    assert full.grad[..., V - 5 :].abs().max() == 0, "padding columns got a gradient"
 
 
 def case_attention(rank, tp, group):
