@@ -87,6 +87,8 @@ class TrainConfig:
     block_size: int = flag(0, "tokens per sequence = the model's context (no untrained positions); 0 = the preset's")
     model: str = flag("small", f"02_model.py preset: {', '.join(model_lib.PRESETS)} (small: 4 layers x 128, for a CPU)")
     n_layer: int = flag(0, "number of blocks; 0 = the preset's")
+    init_from: str = flag("", "fine-tune from a Hugging Face GPT-2 checkpoint: pytorch_model.bin, model.safetensors or "
+                              "a snapshot folder (with config.json); --model of its shape, data of --tokenizer gpt2")
     dropout: float = flag(0.0, "dropout probability (pretraining on plenty of data needs none)")
     recompute: str = flag("none", "activations redone in the backward (02, 06): selective (LayerNorm, GELU, dropout, and "
                                   "attention when dropout is on) or full (each block's forward: 8N, not 6N, FLOPs for "
@@ -235,6 +237,8 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
         tp_lib.check_tp_config(gpt_config, cfg.tp)
     except ValueError as e:
         raise ConfigError(f"--model {cfg.model} --tp {cfg.tp}: {e}") from None
+    if cfg.init_from:  # GPT-2's weights: its tokenizer, its shape
+        check_init_from(cfg, meta, gpt_config)
     T = gpt_config.block_size
     if cfg.sequence_parallel and T % cfg.tp:
         what = f"--sequence-parallel shards the {T} tokens of a sequence over --tp {cfg.tp} ranks"
@@ -250,6 +254,20 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
         fix = f"(newest: {ckpts[0].name}): pass --resume to continue that run, or another --out-dir"
         raise ConfigError(f"--out-dir {cfg.out_dir} already holds checkpoints {fix}")
     return gpt_config
+
+
+def check_init_from(cfg: TrainConfig, meta: dict, gpt_config) -> None:  # each error: one line
+    if (tok := meta["tokenizer"]) != "gpt2":  # GPT-2's weights read GPT-2's token ids only
+        raise ConfigError(f"--init-from needs data of --tokenizer gpt2; {cfg.data_dir} is {tok}'s")
+    try:  # a missing file, a foreign format
+        have = model_lib.GPT.load_pretrained(Path(cfg.init_from).resolve(strict=True)).config
+    except (OSError, ValueError, RuntimeError, ImportError, KeyError) as e:
+        raise ConfigError(f"--init-from {cfg.init_from}: {' '.join(str(e).split())}") from None
+    keys = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "tie_embeddings")
+    same = all(getattr(have, k) == getattr(gpt_config, k) for k in keys)
+    if not same or have.block_size < gpt_config.block_size:  # (a shorter context: wpe cut)
+        sizes = ", ".join(f"{k}={getattr(have, k)}" for k in ("n_layer", "n_embd", "block_size"))
+        raise ConfigError(f"--init-from {cfg.init_from} is a GPT with {sizes}: pass its --model")
 
 
 def prepare_default_data(cfg: TrainConfig, rank: int) -> None:
@@ -336,6 +354,10 @@ class Run:  # everything one training step needs, built once
 def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device: torch.device) -> list:
     torch.manual_seed(cfg.seed)  # the same full model on every rank, before any sharding
     model = model_lib.GPT(gpt_config).to(device)
+    if cfg.init_from:  # GPT-2's weights (wpe: its first T rows; vocabulary padding: the init)
+        pretrained = model_lib.GPT.load_pretrained(cfg.init_from).state_dict()
+        for name, t in model.state_dict().items():  # (detached: t shares the parameter's storage)
+            t[: len(pretrained[name])].copy_(pretrained[name][: len(t)])
     if grid.tp > 1:
         tp_lib.apply_tensor_parallel(model, grid.tp_group, cfg.sequence_parallel, seed=cfg.seed)
     chunks = [model]
