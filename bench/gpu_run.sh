@@ -9,7 +9,7 @@
 #   python 01_data.py && python 01_data.py --tokenizer gpt2      # the data, once (GPT-2's
 #   bash bench/gpu_run.sh out/gpu [out/gpu.tar.gz]                # tokenizer: TIKTOKEN_CACHE_DIR)
 #
-# Needs a GPU with 48 GB or more (gpt2-medium at B = 32 peaks at 41 GiB); about 8 minutes on an
+# Needs a GPU with 48 GB or more (gpt2-medium at B = 32 peaks at 41 GiB); about 10 minutes on an
 # H200, whose speed the timeouts assume. It deletes /tmp/gpu_runs (train.py's run folders) first.
 # Read: every line of summary.txt says exit 0 (a timeout is 124), checks.log ends "6 of 6 checks
 # passed", compare.log says "bit-exact True" twice; the numbers are in the timing sections' logs.
