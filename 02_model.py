@@ -89,8 +89,7 @@ class GPTConfig:
     recompute: str = "none"  # "selective" or "full": keep fewer activations, redo them (below)
 
     def __post_init__(self):
-        sizes = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple")
-        for name in sizes:
+        for name in "block_size vocab_size n_layer n_head n_embd pad_vocab_multiple".split():
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
@@ -243,9 +242,10 @@ def cross_entropy_loss(logits, targets, reduction="mean", *, vocab_size=None):
     lets a caller divide by its own token count (accumulation, 06); 04 swaps in a vocab-parallel.
     Columns from vocab_size on are padding, never a target: masked, they take no probability
     (GPT-2's weights put real logits far below 0, where an unmasked padding row's would win)."""
-    flat = logits.float().reshape(-1, logits.size(-1))  # (B*T, V); fp32 softmax, even under bf16
-    if vocab_size is not None and vocab_size < (V := flat.size(-1)):  # a copy: logits unchanged
-        flat = flat.index_fill(1, torch.arange(vocab_size, V, device=flat.device), -math.inf)
+    pad = vocab_size is not None and vocab_size < logits.size(-1)  # padding columns: no targets
+    flat = logits.to(torch.float32, copy=pad).reshape(-1, logits.size(-1))  # (B*T, V); fp32 softmax
+    if pad:  # in our own copy (under autocast, .float()'s is one already): the logits unchanged
+        flat[:, vocab_size:] = -math.inf
     return F.cross_entropy(flat, targets.reshape(-1), ignore_index=-1, reduction=reduction)
 
 
