@@ -359,7 +359,7 @@ def vocab_parallel_cross_entropy(logits, targets, reduction="mean", *, group, vo
     x = x - m.unsqueeze(-1)  # exp(x - m) <= 1: no overflow; a constant shift, no gradient
     local = targets - first  # (N,) target ids, in this rank's columns
     mine = (local >= 0) & (local < rows)  # this rank holds the target's column
-    picked = x[n, local.clamp(0, rows - 1)] * mine  # (N,) x[n, target_n] if mine, else 0
+    picked = torch.where(mine, x[n, local.clamp(0, rows - 1)], 0.0)  # x[n, target_n] if mine
     target_logit = ReduceFromTensorParallel.apply(picked, group)  # 2: x[target], from its owner
     sum_exp = ReduceFromTensorParallel.apply(x.exp().sum(dim=-1), group)  # 3: the denominator
     keep = targets != -1  # 02's ignore_index

@@ -237,8 +237,6 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
         tp_lib.check_tp_config(gpt_config, cfg.tp)
     except ValueError as e:
         raise ConfigError(f"--model {cfg.model} --tp {cfg.tp}: {e}") from None
-    if cfg.init_from:  # GPT-2's weights: its tokenizer, its shape
-        check_init_from(cfg, meta, gpt_config)
     T = gpt_config.block_size
     if cfg.sequence_parallel and T % cfg.tp:
         what = f"--sequence-parallel shards the {T} tokens of a sequence over --tp {cfg.tp} ranks"
@@ -248,6 +246,8 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
             data_lib.DataLoader(cfg.data_dir, split, cfg.batch_size // cfg.dp, T, dp_size=cfg.dp)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(f"--data-dir {cfg.data_dir}, {split} split: {e}") from None
+    if cfg.init_from:  # GPT-2's weights: its tokenizer, its shape (last: it reads the file)
+        check_init_from(cfg, meta, gpt_config)
     if cfg.resume:
         check_resume_layout(cfg)
     elif ckpts := complete_checkpoints(cfg.out_dir):  # never mix two runs in one folder
@@ -259,15 +259,15 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
 def check_init_from(cfg: TrainConfig, meta: dict, gpt_config) -> None:  # each error: one line
     if (tok := meta["tokenizer"]) != "gpt2":  # GPT-2's weights read GPT-2's token ids only
         raise ConfigError(f"--init-from needs data of --tokenizer gpt2; {cfg.data_dir} is {tok}'s")
-    try:  # a missing file, a foreign format
+    try:  # a missing file, a foreign format, a damaged one
         have = model_lib.GPT.load_pretrained(Path(cfg.init_from).resolve(strict=True)).config
-    except (OSError, ValueError, RuntimeError, ImportError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever the reader raises: one line
         raise ConfigError(f"--init-from {cfg.init_from}: {' '.join(str(e).split())}") from None
     keys = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "tie_embeddings")
-    same = all(getattr(have, k) == getattr(gpt_config, k) for k in keys)
-    if not same or have.block_size < gpt_config.block_size:  # (a shorter context: wpe cut)
-        sizes = ", ".join(f"{k}={getattr(have, k)}" for k in ("n_layer", "n_embd", "block_size"))
-        raise ConfigError(f"--init-from {cfg.init_from} is a GPT with {sizes}: pass its --model")
+    bad = [f"{k}={getattr(have, k)}" for k in keys if getattr(have, k) != getattr(gpt_config, k)]
+    bad += [f"block_size={have.block_size}"] * (have.block_size < gpt_config.block_size)
+    if differ := ", ".join(bad):  # (a longer context is fine: wpe is cut to --block-size)
+        raise ConfigError(f"--init-from {cfg.init_from} has {differ}: not --model {cfg.model}'s")
 
 
 def prepare_default_data(cfg: TrainConfig, rank: int) -> None:

@@ -19,8 +19,9 @@ train = importlib.import_module("train")
 data = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 
-# the tiny preset's shape (2 blocks, 2 heads, C = 32) with GPT-2's vocabulary and biases
-SHAPE = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=50257)
+# the tiny preset's shape (2 blocks, 2 heads, C = 32) with GPT-2's vocabulary and biases, and a
+# longer context than the runs' 32 positions (train.py keeps wpe's first 32 rows)
+SHAPE = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50257)
 FLAGS = ["--model", "tiny", "--tokenizer", "gpt2", "--batch-size", "8", "--micro-batch-size", "2",
          "--max-steps", "1", "--log-interval", "1", "--eval-interval", "0", "--eval-steps", "1",
          "--ckpt-interval", "0", "--sample-tokens", "0", "--dtype", "fp32"]  # fmt: skip
@@ -40,10 +41,15 @@ def gpt2_data(gpt2_encoding, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A GPT-2-layout snapshot folder: pytorch_model.bin (random weights) and config.json."""
+    """A GPT-2-layout snapshot folder: pytorch_model.bin and config.json. Every tensor is moved
+    off its init (biases off 0, LayerNorm gains off 1), so no weight can pass by being left at
+    train.py's own init."""
     folder = tmp_path_factory.mktemp("gpt2-snapshot")
     torch.manual_seed(7)
     model = model_lib.GPT(model_lib.GPTConfig(**SHAPE))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
     torch.save(to_hf_state_dict(model), folder / "pytorch_model.bin")
     (folder / "config.json").write_text(json.dumps({"n_head": SHAPE["n_head"]}))
     return str(folder)
@@ -92,11 +98,9 @@ def test_init_from_gives_the_checkpoints_loss_at_1_process_and_dp2_tp2_pp2(
     "extra, expected",
     [
         (["--tokenizer", "char"], "--init-from needs data of --tokenizer gpt2"),
-        (
-            ["--model", "small"],
-            "is a GPT with n_layer=2, n_embd=32, block_size=32: pass its --model",
-        ),
+        (["--model", "small"], "has n_layer=2, n_head=2, n_embd=32, block_size=64: not --model"),
         (["--init-from", "/nonexistent/gpt2"], "--init-from /nonexistent/gpt2: [Errno 2] No such"),
+        (["--init-from", "GARBAGE"], "garbage.bin: "),  # not a pickle: one line too
     ],
 )
 def test_init_from_bad_input_is_one_line(gpt2_data, checkpoint, tmp_path, extra, expected, capsys):
@@ -106,6 +110,9 @@ def test_init_from_bad_input_is_one_line(gpt2_data, checkpoint, tmp_path, extra,
         (tmp_path / "src" / "a.py").write_text("def f(x):\n    return x + 1\n" * 300)
         data.prepare(str(tmp_path / "src"), "char", tmp_path / "char", block_size=32)
         flags += ["--data-dir", str(tmp_path / "char")]
+    if "GARBAGE" in extra:
+        (tmp_path / "garbage.bin").write_bytes(b"\x00 not a checkpoint")
+        extra = ["--init-from", str(tmp_path / "garbage.bin")]
     with pytest.raises(SystemExit) as e:
         train.main(flags + extra)
     message = str(e.value)
