@@ -49,13 +49,12 @@ backward and redoes the rest there (below); 06_mixed_precision.py measures what 
 Run it:  python 02_model.py   (seconds on a CPU; --help for flags). It prints the presets' sizes
 and FLOPs/token, overfits a tiny model on one batch, and samples from it.
 
-What changed from 01_data.py: 01 turned text into ids and batches; here ids become logits and a
-loss. The demo's tokens are raw bytes (V = 256: byte_batches, which 04-06 reuse). The names match
-nanoGPT and Hugging Face (transformer.h.0.attn.c_attn, ...): GPT-2's weights load exactly.
+What changed from 01_data.py: its ids become logits and a loss here. The demo's tokens are raw bytes
+(V = 256: byte_batches, which 04-06 reuse). Names match nanoGPT and Hugging Face
+(transformer.h.0.attn.c_attn, ...): GPT-2's weights load exactly, and LoRA fine-tunes them.
 
-Left out on purpose: parallelism (03-05: the model can be cut as embed / blocks / head, and
-attention reads its head count from the tensor), mixed precision (06), the optimizer, schedule,
-checkpoints, MFU, torch.compile (train.py), a KV cache (generate() recomputes).
+Left out on purpose: parallelism (03-05 cut the model as embed / blocks / head), mixed precision
+(06), the optimizer, schedule, checkpoints, MFU, torch.compile (train.py), a KV cache.
 """
 
 import argparse
@@ -72,9 +71,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 
+
 # --------------------------------------------------------------------------- config
-
-
 @dataclass
 class GPTConfig:
     block_size: int = 1024  # longest context T; GPT-2 learned 1024 positions
@@ -90,8 +88,7 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in "block_size vocab_size n_layer n_head n_embd pad_vocab_multiple".split():
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value := getattr(self, name), int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
@@ -101,10 +98,8 @@ class GPTConfig:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
 
     @property
-    def padded_vocab_size(self) -> int:
-        """vocab_size rounded up to a multiple of pad_vocab_multiple (the rows wte really has)."""
-        m = self.pad_vocab_multiple
-        return (self.vocab_size + m - 1) // m * m
+    def padded_vocab_size(self) -> int:  # the rows wte really has: vocab_size rounded up
+        return -(-self.vocab_size // self.pad_vocab_multiple) * self.pad_vocab_multiple
 
     @property
     def head_dim(self) -> int:  # hs
@@ -130,9 +125,8 @@ PRESETS = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, **_GPT2),
 }
 
+
 # --------------------------------------------------------------------------- the model
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -140,19 +134,16 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(C, 3 * C, bias=config.bias)  # fused q, k, v: one matmul
         self.c_proj = nn.Linear(C, C, bias=config.bias)  # W_o; a residual projection
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.head_dim = config.head_dim  # hs
-        self.dropout = config.dropout  # attention-probability dropout, training only
+        self.head_dim, self.dropout = config.head_dim, config.dropout  # hs; attention dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         qkv = self.c_attn(x)  # (B, T, 3C): [q | k | v], heads contiguous inside each
         # subtle: the head count comes from the tensor, never from config.n_head, so this same
         # code runs on a tensor-parallel rank that holds nh/tp heads (04_tensor_parallel.py).
-        q, k, v = qkv.split(qkv.size(-1) // 3, dim=-1)  # 3 x (B, T, C), then 3 x (B, nh, T, hs):
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        # softmax(q k^T / sqrt(hs), causal mask) v; a fused flash-attention kernel on GPU, which
-        # never materialises the (B, nh, T, T) score matrix.
-        p = self.dropout if self.training else 0.0
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        # softmax(q k^T / sqrt(hs), causal) v; on GPU a fused flash kernel: no (B, nh, T, T) scores
+        p = self.dropout if self.training else 0.0  # q, k, v: 3 x (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
@@ -168,8 +159,7 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gelu(self.c_fc(x))  # (B, T, 4C)
-        return self.dropout(self.c_proj(h))  # (B, T, C)
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, 4C) -> (B, T, C)
 
 
 class Block(nn.Module):
@@ -188,8 +178,7 @@ class Block(nn.Module):
 
     def residual_branches(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))  # (B, T, C): tokens talk to earlier tokens
-        x = x + self.mlp(self.ln_2(x))  # (B, T, C): each token thinks on its own
-        return x
+        return x + self.mlp(self.ln_2(x))  # (B, T, C): each token thinks on its own
 
 
 # --------------------------------------------------------------------------- recomputation
@@ -215,9 +204,8 @@ def recomputed(block: Block, x: torch.Tensor) -> torch.Tensor:
     return ckpt.checkpoint(block.residual_branches, x, use_reentrant=False, **kwargs)
 
 
-def _policy(keep_attention, ctx, op, *args, **kwargs):
-    attention = op.name().startswith("aten::_scaled_dot_product")  # flash, cuDNN, efficient
-    keep = op in MATMULS or (keep_attention and attention)
+def _policy(keep_attention, ctx, op, *args, **kwargs):  # attention: flash, cuDNN, efficient
+    keep = op in MATMULS or (keep_attention and op.name().startswith("aten::_scaled_dot_product"))
     return ckpt.CheckpointPolicy.MUST_SAVE if keep else ckpt.CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -227,8 +215,7 @@ def _with_stream(contexts, stream):  # called as the forward starts: its state i
 
 
 @contextlib.contextmanager
-def _replaying(inner, stream, state):
-    # (04's fork replaces .state, never changes the tensor in place: a reference is a snapshot)
+def _replaying(inner, stream, state):  # (04's fork replaces .state: a reference is a snapshot)
     now, stream.state = stream.state, state
     try:
         with inner:
@@ -240,8 +227,7 @@ def _replaying(inner, stream, state):
 def cross_entropy_loss(logits, targets, reduction="mean", *, vocab_size=None):
     """Next-token cross-entropy in fp32 of (B, T, V) logits and (B, T) targets, -1 ignored; "sum"
     lets a caller divide by its own token count (accumulation, 06); 04 swaps in a vocab-parallel.
-    Columns from vocab_size on are padding, never a target: masked, they take no probability
-    (GPT-2's weights put real logits far below 0, where an unmasked padding row's would win)."""
+    Padding columns (>= vocab_size) are masked, else they'd beat GPT-2's real logits (far < 0)."""
     pad = vocab_size is not None and vocab_size < logits.size(-1)  # padding columns: no targets
     flat = logits.to(torch.float32, copy=pad).reshape(-1, logits.size(-1))  # (B*T, V); fp32 softmax
     if pad:  # in our own copy (under autocast, .float()'s is one already): the logits unchanged
@@ -252,12 +238,10 @@ def cross_entropy_loss(logits, targets, reduction="mean", *, vocab_size=None):
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.config = config
-        C, V = config.n_embd, config.padded_vocab_size
+        self.config, C, V = config, config.n_embd, config.padded_vocab_size
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(V, C),  # rows >= vocab_size are padding: never an input
-            wpe=nn.Embedding(config.block_size, C),
-            drop=nn.Dropout(config.dropout),
+            wpe=nn.Embedding(config.block_size, C), drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(C, bias=config.bias)))  # fmt: skip
         self.lm_head = nn.Linear(C, V, bias=False)
@@ -266,8 +250,7 @@ class GPT(nn.Module):
         self.loss_fn = functools.partial(cross_entropy_loss, vocab_size=config.vocab_size)
         self._init_weights()
 
-    @torch.no_grad()
-    def _init_weights(self):
+    def _init_weights(self):  # nn.init runs without autograd
         """GPT-2's init: N(0, 0.02) weights, zero biases, residual projections at 0.02/sqrt(2L) (2
         adds per block: the stream's variance stays O(1)). One seed: one model on every rank."""
         for module in self.modules():
@@ -277,18 +260,15 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
             if isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
-        for block in self.transformer.h:
-            nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
+        for proj in [p for b in self.transformer.h for p in (b.attn.c_proj, b.mlp.c_proj)]:
+            nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     # forward in three pieces, so 04/05 can shard or cut the model without rewriting it
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, C): token embedding + position embedding, then dropout."""
         B, T = idx.shape
         assert T <= (n := self.config.block_size), f"T={T} exceeds block_size={n}: crop the input"
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C) + (T, C)
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(T, device=idx.device))
         return self.transformer.drop(x)  # (B, T, C)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:  # final LayerNorm, then lm_head: the logits
@@ -300,8 +280,7 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)  # (B, T, C)
         logits = self.head(x)  # (B, T, V_padded)
-        loss = None if targets is None else self.loss_fn(logits, targets, reduction)
-        return logits, loss
+        return logits, None if targets is None else self.loss_fn(logits, targets, reduction)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters, a tied wte/lm_head once. non_embedding=True drops the lookup tables (wpe,
@@ -315,9 +294,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Append max_new_tokens sampled ids to idx (B, T0) -> (B, T0 + max_new_tokens).
-        temperature=0 is greedy. The context is cropped to the last block_size ids; padding ids
-        (>= vocab_size) are never sampled. Runs in eval mode, then restores the previous mode."""
+        """idx (B, T0) -> (B, T0 + max_new_tokens), sampled (greedy at temperature=0) from the last
+        block_size ids, never a padding id (>= vocab_size); in eval mode, the old mode restored."""
         if temperature < 0 or (top_k is not None and top_k < 1):
             raise ValueError(f"need temperature >= 0 and top_k >= 1, got {temperature}, {top_k}")
         was_training, V = self.training, self.config.vocab_size
@@ -339,8 +317,7 @@ class GPT(nn.Module):
         if top_k is not None:
             kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]  # (B, 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = F.softmax(logits, dim=-1)  # (B, V)
-        return torch.multinomial(probs, num_samples=1, generator=generator)
+        return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
 
     # ----------------------------------------------------------------------- Hugging Face GPT-2
     # subtle: HF's GPT-2 uses Conv1D, not nn.Linear: x @ W + b with W stored as (in, out), where
@@ -352,12 +329,10 @@ class GPT(nn.Module):
         """A GPT from a Hugging Face GPT-2 state dict (GPT2Model or GPT2LMHeadModel keys). The
         config is read off the shapes (V, C from wte; block_size from wpe; L by counting blocks;
         bias if biases exist), except the head count: pass n_head, or get GPT-2's C // 64."""
-        sd = {}
-        for key, value in state_dict.items():
-            key = key.removeprefix("transformer.")
-            if key.endswith((".attn.bias", ".attn.masked_bias")):
-                continue  # HF's causal-mask buffers, not weights
-            sd[key] = value.t() if key.endswith(cls._CONV1D) else value
+        sd = {k.removeprefix("transformer."): v for k, v in state_dict.items()}
+        masks = (".attn.bias", ".attn.masked_bias")  # HF's causal-mask buffers, not weights
+        sd = {k: v for k, v in sd.items() if not k.endswith(masks)}
+        sd = {k: v.t() if k.endswith(cls._CONV1D) else v for k, v in sd.items()}
         V, C = sd["wte.weight"].shape
         L = len({int(m.group(1)) for k in sd if (m := re.match(r"h\.(\d+)\.", k))})
         T, head = sd["wpe.weight"].shape[0], sd.pop("lm_head.weight", None)
@@ -366,28 +341,22 @@ class GPT(nn.Module):
         config = GPTConfig(T, V, L, n_head or C // 64, C, bias=bias, tie_embeddings=tied)
         ours = {f"transformer.{k}": v for k, v in sd.items()}
         ours["lm_head.weight"] = sd["wte.weight"] if config.tie_embeddings else head
-        model = cls(config)
-        model.load_state_dict(ours, strict=True)  # copies; errors name any missing or odd key
+        (model := cls(config)).load_state_dict(ours, strict=True)  # copies; errors name bad keys
         return model
 
     @classmethod
     def load_pretrained(cls, path, n_head: int | None = None) -> "GPT":
-        """GPT-2 weights from a .bin/.pt/.pth or .safetensors file, or a HF snapshot folder
-        (which also holds config.json, with n_head)."""
-        path = Path(path)
-        if path.is_dir():
+        """GPT-2 from a .bin/.pt/.pth/.safetensors file or HF snapshot folder (+ config.json)."""
+        if (path := Path(path)).is_dir():
             if n_head is None and (path / "config.json").exists():
                 n_head = json.loads((path / "config.json").read_text()).get("n_head")
             files = [path / n for n in ("model.safetensors", "pytorch_model.bin")]
-            if not any(f.exists() for f in files):
-                raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {path}")
-            path = next(f for f in files if f.exists())
+            path = next((f for f in files if f.exists()), files[1])  # neither: torch.load says so
         if path.suffix == ".safetensors":
             try:
                 from safetensors.torch import load_file
             except ImportError as e:  # an optional package: not a dependency of this course
-                msg = f"{path} needs the safetensors package: pip install safetensors, or use .bin"
-                raise ImportError(msg) from e
+                raise ImportError(f"{path}: pip install safetensors, or use a .bin") from e
             state_dict = load_file(str(path))
         elif path.suffix in (".bin", ".pt", ".pth"):
             state_dict = torch.load(path, map_location="cpu", weights_only=True)
@@ -396,9 +365,45 @@ class GPT(nn.Module):
         return cls.from_hf_state_dict(state_dict, n_head=n_head)
 
 
+# --------------------------------------------------------------------------- LoRA: fine-tuning
+# Hu et al. 2021 (arXiv 2106.09685): W frozen, y = x W^T + b + (alpha/r)·(x A^T) B^T, A (r, in)
+# random, B (out, r) zero: it starts as the base; r·(in + out) numbers train per linear (AdamW
+# keeps 2·r·(in + out) moments, not 2·in·out); merge_lora folds B·A into W for export.
+LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()  # base's own (frozen) weight and bias: the keys stay 02's
+        self.weight, self.bias, self.scale = base.weight, base.bias, alpha / rank  # W: (out, in)
+        self.lora_A = nn.Parameter(base.weight.new_empty(rank, base.weight.size(1)))  # (r, in)
+        self.lora_B = nn.Parameter(base.weight.new_zeros(base.weight.size(0), rank))  # (out, r)
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's init, as peft's
+
+    def forward(self, x):  # (B, T, in) -> (B, T, out), through the (B, T, r) bottleneck x A^T
+        return F.linear(x, self.weight, self.bias) + x @ self.lora_A.T @ self.lora_B.T * self.scale
+
+
+def apply_lora(model: GPT, rank: int, alpha: float, targets=LORA_TARGETS) -> GPT:
+    """Freeze every weight, then wrap each block's `targets` linears with LoRA factors: in place."""
+    model.requires_grad_(False)
+    for block in model.transformer.h:
+        for parent, _, attr in (name.rpartition(".") for name in targets):
+            owner = block.get_submodule(parent)
+            setattr(owner, attr, LoRALinear(getattr(owner, attr), rank, alpha))
+    return model
+
+
+def merge_lora(state_dict: dict, scale: float) -> dict:
+    """A LoRA model's state dict -> a plain GPT's: each W + scale·B·A, the factors dropped."""
+    sd = {k: v for k, v in state_dict.items() if not k.endswith((".lora_A", ".lora_B"))}
+    for a in (k for k in state_dict if k.endswith(".lora_A")):  # (out, r) @ (r, in)
+        w = a[: -len("lora_A")] + "weight"  # a new tensor: the model's own W stays as it is
+        sd[w] = sd[w] + scale * state_dict[a[:-1] + "B"] @ state_dict[a]
+    return sd
+
+
 # --------------------------------------------------------------------------- counting; demo data
-
-
 def count_params(config: GPTConfig, non_embedding: bool = False) -> int:
     """GPT.num_params from the config, with no memory: the module is built on the meta device.
     Per block 12C² weights (c_attn C x 3C, attn.c_proj C x C, c_fc C x 4C, mlp.c_proj 4C x C) and
@@ -409,7 +414,6 @@ def count_params(config: GPTConfig, non_embedding: bool = False) -> int:
 
 def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
     """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, Appendix B).
-
     6N: each weight does one multiply-add (2 FLOPs) per token in the forward and twice that in
         the backward (gradients for the input and for the weight): 2N + 4N.
     12·L·H·Q·T: attention's weightless matmuls q k^T and (scores) v, 2·T·Q FLOPs each per head
@@ -417,8 +421,7 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
     N = GPT.num_params(non_embedding=True): every weight that multiplies a token, the tied head
     included, not wpe (a lookup), as nanoGPT and PaLM. T is the whole sequence, as PaLM counts,
     though causal masking needs about half of attention's work."""
-    T = seq_len or config.block_size
-    N = count_params(config, non_embedding=True)
+    T, N = seq_len or config.block_size, count_params(config, non_embedding=True)
     return 6 * N + 12 * config.n_layer * config.n_head * config.head_dim * T
 
 
@@ -436,8 +439,6 @@ def byte_batches(block_size: int, batch_size: int, steps: int = 1, seed: int = 0
 
 
 # --------------------------------------------------------------------------- the demo
-
-
 def print_presets():
     """Each preset's parameters (the module, on the meta device) and FLOPs per token."""
     print(f"{'preset':<12} {'params':>14} {'non-embedding':>14} {'FLOPs/token':>15}")
@@ -486,7 +487,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1:
         parser.error(f"--steps and --batch-size must be >= 1, not {args.steps}, {args.batch_size}")
-
     print_presets()
     torch.manual_seed(args.seed)
     config = GPTConfig.from_preset(args.preset, vocab_size=256)  # tokens are bytes here

@@ -87,9 +87,8 @@ def _all_gather(x, group, dim):  # every rank's x, concatenated along dim in ran
 
 
 def _reduce_scatter(x, group, dim):  # the sum of every rank's x; this rank keeps its chunk
-    parts = [p.contiguous() for p in _chunks(x, group, dim)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)  # (tp-1)/tp of x sent per rank
+    parts = [p.contiguous() for p in _chunks(x, group, dim)]  # tp-1 of them sent per rank
+    dist.reduce_scatter(out := torch.empty_like(parts[0]), parts, group=group)
     return out
 
 
@@ -209,8 +208,8 @@ def tp_layout(key: str):
     module, _, kind = key.rpartition(".")
     for suffix, (dim, chunks) in SHARDED.items():
         if module == suffix or module.endswith("." + suffix):
-            return None if (dim == 1 and kind == "bias") else (dim, chunks)
-    return None
+            whole = kind == ("lora_A" if dim == 0 else "lora_B") or (dim == 1 and kind == "bias")
+            return None if whole else (dim, chunks)  # LoRA (02): the uncut side's factor: whole
 
 
 def shard_tensor(t: torch.Tensor, dim: int, chunks: int, rank: int, tp: int) -> torch.Tensor:
@@ -229,7 +228,7 @@ def merge_tensors(shards, dim: int, chunks: int) -> torch.Tensor:
 def _shard_param(t, dim, chunks, group):
     """A new Parameter holding this rank's slice, marked as sharded (train.py's grad norm)."""
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
-    p = nn.Parameter(shard_tensor(t.detach(), dim, chunks, rank, tp))
+    p = nn.Parameter(shard_tensor(t.detach(), dim, chunks, rank, tp), t.requires_grad)
     p.tensor_parallel = True
     return p
 
@@ -244,11 +243,18 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _shard_param(linear.weight, 0, chunks, group)  # (out/tp, in)
         self.bias = None if linear.bias is None else _shard_param(linear.bias, 0, chunks, group)
         self.group, self.sequence_parallel = group, sequence_parallel
+        if hasattr(linear, "lora_A"):  # LoRA (02): A (r, in) whole, B cut as the weight's rows
+            self.lora_A, self.scale = linear.lora_A, linear.scale
+            self.lora_B = _shard_param(linear.lora_B, 0, chunks, group)  # (out/tp, r)
 
     def forward(self, x):  # (B, T, in) or (B, T/tp, in)
         enter = GatherFromSequenceParallel if self.sequence_parallel else CopyToTensorParallel
         x = enter.apply(x, self.group)  # (B, T, in): SP's g, or f
-        return F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
+        y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
+        if not hasattr(self, "lora_A"):
+            return y
+        a = CopyToTensorParallel.apply(self.lora_A, self.group)  # each rank's dA is partial: f
+        return y + x @ a.T @ self.lora_B.T * self.scale  # + (x A^T) B_i^T, this rank's features
 
 
 class RowParallelLinear(nn.Module):
@@ -258,17 +264,22 @@ class RowParallelLinear(nn.Module):
     def __init__(self, linear: nn.Linear, group, sequence_parallel=False):
         super().__init__()
         self.weight = _shard_param(linear.weight, 1, 1, group)  # (out, in/tp)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.bias = linear.bias  # replicated: the same Parameter
         self.group, self.sequence_parallel = group, sequence_parallel
+        if hasattr(linear, "lora_A"):  # LoRA (02): A cut as the weight's columns, B (out, r) whole
+            self.lora_A, self.scale = _shard_param(linear.lora_A, 1, 1, group), linear.scale
+            self.lora_B = linear.lora_B
 
     def forward(self, x):  # (B, T, in/tp)
         y = F.linear(x, self.weight)  # (B, T, out): this rank's partial sum Y_i B_i
+        if hasattr(self, "lora_A"):  # + (x_i A_i^T) B^T, partial too; dB is partial: f sums it
+            b = CopyToTensorParallel.apply(self.lora_B, self.group)  # (out, r)
+            y = y + x @ self.lora_A.T @ b.T * self.scale
         if not self.sequence_parallel:
             y = ReduceFromTensorParallel.apply(y, self.group)  # (B, T, out), g
             return y if self.bias is None else y + self.bias
         y = ReduceScatterToSequenceParallel.apply(y, self.group)  # (B, T/tp, out), g-bar
-        # subtle: this rank adds the bias to its T/tp tokens only, so its gradient is partial:
-        # f sums it over the group (without this, replicated biases silently drift apart).
+        # subtle: the bias meets this rank's T/tp tokens only: f sums its partial gradient
         return y if self.bias is None else y + CopyToTensorParallel.apply(self.bias, self.group)
 
 
@@ -282,14 +293,12 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
 
     def forward(self, idx):  # (B, T)
-        rows = self.weight.size(0)  # V/tp
-        local = idx - dist.get_rank(self.group) * rows
+        local = idx - dist.get_rank(self.group) * (rows := self.weight.size(0))  # rows: V/tp
         outside = (local < 0) | (local >= rows)  # ids another rank owns
         x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # zeros (and zero gradient) there
-        if self.sequence_parallel:
-            return ReduceScatterToSequenceParallel.apply(x, self.group)  # (B, T/tp, C), g-bar
-        return ReduceFromTensorParallel.apply(x, self.group)  # (B, T, C), g
+        op = ReduceScatterToSequenceParallel if self.sequence_parallel else ReduceFromTensorParallel
+        return op.apply(x, self.group)  # g-bar: (B, T/tp, C), or g: (B, T, C)
 
 
 class SequenceParallelLayerNorm(nn.Module):
@@ -375,9 +384,8 @@ def check_tp_config(config, tp: int):
     if config.n_head % tp:
         problems.append(f"n_head={config.n_head} is not divisible by tp={tp} (whole heads)")
     if V % tp:
-        padded = -(-config.vocab_size // m) * m  # vocab_size rounded up to a multiple of m
         now = f"vocab_size={config.vocab_size}, pad_vocab_multiple={config.pad_vocab_multiple}"
-        fix = f"pad it with GPTConfig(pad_vocab_multiple={m}) -> {padded} rows"
+        fix = f"pad with GPTConfig(pad_vocab_multiple={m}) -> {-(-config.vocab_size // m) * m} rows"
         problems.append(f"the vocabulary has {V} rows ({now}), not divisible by tp={tp}: {fix}")
     if problems:
         raise ValueError(f"cannot split this GPT over tp={tp} ranks: " + "; ".join(problems))
@@ -399,8 +407,7 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
     sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
     both = _all_reduce(torch.cat([sums, -sums]), group, dist.ReduceOp.MAX)  # max, -min
     if not torch.equal(both[: len(sums)], -both[len(sums) :]):
-        differ = "the model's weights differ across TP ranks"
-        raise ValueError(f"{differ}: torch.manual_seed alike before GPT(config)")
+        raise ValueError("weights differ across TP ranks: torch.manual_seed alike before GPT()")
     t, sp, V = model.transformer, sequence_parallel, model.config.vocab_size
     seed = (torch.initial_seed() if seed is None else seed) + 1 + dist.get_world_size()
     rng = RNGStateTracker(t.wte.weight.device, (seed + dist.get_rank()) % 2**63)  # one per rank
@@ -419,8 +426,7 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
             block.ln_2 = SequenceParallelLayerNorm(block.ln_2, group)
     if sp:
         t.wpe = SequenceParallelPositionEmbedding(t.wpe, group)
-        t.drop = ParallelDropout(t.drop.p, rng)
-        t.ln_f = SequenceParallelLayerNorm(t.ln_f, group)
+        t.drop, t.ln_f = ParallelDropout(t.drop.p, rng), SequenceParallelLayerNorm(t.ln_f, group)
     model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, vocab_size=V)
     model.tp_group, model.tp_rng, model.sequence_parallel = group, rng, sp
     return model
@@ -428,13 +434,10 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
 
 def grad_norm_squared(grads, group, device) -> torch.Tensor:
     """Σ g² over (parameter, gradient) pairs, the same on every TP rank: shards summed, copies once."""
-    sharded, replicated = torch.zeros((), device=device), torch.zeros((), device=device)
-    for p, g in grads:
-        if getattr(p, "tensor_parallel", False):  # a slice: the ranks' squares add up
-            sharded += g.float().pow(2).sum()
-        else:  # a copy, alike on every rank: counted once
-            replicated += g.float().pow(2).sum()
-    return _all_reduce(sharded, group) + replicated
+    sq = {True: torch.zeros((), device=device), False: torch.zeros((), device=device)}
+    for p, g in grads:  # True: a slice, the ranks' squares add up; False: a copy, counted once
+        sq[getattr(p, "tensor_parallel", False)] += g.float().pow(2).sum()
+    return _all_reduce(sq[True], group) + sq[False]
 
 
 # --------------------------------------------------------------------------- the demo
@@ -449,9 +452,8 @@ def demo(args, config, group, device):
     logits_full, loss_full = full(x, y)
     loss_full.backward()
     want = {}  # each gradient of the whole model, or this rank's slice of it
-    for name, p in full.named_parameters():
-        layout = tp_layout(name)
-        want[name] = p.grad if layout is None else shard_tensor(p.grad, *layout, rank, tp)
+    for n, p in full.named_parameters():
+        want[n] = p.grad if (lay := tp_layout(n)) is None else shard_tensor(p.grad, *lay, rank, tp)
     for sp, model in sharded.items():
         logits, loss = model(x, y)
         loss.backward()
@@ -459,8 +461,7 @@ def demo(args, config, group, device):
         d_logits = (gather_logits(logits, group) - logits_full).abs().max()
         diffs = torch.stack([d_logits, (loss - loss_full).abs(), d_grad]).detach()
         diffs = _all_reduce(diffs, group, dist.ReduceOp.MAX).tolist()  # the worst rank's
-        # logits, loss and gradients are all O(1) or smaller here; fp32 sums split across ranks
-        # round differently, ~1e-7 relative per term: 1e-4 is far above that, far below a bug
+        # O(1) values; fp32 sums split over ranks round ~1e-7 apart: 1e-4 is far above, below a bug
         assert max(diffs) < 1e-4, f"TP differs from the unsharded model: {diffs}"
         n_rank, n_full = (sum(p.numel() for p in m.parameters()) for m in (model, full))
         worst = "max |diff| logits {:.1e}, loss {:.1e}, any gradient {:.1e}".format(*diffs)
@@ -489,8 +490,7 @@ def main(argv=None):
         return ddp_lib.relaunch_with_torchrun(args.ranks, argv, __file__)
     _, _, world_size, device = ddp_lib.init_distributed()
     try:
-        group = dist.new_group(list(range(world_size)))  # here the TP group is the whole world
-        demo(args, config, group, device)
+        demo(args, config, dist.new_group(list(range(world_size))), device)  # TP group: all ranks
         dist.barrier()  # subtle: no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()

@@ -55,7 +55,7 @@ tp_lib = importlib.import_module("04_tensor_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
 run_log = importlib.import_module("bench.run_log")  # metrics.jsonl (loss, MFU, ETA), loss.png
-sampling = importlib.import_module("bench.sampling")  # model.pt: read it, sample from it (--sample)
+sampling = importlib.import_module("bench.sampling")  # model.pt: write, read, sample (--sample)
 
 # what `python 01_data.py --tokenizer T` writes, per T; the default --data-dir, prepared if missing
 DEFAULT_DATA = dict(bpe="data/stdlib-bpe4096", gpt2="data/stdlib-gpt2", char="data/stdlib-char")
@@ -77,33 +77,29 @@ class TrainConfig:
     virtual_stages: int = flag(1, "model chunks per pipeline rank; > 1 needs interleaved")
     sequence_parallel: bool = flag(False, "with --tp: also shard LayerNorm/dropout activations along the sequence (04)")
     zero: int = flag(0, "ZeRO stage over the DP group (03): 1 shards AdamW's state, 2 also the gradients, 3 also the weights")
-    grad_compression: str = flag("none", "the DP all-reduce's gradients (03): none, fp16 or bf16 (half the bytes) or "
-                                         "powersgd (a rank --powersgd-rank sketch per matrix; error feedback)")
+    grad_compression: str = flag("none", "DP's gradients (03): none, fp16 or bf16 (half the bytes) or powersgd (rank-r sketches)")
     powersgd_rank: int = flag(4, "powersgd: the sketch's rank r, (m + n)·r numbers sent per m x n matrix")
-    powersgd_warmup_steps: int = flag(10, "powersgd: exact all-reduces first (early training is the most sensitive; "
-                                          "torch's start_powerSGD_iter, 1,000 by default for long runs)")
+    powersgd_warmup_steps: int = flag(10, "powersgd: exact all-reduces first (early training is the most sensitive)")
     batch_size: int = flag(32, "global batch: sequences per optimizer step, all DP ranks (32 x 128 tokens on a CPU)")
     micro_batch_size: int = flag(8, "sequences per microbatch per DP rank")
     block_size: int = flag(0, "tokens per sequence = the model's context (no untrained positions); 0 = the preset's")
     model: str = flag("small", f"02_model.py preset: {', '.join(model_lib.PRESETS)} (small: 4 layers x 128, for a CPU)")
     n_layer: int = flag(0, "number of blocks; 0 = the preset's")
-    init_from: str = flag("", "fine-tune from a Hugging Face GPT-2 checkpoint: pytorch_model.bin, model.safetensors or "
-                              "a snapshot folder (with config.json); --model of its shape, data of --tokenizer gpt2")
+    init_from: str = flag("", "fine-tune a Hugging Face GPT-2 checkpoint (.bin, .safetensors, a snapshot folder): its --model, gpt2 data")
+    lora_rank: int = flag(0, "LoRA (02): train rank-r factors B·A beside each block's frozen linears, nothing else; 0 = off")
+    lora_alpha: float = flag(16.0, "LoRA: the update is (alpha / r)·B·A, so a change of r needs no new learning rate")
     dropout: float = flag(0.0, "dropout probability (pretraining on plenty of data needs none)")
     recompute: str = flag("none", "activations redone in the backward (02, 06): selective (LayerNorm, GELU, dropout, and "
-                                  "attention when dropout is on) or full (each block's forward: 8N, not 6N, FLOPs for "
-                                  "the blocks' N); none keeps all")
+                                  "attention when dropout is on) or full (each block's forward: 8N FLOPs, not 6N); none")
     dtype: str = flag("auto", "fp32, bf16 or fp16 (+ 06's loss scaler); auto = bf16 on a GPU that has it, else fp32")
     compile: bool = flag(False, "torch.compile each model chunk (GPU speed; slow first steps)")
     max_steps: int = flag(500, "optimizer steps, the LR schedule's length (500 x 4,096 tokens: the CPU job in ~5 min)")
     lr: float = flag(3e-3, "peak learning rate (small models take large ones; GPT-2 used 6e-4)")
     warmup_steps: int = flag(50, "steps of linear warm-up to --lr (--lr/N at step 0, --lr at step N-1)")
-    lr_schedule: str = flag("cosine", "after the warm-up: cosine (to --min-lr at --max-steps), wsd (warm-up, stable "
-                                      "at --lr, linear decay over the last --decay-fraction), cyclic (--lr down to "
-                                      "--min-lr and back every --cycle-steps) or constant")
+    lr_schedule: str = flag("cosine", "after the warm-up: cosine (to --min-lr at --max-steps), wsd (stable at --lr, then a "
+                                      "linear decay: --decay-fraction), cyclic (--cycle-steps) or constant")
     min_lr: float = flag(3e-4, "learning rate at the end of the decay, the bottom of a cycle (a tenth, as Chinchilla)")
-    decay_fraction: float = flag(0.2, "wsd: the last fraction of --max-steps over which the LR decays; a checkpoint "
-                                      "from before it resumes with a larger --max-steps as if planned so")
+    decay_fraction: float = flag(0.2, "wsd: the last fraction of --max-steps over which the LR decays (resumable longer)")
     cycle_steps: int = flag(100, "cyclic: steps per triangle, from --lr down to --min-lr and back")
     weight_decay: float = flag(0.1, "decay on matrices (embeddings too, as nanoGPT), not on biases or LayerNorm gains")
     grad_clip: float = flag(1.0, "clip to this global L2 norm over all shards; 0 = off")
@@ -113,13 +109,12 @@ class TrainConfig:
     sample_tokens: int = flag(200, "tokens sampled at the end; 0 = no sample")
     out_dir: str = flag("out/run", "where metrics.jsonl, loss.png, checkpoints/, model.pt go")
     data_dir: str = flag("", "the shards and meta.json of 01_data.py; empty = the default data of --tokenizer")
-    tokenizer: str = flag("", "bpe (a 4,096-token BPE 01_data.py trains), gpt2 or char; it picks the default data "
-                              "(data/stdlib-bpe4096, -gpt2, -char; made if missing); empty: bpe or --data-dir's own")
+    tokenizer: str = flag("", "bpe (01_data.py's 4,096-token BPE), gpt2 or char: picks the default data (data/stdlib-bpe4096, "
+                              "-gpt2, -char; made if missing); empty: bpe, or --data-dir's own")
     ckpt_interval: int = flag(250, "steps between checkpoints; 0 = only at the end and on SIGTERM/SIGUSR1")
     keep_checkpoints: int = flag(3, "how many complete checkpoints to keep")
     resume: bool = flag(False, "continue from the newest complete checkpoint in --out-dir")
-    steps_this_run: int = flag(0, "stop after this many steps with a checkpoint (time-limited jobs; the LR "
-                                  "schedule still follows --max-steps)")
+    steps_this_run: int = flag(0, "stop after this many steps, with a checkpoint (time-limited jobs; the LR schedule: --max-steps)")
     seed: int = flag(1337, "seed for the model init, the data order and dropout")
 # fmt: on
 
@@ -156,7 +151,7 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
     """The checks that need no file: they run before anything is read, prepared or written."""
     positive = ("dp", "tp", "pp", "virtual_stages", "batch_size", "micro_batch_size", "max_steps",
                 "lr", "eval_steps", "log_interval", "keep_checkpoints", "cycle_steps",
-                "powersgd_rank")  # fmt: skip
+                "powersgd_rank", "lora_alpha")  # fmt: skip
     for f in fields(TrainConfig):  # numbers: these > 0, the rest >= 0 (`not`: NaN fails too)
         value, sign = getattr(cfg, f.name), ">" if f.name in positive else ">="
         if f.type in (int, float) and not (value > 0 if sign == ">" else value >= 0):
@@ -191,6 +186,8 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
     for f in ("powersgd_rank", "powersgd_warmup_steps"):  # (a flag that would do nothing)
         if getattr(cfg, f) != getattr(TrainConfig, f) and cfg.grad_compression != "powersgd":
             raise ConfigError(f"--{f.replace('_', '-')} needs --grad-compression powersgd")
+    if cfg.lora_alpha != TrainConfig.lora_alpha and not cfg.lora_rank:
+        raise ConfigError("--lora-alpha scales LoRA's update, but --lora-rank is 0: LoRA is off")
     if cfg.grad_compression == "powersgd" and cfg.dtype == "fp16":
         why = "an overflowed step's inf would stay in its residuals: use bf16 or fp32"
         raise ConfigError(f"--grad-compression powersgd with --dtype fp16: {why}")
@@ -358,6 +355,8 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device: torch.device)
         pretrained = model_lib.GPT.load_pretrained(cfg.init_from).state_dict()
         for name, t in model.state_dict().items():  # (detached: t shares the parameter's storage)
             t[: len(pretrained[name])].copy_(pretrained[name][: len(t)])
+    if cfg.lora_rank:  # the base frozen as loaded; A drawn alike on every rank (this seed)
+        model_lib.apply_lora(model, cfg.lora_rank, cfg.lora_alpha)
     if grid.tp > 1:
         tp_lib.apply_tensor_parallel(model, grid.tp_group, cfg.sequence_parallel, seed=cfg.seed)
     chunks = [model]
@@ -376,7 +375,7 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device: torch.device)
 def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device: torch.device) -> tuple:
     """AdamW (decay on matrices only, fused on CUDA) and, with dp > 1, 03's data parallelism over
     the DP group at --zero's stage: -> (chunks, DP-wrapped; optimizer; what the scaler steps)."""
-    params = [p for c in chunks for p in c.parameters()]  # disjoint chunks: each p once
+    params = [p for c in chunks for p in c.parameters() if p.requires_grad]  # LoRA: its factors
     tied = [t for t in map(pp_lib.tied_parameter, chunks) if t is not None] if grid.pp > 1 else []
     matrices = [p for p in params if p.dim() >= 2 and all(p is not t for t in tied)]
     # subtle: ZeRO flattens each group apart, so alone in its group the tied matrix is cut alike
@@ -563,7 +562,7 @@ def check_resume_layout(cfg: TrainConfig) -> None:
     """--resume continues the newest readable checkpoint's run: the same shards (found by global
     rank, shaped by ZeRO and the virtual stages) and batches (the seed and the batch shape)."""
     keys = ("dp", "tp", "pp", "virtual_stages", "zero", "seed", "batch_size", "micro_batch_size",
-            "block_size", "grad_compression", "powersgd_rank")  # fmt: skip
+            "block_size", "grad_compression", "powersgd_rank", "lora_rank", "lora_alpha")  # fmt: skip
     for ckpt in complete_checkpoints(cfg.out_dir):  # nothing to resume: start fresh (said later)
         try:
             saved = json.loads((ckpt / "meta.json").read_text())["config"]
@@ -680,15 +679,6 @@ def load_checkpoint(run: Run) -> int:
 
 
 # ------------------------------------------------------- export and sampling: one file, one process
-def merge_shards(state_dicts) -> dict:
-    """TP ranks' state dicts, in tp_rank order -> 02's full one (04's tp_layout: what is split)."""
-    full = {}
-    for k, v in state_dicts[0].items():
-        layout = tp_lib.tp_layout(k)
-        full[k] = tp_lib.merge_tensors([sd[k] for sd in state_dicts], *layout) if layout else v
-    return full
-
-
 def export(run_dir) -> Path:
     """Merge the newest checkpoint's (tp, pp) shards into RUN_DIR/model.pt for 02_model.GPT. A
     damaged checkpoint (meta.json or a shard) is named and the previous one used, as --resume."""
@@ -700,25 +690,14 @@ def export(run_dir) -> Path:
                 files = [ckpt / shard_name(p * dp * tp + t) for t in range(tp)]
                 shards = [torch.load(f, "cpu", weights_only=True)["model"] for f in files]
                 for chunk_states in zip(*shards):  # the stage's chunks, each split over tp ranks
-                    full.update(merge_shards(chunk_states))
+                    full.update(sampling.merge_shards(chunk_states))
             break
         except Exception as e:  # noqa: BLE001 - any unreadable file: say which, try older
             error = f"{type(e).__name__}: {str(e)[:120]}"
             print(f"--export: {ckpt} is unreadable ({error}); trying the previous checkpoint")
     else:
         raise SystemExit(f"--export: no complete, readable checkpoint in {ckpt_root(run_dir)}")
-    model = model_lib.GPT(model_lib.GPTConfig(**meta["model_config"] | {"recompute": "none"}))
-    model.load_state_dict(full, strict=True)  # every weight present, none left over
-    blob = {"model_config": asdict(model.config), "model": model.state_dict(), "step": meta["step"]}
-    # the tokenizer, so model.pt samples anywhere: a name, or a BPE's vocab, merges and specials
-    blob["tokenizer"] = tok = meta["tokenizer"]
-    if tok not in ("gpt2", "char"):
-        tok = data_lib.get_tokenizer(tok)
-        specials = list(tok.special_tokens)
-        blob["tokenizer"] = {"vocab": tok.vocab, "merges": tok.merges, "special_tokens": specials}
-    out = Path(run_dir) / "model.pt"
-    data_lib.atomic_write(out, lambda tmp: torch.save(blob, tmp))
-    return out
+    return sampling.write_model_pt(meta, full, Path(run_dir) / "model.pt")
 
 
 # -------------------------------------------------------------------------------------- preemption
@@ -787,9 +766,11 @@ def main(argv=None) -> None:
     rank, _, world, device = ddp_lib.init_distributed()
     try:
         run = build_run(cfg, gpt_config, build_grid(cfg, rank, world), device)
+        trains = sum(p.numel() for m in run.modules() for p in m.parameters() if p.requires_grad)
         ddp_lib.print0(f"world {world} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} on {device}; "
                        f"{run.gpt_config.n_layer}-layer GPT, {run.dtype}, {run.m} microbatches of "
-                       f"{cfg.micro_batch_size} x {run.T} per DP rank, recompute {cfg.recompute}")  # fmt: skip
+                       f"{cfg.micro_batch_size} x {run.T} per DP rank, recompute {cfg.recompute}; "
+                       f"{trains:,} parameters train on rank 0")  # fmt: skip
         train(run)
     finally:
         if created and dist.is_initialized():

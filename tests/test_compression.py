@@ -228,11 +228,12 @@ def test_powersgd_follows_torch_powersgd_hook():
     1e-5 over 25 sketched steps (measured: 4.8e-7; QR against torch's Gram-Schmidt and torch
     keeping the vectors' local deviation as a residual are the roundings left), where a slip
     (no error feedback, no / N, a cold Q) moves them by 1e-2 or more. From our own first Q
-    (a random start) the sketches span other directions: the curves only stay near (measured
-    0.018 to 0.025 apart, where no compression is 0.15 to 0.22 from torch's)."""
+    (a random start) the sketches span other directions: the curves only stay near, a sanity
+    bound and no proof. How near depends on the text (02's own bytes, so it moves whenever 02
+    is edited): measured 0.013 to 0.025, with no compression 0.008 to 0.22 from torch's."""
     for res in results(2, "vs_torch"):
         curves = {k: np.array(v) for k, v in res.items()}
         gap = {k: np.abs(v - curves["torch"]).max() for k, v in curves.items()}
         assert np.array_equal(curves["ours"][:5], curves["torch"][:5]), "exact warm-up differs"
         assert gap["ours, torch's Q"] < 1e-5, gap
-        assert gap["ours"] < 0.1 and gap["none"] > 0.1, gap
+        assert gap["ours"] < 0.1, gap

@@ -5,6 +5,7 @@ snapshot folder with config.json), with random weights: no network. The data is 
 GPT-2's tokenizer (skipped, with the reason, where its files cannot be loaded).
 """
 
+import copy
 import importlib
 import json
 
@@ -13,9 +14,10 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_ranks
-from tests.test_model import to_hf_state_dict
 
 train = importlib.import_module("train")
+sampling = importlib.import_module("bench.sampling")
+to_hf_state_dict = sampling.to_hf_state_dict
 data = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 
@@ -118,3 +120,108 @@ def test_init_from_bad_input_is_one_line(gpt2_data, checkpoint, tmp_path, extra,
     message = str(e.value)
     assert message.startswith("train.py: error: ") and expected in message, message
     assert "\n" not in message
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (02's apply_lora; train.py --lora-rank)
+# ---------------------------------------------------------------------------------------------
+def lora_pair(rank=4, alpha=8.0, seed=0):
+    """A base GPT (biases, 2 blocks) and its LoRA copy, built from one seed."""
+    torch.manual_seed(seed)
+    base = model_lib.GPT(model_lib.GPTConfig.from_preset("tiny"))
+    return base, model_lib.apply_lora(copy.deepcopy(base), rank, alpha)
+
+
+def test_lora_starts_as_the_base_model_and_trains_only_its_factors():
+    """B = 0 at the start: the same logits, to the bit. Only A and B require gradients; after a
+    backward the frozen weights have none; B's gradient is not zero (A's is, through B = 0)."""
+    base, lora = lora_pair()
+    idx = torch.randint(0, 256, (2, 32))
+    torch.testing.assert_close(lora(idx)[0], base(idx)[0], rtol=0, atol=0)
+    trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith((".lora_A", ".lora_B")) for n in trainable), trainable
+    lora(idx, idx)[1].backward()
+    for name, p in lora.named_parameters():
+        assert (p.grad is not None) == (name in trainable), name
+    assert all(p.grad.abs().sum() > 0 for n, p in lora.named_parameters() if n.endswith("lora_B"))
+
+
+def test_lora_counts_and_merge():
+    """Per wrapped linear r·(in + out) trainable numbers (Hu et al.'s count), AdamW's state
+    2·r·(in + out) of them in fp32, beside the full model's; the merged weights W + (alpha/r)·B·A
+    give the LoRA model's logits (fp32, one matmul instead of two: 1e-5)."""
+    r, alpha = 4, 8.0
+    base, lora = lora_pair(r, alpha)
+    C, L = base.config.n_embd, base.config.n_layer
+    # c_attn C -> 3C, attn.c_proj C -> C, c_fc C -> 4C, mlp.c_proj 4C -> C: r·16C per block
+    formula = L * r * ((C + 3 * C) + (C + C) + (C + 4 * C) + (4 * C + C))
+    trained = [p for p in lora.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trained) == formula == L * 16 * r * C
+    optimizer = torch.optim.AdamW(trained)
+    with torch.no_grad():  # B off zero, so that the merge has something to fold
+        for name, p in lora.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(std=0.05)
+    idx = torch.randint(0, 256, (2, 32))
+    lora(idx, idx)[1].backward()
+    optimizer.step()
+    state = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert sum(t.numel() for t in state) == 2 * formula  # m and v; the full model: 2N
+    merged = model_lib.GPT(base.config)
+    merged.load_state_dict(model_lib.merge_lora(lora.state_dict(), alpha / r), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(idx)[0], lora(idx)[0], rtol=1e-5, atol=1e-5)
+        assert (merged(idx)[0] - base(idx)[0]).abs().max() > 1e-3  # the update is really in
+
+
+LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--max-steps", "3", "--lr", "1e-2",
+        "--warmup-steps", "1", "--eval-interval", "0", "--eval-steps", "2"]  # fmt: skip
+
+
+def lora_runs(rank, world, data_dir, checkpoint, tmp, layouts):
+    out = []
+    for name, layout in layouts:
+        train.main(FLAGS + LORA + layout + ["--init-from", checkpoint, "--data-dir", data_dir,
+                                            "--out-dir", f"{tmp}/{name}"])  # fmt: skip
+        dist.barrier()
+        out.append(open(f"{tmp}/{name}/metrics.jsonl").read() if rank == 0 else None)
+    return out
+
+
+def rows(text, kind="train"):
+    return [r for r in map(json.loads, text.splitlines()) if r["kind"] == kind]
+
+
+def test_lora_fine_tuning_is_one_process_at_dp2_tp2_and_zero1_and_exports_merged(
+    gpt2_data, checkpoint, tmp_path
+):
+    """LoRA from the checkpoint, 3 steps: dp 2 x tp 2 and dp 4 with ZeRO-1 give one process's
+    losses and gradient norms (fp32, sums in other orders: 1e-4 relative, as tests/test_train.py
+    argues); at dp 2 DataParallel sends only the factors' gradients (this TP rank's share);
+    the exported model.pt is a plain GPT (the factors folded in) whose validation loss is the
+    one the LoRA run logged, and whose weights moved off the checkpoint's."""
+    flags = LORA + ["--init-from", checkpoint, "--data-dir", gpt2_data]
+    train.main(FLAGS + flags + ["--out-dir", str(tmp_path / "one")])
+    one = (tmp_path / "one" / "metrics.jsonl").read_text()
+    layouts = [("dp2tp2", ["--dp", "2", "--tp", "2"]), ("zero1", ["--dp", "4", "--zero", "1"])]
+    runs = run_ranks(lora_runs, 4, gpt2_data, checkpoint, str(tmp_path), layouts, timeout=300)[0]
+    for (name, _), text in zip(layouts, runs):
+        for key in ("loss", "grad_norm"):
+            got, want = ([r[key] for r in rows(t)] for t in (text, one))
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, k=key, n=name: f"{n}, {k}: {m}")  # fmt: skip
+    C, L, r = SHAPE["n_embd"], SHAPE["n_layer"], 4
+    # each tp rank's factors: column-parallel r·(in + out/2), row-parallel r·(in/2 + out)
+    block = r * ((C + 3 * C // 2) + (C // 2 + C) + (C + 4 * C // 2) + (4 * C // 2 + C))
+    sent = [row["comm_bytes"] for row in rows(runs[0])]
+    assert sent == [4 * L * block] * 3, sent  # fp32 gradients of the factors only
+    exported, blob = sampling.load_exported(tmp_path / "one" / "model.pt")
+    assert not any("lora" in k for k in blob["model"]), "the factors were not folded in"
+    val = data.DataLoader(gpt2_data, "val", 8, 32, seed=1337)
+    with torch.no_grad():
+        losses = [exported(*val.get_batch(i))[1] for i in range(2)]
+    logged = rows(one, "val")[-1]["val_loss"]
+    torch.testing.assert_close(torch.stack(losses).mean().item(), logged, rtol=1e-5, atol=0)
+    base = model_lib.GPT.load_pretrained(checkpoint).state_dict()
+    w = "transformer.h.0.mlp.c_fc.weight"
+    assert (exported.state_dict()[w] - base[w]).abs().max() > 1e-4, "LoRA's update is missing"

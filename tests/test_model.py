@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 model_lib = importlib.import_module("02_model")
+to_hf_state_dict = importlib.import_module("bench.sampling").to_hf_state_dict
 GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
 
 
@@ -260,21 +261,6 @@ def test_init_statistics():
 
 
 # --------------------------------------------------------------------------- Hugging Face
-
-
-def to_hf_state_dict(model) -> dict:
-    """The inverse of GPT.from_hf_state_dict, for writing GPT-2-layout checkpoints in tests:
-    GPT2LMHeadModel keys, Conv1D weights back to (in, out), wte/lm_head padding rows dropped.
-    No attn.bias mask buffers (transformers versions that still save them load with strict=False)."""
-    V, sd = model.config.vocab_size, {}
-    for key, value in model.state_dict().items():
-        value = value.detach()
-        if key.endswith(GPT._CONV1D):
-            value = value.t()
-        if key in ("transformer.wte.weight", "lm_head.weight"):
-            value = value[:V]
-        sd[key] = value.contiguous().clone()
-    return sd
 
 
 def hf_state_dict(C=32, L=2, V=61, T=16, prefix="transformer.", seed=0):

@@ -54,6 +54,12 @@ def shard_of(name, full, rank, tp):
     """The slice of a full tensor that `rank` should hold, written out here independently of
     04's own table: [q|k|v] rows cut per part (whole heads), output features and vocabulary rows
     cut by rows, row-parallel weights cut by input columns, everything else replicated."""
+    if name.endswith("c_attn.lora_B"):  # LoRA (02): B cut as its weight's rows, A whole
+        return torch.cat([part.chunk(tp, 0)[rank] for part in full.chunk(3, 0)])
+    if name.endswith("c_fc.lora_B"):
+        return full.chunk(tp, 0)[rank]
+    if name.endswith("c_proj.lora_A"):  # row-parallel: A cut as its weight's columns, B whole
+        return full.chunk(tp, 1)[rank]
     if name.endswith(("c_attn.weight", "c_attn.bias")):
         return torch.cat([part.chunk(tp, 0)[rank] for part in full.chunk(3, 0)])
     if name.endswith(("wte.weight", "lm_head.weight", "c_fc.weight", "c_fc.bias")):
@@ -101,7 +107,7 @@ def gather(t, group):
 
 def merge_shards(state_dicts):
     """train.py's export: the TP ranks' state dicts, in tp_rank order -> 02's full state dict."""
-    return importlib.import_module("train").merge_shards(state_dicts)
+    return importlib.import_module("bench.sampling").merge_shards(state_dicts)
 
 
 def consolidate_state_dict(model, group) -> dict:
@@ -271,6 +277,37 @@ def case_gpt(rank, tp, group):
             if sp and not tied:
                 shards = {k: v.clone() for k, v in tpm.state_dict().items()}
     return shards  # the parent merges them offline, as train.py --export does
+
+
+def case_lora(rank, tp, group):
+    """LoRA's factors split with their base weights (column-parallel: A whole, B by rows;
+    row-parallel: A by columns, B whole), with and without SP: the logits, the loss and every
+    factor's gradient equal one process's; the frozen weights get none. B starts non-zero here,
+    so that A's gradient is not 0 (at B = 0 it is, which would hide a missing f on A)."""
+    for sp in (False, True):
+        torch.manual_seed(0)
+        full = model_lib.apply_lora(GPT(tiny()), rank=4, alpha=8.0)
+        with torch.no_grad():
+            for name, p in full.named_parameters():
+                if name.endswith("lora_B"):
+                    p.normal_(std=0.05)
+        tpm = tp_lib.apply_tensor_parallel(copy.deepcopy(full), group, sequence_parallel=sp)
+        idx, targets = batch(3)
+        logits_full, loss_full = full(idx, targets)
+        loss_full.backward()
+        logits, loss = tpm(idx, targets)
+        loss.backward()
+        what = f"LoRA tp={tp} sp={sp}"
+        close(tp_lib.gather_logits(logits, group), logits_full.detach(), f"{what}: logits")
+        close(loss, loss_full.detach(), f"{what}: loss")
+        full_params, trained = dict(full.named_parameters()), []
+        for name, p in tpm.named_parameters():
+            if not p.requires_grad:
+                assert p.grad is None, f"{what}: frozen {name} got a gradient"
+                continue
+            trained.append(name)
+            close(p.grad, shard_of(name, full_params[name].grad, rank, tp), f"{what}: {name}")
+        assert len(trained) == 4 * 2 * 2 and all("lora_" in n for n in trained), trained
 
 
 def case_gpt_in_subgroups(rank, world, group):
@@ -471,6 +508,7 @@ CASES = [
     case_cross_entropy,
     case_attention,
     case_gpt,
+    case_lora,
     case_gpt_in_subgroups,
     case_training,
     case_replicated_grads_identical,
@@ -530,6 +568,10 @@ def test_attention_whole_heads(world):
 
 def test_gpt_equals_unsharded_with_and_without_sp(world):
     verdict(world, case_gpt)
+
+
+def test_lora_factors_split_with_their_weights(world):
+    verdict(world, case_lora)
 
 
 def test_gpt_in_tp_subgroups_of_a_bigger_world(world):
