@@ -3,7 +3,8 @@
 The idea: build the same GPT on every rank, cut it with tensor parallelism (04) inside a node and
 pipeline parallelism (05) across nodes, replicate that with data parallelism (03; --zero 1-3
 shards the replicas' optimizer state, gradients, weights), train it in mixed precision with
---recompute (06), checkpoint (resumable bit for bit), evaluate, log and measure each step.
+--recompute (06), checkpoint (resumable bit for bit), evaluate, log and measure each step. Or
+fine-tune GPT-2's weights (--init-from), all of them or LoRA's factors only (--lora-rank, 02).
 
 The grid: rank = (pp_rank * dp + dp_rank) * tp + tp_rank, i.e. torch.arange(world).view(pp, dp,
 tp). TP varies fastest, so TP peers share a node and its NVLink; PP slowest, so only pipeline
@@ -25,11 +26,12 @@ Launch:  python train.py                                      # laptop: prepares
          torchrun --standalone --nproc_per_node=8 train.py --dp 2 --tp 2 --pp 2
          torchrun --nnodes=N --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 \\
              train.py --model gpt2 --dp N --tp 8 ...           # a cluster (docs/cluster.md: Slurm)
+         python train.py --init-from gpt2-hf --model gpt2 --tokenizer gpt2 --lora-rank 8  # fine-tune
          python train.py --export out/run                      # one file from a sharded checkpoint
          python train.py --sample out/run/model.pt             # sample from an exported model
 
 What changed from 06: nothing new is taught; 01-06 composed, plus what a real run needs (an LR
-schedule, global-norm clipping, evaluation, checkpoints, logs, a plot, MFU, export).
+schedule, global-norm clipping, evaluation, checkpoints, logs, a plot, MFU, export, fine-tuning).
 """
 
 import argparse

@@ -192,18 +192,19 @@ def rows(text, kind="train"):
     return [r for r in map(json.loads, text.splitlines()) if r["kind"] == kind]
 
 
-def test_lora_fine_tuning_is_one_process_at_dp2_tp2_and_zero1_and_exports_merged(
+def test_lora_fine_tuning_is_one_process_at_dp2_tp2_zero1_pp2_and_exports_merged(
     gpt2_data, checkpoint, tmp_path
 ):
-    """LoRA from the checkpoint, 3 steps: dp 2 x tp 2 and dp 4 with ZeRO-1 give one process's
-    losses and gradient norms (fp32, sums in other orders: 1e-4 relative, as tests/test_train.py
+    """LoRA from the checkpoint, 3 steps: dp 2 x tp 2, dp 4 with ZeRO-1 and dp 2 x pp 2 (the tied
+    embedding frozen on both stages) give one process's losses and gradient norms (fp32, sums in other orders: 1e-4 relative, as tests/test_train.py
     argues); at dp 2 DataParallel sends only the factors' gradients (this TP rank's share);
     the exported model.pt is a plain GPT (the factors folded in) whose validation loss is the
     one the LoRA run logged, and whose weights moved off the checkpoint's."""
     flags = LORA + ["--init-from", checkpoint, "--data-dir", gpt2_data]
     train.main(FLAGS + flags + ["--out-dir", str(tmp_path / "one")])
     one = (tmp_path / "one" / "metrics.jsonl").read_text()
-    layouts = [("dp2tp2", ["--dp", "2", "--tp", "2"]), ("zero1", ["--dp", "4", "--zero", "1"])]
+    layouts = [("dp2tp2", ["--dp", "2", "--tp", "2"]), ("zero1", ["--dp", "4", "--zero", "1"]),
+               ("dp2pp2", ["--dp", "2", "--pp", "2"])]  # fmt: skip
     runs = run_ranks(lora_runs, 4, gpt2_data, checkpoint, str(tmp_path), layouts, timeout=300)[0]
     for (name, _), text in zip(layouts, runs):
         for key in ("loss", "grad_norm"):
