@@ -190,6 +190,8 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"--{f.replace('_', '-')} needs --grad-compression powersgd")
     if cfg.lora_alpha != TrainConfig.lora_alpha and not cfg.lora_rank:
         raise ConfigError("--lora-alpha scales LoRA's update, but --lora-rank is 0: LoRA is off")
+    if cfg.grad_compression == "powersgd" and cfg.lora_rank:  # (m + n)·r numbers for m x r: more
+        raise ConfigError("--grad-compression powersgd with --lora-rank: the factors are low-rank")
     if cfg.grad_compression == "powersgd" and cfg.dtype == "fp16":
         why = "an overflowed step's inf would stay in its residuals: use bf16 or fp32"
         raise ConfigError(f"--grad-compression powersgd with --dtype fp16: {why}")
@@ -379,6 +381,7 @@ def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device: torch.devi
     the DP group at --zero's stage: -> (chunks, DP-wrapped; optimizer; what the scaler steps)."""
     params = [p for c in chunks for p in c.parameters() if p.requires_grad]  # LoRA: its factors
     tied = [t for t in map(pp_lib.tied_parameter, chunks) if t is not None] if grid.pp > 1 else []
+    tied = [t for t in tied if t.requires_grad]  # (LoRA's frozen embedding: not the optimizer's)
     matrices = [p for p in params if p.dim() >= 2 and all(p is not t for t in tied)]
     # subtle: ZeRO flattens each group apart, so alone in its group the tied matrix is cut alike
     # on the first and last stage: their shards' gradients can be summed (train_step)

@@ -20,6 +20,17 @@ mp_lib = importlib.import_module("06_mixed_precision")
 gpus = importlib.import_module("bench.gpus")  # PEAK_FLOPS, peak_flops, mfu: MFU's denominator
 
 
+def model_flops_per_token(gpt_config, T: int, lora_rank: int = 0) -> int:
+    """MFU's FLOPs per token: 02's 6N + attention; with LoRA (02's apply_lora, four linears a
+    block) less the frozen weights' own gradients, 2N (backward still computes their inputs'),
+    plus 6 per factor number, 16·r·C of them a block."""
+    flops = model_lib.flops_per_token(gpt_config, T)
+    if lora_rank:
+        N = model_lib.count_params(gpt_config, non_embedding=True)
+        flops += 6 * 16 * lora_rank * gpt_config.n_embd * gpt_config.n_layer - 2 * N
+    return flops
+
+
 class Logger:
     """Rank 0 prints one line per --log-interval and appends the same fields to metrics.jsonl."""
 
@@ -28,7 +39,7 @@ class Logger:
         self.tokens_per_step = run.cfg.batch_size * run.T
         self.t_start = self.t_last = time.perf_counter()
         self.step_start, self.step_last = start_step, start_step - 1
-        self.flops = model_lib.flops_per_token(run.gpt_config, run.T)  # MFU's: the model's
+        self.flops = model_flops_per_token(run.gpt_config, run.T, run.cfg.lora_rank)  # MFU's
         self.hw_flops = self.flops + gpus.recompute_flops_per_token(run.gpt_config, run.T)  # HFU's
         gpu = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu"
         self.peak = gpus.peak_flops(gpu, {v: k for k, v in mp_lib.DTYPES.items()}[run.dtype])

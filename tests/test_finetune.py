@@ -223,6 +223,29 @@ def test_lora_fine_tuning_is_one_process_at_dp2_tp2_zero1_pp2_and_exports_merged
         losses = [exported(*val.get_batch(i))[1] for i in range(2)]
     logged = rows(one, "val")[-1]["val_loss"]
     torch.testing.assert_close(torch.stack(losses).mean().item(), logged, rtol=1e-5, atol=0)
+    for name, _ in layouts:  # the sharded runs' exports: TP's and PP's merges, then LoRA's
+        other = sampling.load_exported(tmp_path / name / "model.pt")[1]["model"]
+        for k, v in blob["model"].items():
+            torch.testing.assert_close(other[k], v, rtol=1e-4, atol=1e-6, msg=f"{name}: {k}")
     base = model_lib.GPT.load_pretrained(checkpoint).state_dict()
     w = "transformer.h.0.mlp.c_fc.weight"
     assert (exported.state_dict()[w] - base[w]).abs().max() > 1e-4, "LoRA's update is missing"
+
+
+def test_lora_flops_and_flag_errors():
+    """MFU's FLOPs with LoRA, counted by hand for the small preset: the forward (2 per weight)
+    and the inputs' gradients (2 more) for every frozen matmul weight, all 6 for the factors'
+    16·r·C a block, attention's 12·L·C·T as without LoRA. And --grad-compression powersgd
+    with --lora-rank is refused: a factor's own rank is r already."""
+    run_log = importlib.import_module("bench.run_log")
+    config = model_lib.GPTConfig.from_preset("small", vocab_size=50257)
+    C, L, T, V, r = 128, 4, 128, 50257, 8
+    weights = L * 12 * C * C + V * C  # the blocks' matrices and the tied head (biases: ~0)
+    biases = L * 13 * C + C * 2  # biases and gains, counted as 02 counts them: in N
+    attention = 12 * L * C * T
+    want = 4 * (weights + biases) + 6 * 16 * r * C * L + attention
+    assert run_log.model_flops_per_token(config, T, r) == want
+    assert run_log.model_flops_per_token(config, T) == 6 * (weights + biases) + attention
+    cfg = train.TrainConfig(dp=2, grad_compression="powersgd", lora_rank=4)
+    with pytest.raises(train.ConfigError, match="powersgd with --lora-rank"):
+        train.check_flags(cfg, world_size=2)

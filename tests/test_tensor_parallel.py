@@ -637,6 +637,12 @@ def test_layout_table_names_the_gpt_shards():
     assert tp_lib.tp_layout("lm_head.weight") == (0, 1)
     for replicated in ("transformer.wpe.weight", "transformer.ln_f.bias", "h.1.ln_2.weight"):
         assert tp_lib.tp_layout(replicated) is None
+    # LoRA (02): B with its column-parallel weight (per q/k/v part), A with its row-parallel one
+    assert tp_lib.tp_layout("transformer.h.0.attn.c_attn.lora_B") == (0, 3)
+    assert tp_lib.tp_layout("transformer.h.0.mlp.c_fc.lora_B") == (0, 1)
+    assert tp_lib.tp_layout("transformer.h.0.mlp.c_proj.lora_A") == (1, 1)
+    for whole in ("h.0.attn.c_attn.lora_A", "h.0.mlp.c_fc.lora_A", "h.0.attn.c_proj.lora_B"):
+        assert tp_lib.tp_layout(whole) is None
 
 
 def test_config_validation_messages():
