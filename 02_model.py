@@ -397,9 +397,9 @@ def apply_lora(model: GPT, rank: int, alpha: float, targets=LORA_TARGETS) -> GPT
 def merge_lora(state_dict: dict, scale: float) -> dict:
     """A LoRA model's state dict -> a plain GPT's: each W + scale·B·A, the factors dropped."""
     sd = {k: v for k, v in state_dict.items() if not k.endswith((".lora_A", ".lora_B"))}
-    for a in (k for k in state_dict if k.endswith(".lora_A")):  # (out, r) @ (r, in)
-        w = a[: -len("lora_A")] + "weight"  # a new tensor: the model's own W stays as it is
-        sd[w] = sd[w] + scale * state_dict[a[:-1] + "B"] @ state_dict[a]
+    for key in (k for k in state_dict if k.endswith(".lora_A")):  # a new W: the model's unchanged
+        w, b = key.removesuffix("lora_A") + "weight", key.removesuffix("A") + "B"
+        sd[w] = sd[w] + scale * state_dict[b] @ state_dict[key]  # (out, r) @ (r, in)
     return sd
 
 

@@ -209,7 +209,7 @@ def tp_layout(key: str):
     for suffix, (dim, chunks) in SHARDED.items():
         if module == suffix or module.endswith("." + suffix):
             whole = kind == ("lora_A" if dim == 0 else "lora_B") or (dim == 1 and kind == "bias")
-            return None if whole else (dim, chunks)  # LoRA (02): the uncut side's factor: whole
+            return None if whole else (dim, chunks)  # LoRA: B cut like W's rows, A like columns
 
 
 def shard_tensor(t: torch.Tensor, dim: int, chunks: int, rank: int, tp: int) -> torch.Tensor:
@@ -253,7 +253,7 @@ class ColumnParallelLinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
         if not hasattr(self, "lora_A"):
             return y
-        a = CopyToTensorParallel.apply(self.lora_A, self.group)  # each rank's dA is partial: f
+        a = CopyToTensorParallel.apply(self.lora_A, self.group)  # f on a weight: dA summed
         return y + x @ a.T @ self.lora_B.T * self.scale  # + (x A^T) B_i^T, this rank's features
 
 

@@ -89,7 +89,7 @@ class TrainConfig:
     n_layer: int = flag(0, "number of blocks; 0 = the preset's")
     init_from: str = flag("", "fine-tune a Hugging Face GPT-2 checkpoint (.bin, .safetensors, a snapshot folder): its --model, gpt2 data")
     lora_rank: int = flag(0, "LoRA (02): train rank-r factors B·A beside each block's frozen linears, nothing else; 0 = off")
-    lora_alpha: float = flag(16.0, "LoRA: the update is (alpha / r)·B·A, so a change of r needs no new learning rate")
+    lora_alpha: float = flag(16.0, "LoRA: the update is (alpha / r)·B·A; fixing alpha roughly keeps the best LR as r changes")
     dropout: float = flag(0.0, "dropout probability (pretraining on plenty of data needs none)")
     recompute: str = flag("none", "activations redone in the backward (02, 06): selective (LayerNorm, GELU, dropout, and "
                                   "attention when dropout is on) or full (each block's forward: 8N FLOPs, not 6N); none")
@@ -163,6 +163,8 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"world_size={world_size} but {sizes} or change the sizes")
     if not 0 <= cfg.dropout < 1:
         raise ConfigError(f"--dropout {cfg.dropout}: a probability, in [0, 1)")
+    if cfg.min_lr > cfg.lr and cfg.lr_schedule != "constant":
+        raise ConfigError(f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}: the decay would climb")
     if not 0 < (fraction := cfg.decay_fraction) <= 1:
         raise ConfigError(f"--decay-fraction {fraction}: a fraction of the run, in (0, 1]")
     for name, value, choices in (("dtype", cfg.dtype, ("auto", *mp_lib.DTYPES)),

@@ -236,7 +236,7 @@ def test_lora_flops_and_flag_errors():
     """MFU's FLOPs with LoRA, counted by hand for the small preset: the forward (2 per weight)
     and the inputs' gradients (2 more) for every frozen matmul weight, all 6 for the factors'
     16·r·C a block, attention's 12·L·C·T as without LoRA. And --grad-compression powersgd
-    with --lora-rank is refused: a factor's own rank is r already."""
+    with --lora-rank is refused: a factor's own rank is r already; so is a --min-lr above --lr."""
     run_log = importlib.import_module("bench.run_log")
     config = model_lib.GPTConfig.from_preset("small", vocab_size=50257)
     C, L, T, V, r = 128, 4, 128, 50257, 8
@@ -249,3 +249,7 @@ def test_lora_flops_and_flag_errors():
     cfg = train.TrainConfig(dp=2, grad_compression="powersgd", lora_rank=4)
     with pytest.raises(train.ConfigError, match="powersgd with --lora-rank"):
         train.check_flags(cfg, world_size=2)
+    # a fine-tuning LR below the default --min-lr: the cosine "decay" would climb 5x; refused
+    with pytest.raises(train.ConfigError, match="--min-lr 0.0003 exceeds --lr 6e-05"):
+        train.check_flags(train.TrainConfig(lr=6e-5), world_size=1)
+    train.check_flags(train.TrainConfig(lr=6e-5, lr_schedule="constant"), world_size=1)
