@@ -62,11 +62,13 @@ import importlib
 import os
 import sys
 import weakref
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from support import distributed
+from support.distributed import init_distributed, print0, relaunch_with_torchrun
 
 model_lib = importlib.import_module("02_model")
 
@@ -74,29 +76,6 @@ SUM = dist.ReduceOp.SUM  # never AVG: gloo does not have it
 # DataParallel(compression=...), the third lesson below: fp16/bf16 send buckets in that dtype
 COMPRESSION, HALF = ("none", "fp16", "bf16", "powersgd"), dict(fp16=torch.half, bf16=torch.bfloat16)
 eager = torch.compiler.disable
-RS = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-AG = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-
-
-def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, int, torch.device]:
-    """Join the torchrun job: (rank, local_rank, world_size, device); nccl on CUDA, else gloo. The
-    timeout turns a hang (a rank skipped a collective) into an error. Initialised: reused."""
-    local_rank, cuda = int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.is_available()
-    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)  # before init: NCCL binds each rank to its own GPU
-    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:  # (no torchrun: a world of one)
-        # device_id (NCCL): bind the communicators to this GPU now; no subgroup guesses it later
-        kw = dict(timeout=timedelta(seconds=timeout_s), device_id=device if cuda else None)
-        dist.init_process_group("nccl" if cuda else "gloo", **kw)
-    if dist.is_initialized():
-        return dist.get_rank(), local_rank, dist.get_world_size(), device
-    return 0, 0, 1, device
-
-
-def print0(*args, **kwargs) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
 
 
 def _dp_group(group):
@@ -362,7 +341,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Start gathering the shards into flat.full (ZeRO-3: its memory first; else in place)."""
         full, shard = flat.full, flat.shard.detach()
         full.untyped_storage().resize_(nbytes(full))
-        work = getattr(dist, AG)(full, shard, group=self.group, async_op=True)
+        work = distributed.all_gather_tensor(full, shard, group=self.group, async_op=True)
         self.stats["all_gather_calls"] += 1
         self.stats["all_gather_bytes"] += nbytes(full)  # each rank sends (N-1)/N of it
         self._works.append(work)  # kept (see _reduce_scatter): ZeRO-3 gathers in backward too
@@ -379,7 +358,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             work, out = dist.all_reduce(flat.grad, **kw), flat.grad[flat.lo : flat.lo + flat.S]
         else:
             out = flat.grad.new_empty(flat.S)  # (S,)
-            work = getattr(dist, RS)(out, flat.grad, **kw)
+            work = distributed.reduce_scatter_tensor(out, flat.grad, **kw)
         self.stats["reduce_scatter_calls"] += 1
         self.stats["reduce_scatter_bytes"] += nbytes(flat.grad)
         # subtle: the handle, launched in backward (ZeRO-2/3), is kept to the zero_grad() after next
@@ -720,14 +699,6 @@ def compression_demo(rank, world, config, device, steps=30, warmup=5) -> None:
         print0(f"   {name:<13} {sent[name]:>9,} bytes {ratio:>7}   held-out loss {loss:.3f}")
         WRAPPERS.append((model, opt))
     print0("   (30 steps: no verdict on the loss; the main job's: bench/bench_compression.py)")
-
-
-def relaunch_with_torchrun(ranks: int, argv, script: str) -> None:
-    """`python script ARGS` is `torchrun --standalone --nproc_per_node=ranks script ARGS`."""
-    args = ["--standalone", f"--nproc_per_node={ranks}", script, *argv]
-    print(f"not started by torchrun, so running: torchrun {' '.join(args)}", flush=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several ranks
-    importlib.import_module("torch.distributed.run").main(args)  # torchrun's own main
 
 
 def main(argv=None) -> None:

@@ -61,8 +61,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from support import distributed
+
 model_lib = importlib.import_module("02_model")
-ddp_lib = importlib.import_module("03_ddp")  # init_distributed, print0, relaunch_with_torchrun
 
 SEQ_DIM = 1  # T in (B, T, C). Megatron keeps (T, B, C) so its gathers are contiguous; we keep 02's
 TP_RNG = "tensor_parallel"  # the per-rank dropout stream's name in checkpoints
@@ -442,7 +443,7 @@ def grad_norm_squared(grads, group, device) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- the demo
 def demo(args, config, group, device):
-    tp, rank, print0 = dist.get_world_size(group), dist.get_rank(group), ddp_lib.print0
+    tp, rank, print0 = dist.get_world_size(group), dist.get_rank(group), distributed.print0
     torch.manual_seed(args.seed)  # the same whole model on every rank, sliced afterwards
     full = model_lib.GPT(config).to(device)
     sharded = {sp: apply_tensor_parallel(copy.deepcopy(full), group, sp) for sp in (False, True)}
@@ -487,8 +488,8 @@ def main(argv=None):
     except ValueError as e:
         parser.error(str(e))
     if "WORLD_SIZE" not in os.environ:
-        return ddp_lib.relaunch_with_torchrun(args.ranks, argv, __file__)
-    _, _, world_size, device = ddp_lib.init_distributed()
+        return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
+    _, _, world_size, device = distributed.init_distributed()
     try:
         demo(args, config, dist.new_group(list(range(world_size))), device)  # TP group: all ranks
         dist.barrier()  # subtle: no rank tears gloo down while a peer still uses it

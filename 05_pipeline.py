@@ -47,8 +47,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from support import distributed
+
 model_lib = importlib.import_module("02_model")  # GPT, GPTConfig, byte_batches
-ddp_lib = importlib.import_module("03_ddp")  # init_distributed, print0, relaunch_with_torchrun
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 Action = namedtuple("Action", "op mb chunk")  # op "F" or "B", microbatch, which of v chunks
@@ -427,7 +428,7 @@ def plot_timelines(timelines: dict, path) -> None:
 
 def demo(args, rank: int, p: int, device) -> None:
     """The naive GPipe and every schedule on one batch, checked against one process and simulate."""
-    m, T, b, cores, print0 = args.microbatches, 64, 4, os.cpu_count(), ddp_lib.print0
+    m, T, b, cores, print0 = args.microbatches, 64, 4, os.cpu_count(), distributed.print0
     torch.manual_seed(0)  # the same model on every rank, cut afterwards
     # 8 blocks: one per stage at p·v = 8; C = 256, so that matmuls outweigh the messages
     config = model_lib.GPTConfig(n_layer=8, n_head=4, n_embd=256, block_size=T, vocab_size=256)
@@ -487,9 +488,9 @@ def main(argv=None) -> None:
     except ValueError as e:
         parser.error(str(e))
     if "WORLD_SIZE" not in os.environ:
-        return ddp_lib.relaunch_with_torchrun(args.ranks, argv, __file__)
+        return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // p))  # a fair share of the cores each
-    rank, _, world_size, device = ddp_lib.init_distributed()
+    rank, _, world_size, device = distributed.init_distributed()
     try:
         demo(args, rank, world_size, device)
     finally:

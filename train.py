@@ -50,6 +50,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from support import distributed
+
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 ddp_lib = importlib.import_module("03_ddp")
@@ -679,9 +681,9 @@ def load_checkpoint(run: Run) -> int:
             ok = 0.0
         if agree(run, ok, dist.ReduceOp.MIN) < 1.0:
             raise SystemExit(f"--resume: {ckpt} does not fit this run on some rank (above)")
-        ddp_lib.print0(f"resumed from {ckpt} (step {shard['step']})")
+        distributed.print0(f"resumed from {ckpt} (step {shard['step']})")
         return shard["step"] + 1
-    ddp_lib.print0(f"--resume: no readable checkpoint in {ckpt_root(run.cfg.out_dir)}: from step 0")
+    distributed.print0(f"--resume: no readable checkpoint in {ckpt_root(run.cfg.out_dir)}: from step 0")
     return 0
 
 
@@ -738,7 +740,7 @@ def train(run: Run) -> None:
         if cfg.ckpt_interval and (step + 1) % cfg.ckpt_interval == 0:
             save_checkpoint(run, saved := step)
         if preempted(run):
-            ddp_lib.print0(f"preemption signal: saving at step {step} and exiting")
+            distributed.print0(f"preemption signal: saving at step {step} and exiting")
             if saved != step:
                 save_checkpoint(run, step)
             return
@@ -770,11 +772,11 @@ def main(argv=None) -> None:
     except ConfigError as e:
         raise SystemExit(f"train.py: error: {e}") from None
     created = not dist.is_initialized()
-    rank, _, world, device = ddp_lib.init_distributed()
+    rank, _, world, device = distributed.init_distributed()
     try:
         run = build_run(cfg, gpt_config, build_grid(cfg, rank, world), device)
         trains = sum(p.numel() for m in run.modules() for p in m.parameters() if p.requires_grad)
-        ddp_lib.print0(f"world {world} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} on {device}; "
+        distributed.print0(f"world {world} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} on {device}; "
                        f"{run.gpt_config.n_layer}-layer GPT, {run.dtype}, {run.m} microbatches of "
                        f"{cfg.micro_batch_size} x {run.T} per DP rank, recompute {cfg.recompute}; "
                        f"{trains:,} parameters train on rank 0")  # fmt: skip

@@ -4,7 +4,7 @@ memory per preset, then a torch.profiler breakdown of where the GPU's time goes.
 The step is train.py's at one rank without its plumbing (no data loader, no logging): bf16
 autocast, SDPA flash attention, `model.compile()` as `--compile` does, fused AdamW, gradient
 clipping, on random tokens. MFU = tokens/s x 02's flops_per_token / the card's dense bf16 peak
-(bench/gpus.py). The profile sorts the GPU's kernels into matmuls, attention (SDPA's kernels:
+(support/gpus.py). The profile sorts the GPU's kernels into matmuls, attention (SDPA's kernels:
 cuDNN's or flash attention's), Triton's fused elementwise kernels, the optimizer (with the
 clipping's foreach kernels) and the rest, and prints the kernels' total time per step: set
 against the unprofiled step time above it, the difference is the time the GPU sat idle (the
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
 model_lib = importlib.import_module("02_model")
-gpus = importlib.import_module("bench.gpus")
+gpus = importlib.import_module("support.gpus")
 
 # kernel name pieces -> what the GPU was doing (first match wins; CUTLASS/cuBLAS GEMMs: "gemm",
 # Hopper's "sm90_xmma"/"nvjet"; Triton's fused kernels from inductor start "triton_")

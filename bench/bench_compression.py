@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 model_lib = importlib.import_module("02_model")
 ddp = importlib.import_module("03_ddp")
-gpus = importlib.import_module("bench.gpus")
+gpus = importlib.import_module("support.gpus")
 
 METHODS = {m: [] if m == "none" else ["--grad-compression", m] for m in ("none", "fp16", "bf16")}
 METHODS.update({f"powersgd r={r}": ["--grad-compression", "powersgd", "--powersgd-rank", str(r)]

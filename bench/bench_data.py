@@ -41,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 data = importlib.import_module("01_data")
-gpus = importlib.import_module("bench.gpus")
+gpus = importlib.import_module("support.gpus")
 SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )

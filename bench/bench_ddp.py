@@ -37,9 +37,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
+from support import distributed
+
 ddp = importlib.import_module("03_ddp")
 model_lib = importlib.import_module("02_model")
-gpus = importlib.import_module("bench.gpus")
+gpus = importlib.import_module("support.gpus")
 GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
 
 # (label, GPTConfig overrides, sequences per rank, bucket cap in MB for both ours and torch DDP)
@@ -142,11 +144,11 @@ def bench_case(label, overrides, batch, bucket_mb, args, rank, device) -> float:
         ),
     }
     n_params = naive.module.num_params()
-    ddp.print0(
+    distributed.print0(
         f"\n{label}: {n_params / 1e6:.2f}M params ({4 * n_params / 1e6:.1f} MB of fp32 "
         f"gradients), B={batch} T={config.block_size} per rank, {len(bucketed.buckets)} buckets"
     )
-    ddp.print0(
+    distributed.print0(
         f"  {'':<10} {'step':>9} {'compute':>9} {'exposed':>9} {'comm alone':>11} {'hidden':>6}"
     )
     for name, (step, compute) in times.items():
@@ -157,10 +159,10 @@ def bench_case(label, overrides, batch, bucket_mb, args, rank, device) -> float:
             line += f" {alone[name] * 1e3:8.1f} ms " + (
                 "     —" if name == "naive" else f"{hidden:6.0%}"
             )
-        ddp.print0(line)
+        distributed.print0(line)
     ratio = times["bucketed"][0] / times["torch DDP"][0]
     speedup = times["naive"][0] / times["bucketed"][0]
-    ddp.print0(f"  bucketed / torch DDP = {ratio:.2f}x    naive / bucketed = {speedup:.2f}x")
+    distributed.print0(f"  bucketed / torch DDP = {ratio:.2f}x    naive / bucketed = {speedup:.2f}x")
     return ratio
 
 
@@ -188,14 +190,14 @@ def time_zero(label, overrides, batch, args, rank, device) -> dict:
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     times = dict(zip(variants, medians.tolist()))
     n_params = variants["DP"][0].module.num_params()
-    ddp.print0(f"\n{label}: {n_params / 1e6:.2f}M params, B={batch} T={config.block_size} per rank")
+    distributed.print0(f"\n{label}: {n_params / 1e6:.2f}M params, B={batch} T={config.block_size} per rank")
     for name, t in times.items():
-        ddp.print0(f"  {name:<17} {t * 1e3:7.1f} ms   {t / times['DP']:5.2f}x DP")
+        distributed.print0(f"  {name:<17} {t * 1e3:7.1f} ms   {t / times['DP']:5.2f}x DP")
     ratios = {
         "ZeRO-2 / FSDP2 no reshard": times["ZeRO-2"] / times["FSDP2 no reshard"],
         "ZeRO-3 / FSDP2": times["ZeRO-3"] / times["FSDP2"],
     }
-    ddp.print0("  " + "    ".join(f"{k} = {v:.2f}x" for k, v in ratios.items()))
+    distributed.print0("  " + "    ".join(f"{k} = {v:.2f}x" for k, v in ratios.items()))
     return ratios
 
 
@@ -208,7 +210,7 @@ def zero_traffic(world, device) -> None:
     psi, sent = variants["DP"][0].module.num_params(), (world - 1) / world
     model = variants["ZeRO-3"][0]
     root = sum(f.full.numel() for f in model.flats if f.unit is model.module)
-    ddp.print0(f"\nwords sent per rank in one step, counted | formula (Ψ = {psi:,}, N = {world})")
+    distributed.print0(f"\nwords sent per rank in one step, counted | formula (Ψ = {psi:,}, N = {world})")
     for stage, (name, (model, opt)) in enumerate(variants.items()):
         before = dict(model.stats)
         ddp.train_step(model, opt, data[:, :-1], data[:, 1:])
@@ -217,8 +219,8 @@ def zero_traffic(world, device) -> None:
         words = factor * sent * moved / 4
         formula = (3 if stage == 3 else 2) * sent * psi
         what = "3(N-1)/N·Ψ" if stage == 3 else "2(N-1)/N·Ψ"
-        ddp.print0(f"  {name:<7} {words:12,.0f} | {what} = {formula:12,.0f}")
-    ddp.print0(
+        distributed.print0(f"  {name:<7} {words:12,.0f} | {what} = {formula:12,.0f}")
+    distributed.print0(
         f"  (ZeRO-3: the root, {root:,} words of embeddings and ln_f, stays gathered from "
         f"forward to backward, so {sent * root:,.0f} fewer; all: padding to N·S)"
     )
@@ -230,14 +232,14 @@ def zero_memory(world, device) -> None:
     variants = make_variants(config, device, ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"))
     data = torch.randint(0, VOCAB, (4, config.block_size + 1)).to(device)
     psi = variants["DP"][0].module.num_params()
-    ddp.print0(f"\nbytes per rank after backward, measured | formula (Ψ = {psi:,}, N = {world})")
+    distributed.print0(f"\nbytes per rank after backward, measured | formula (Ψ = {psi:,}, N = {world})")
     for stage, (name, (model, opt)) in enumerate(variants.items()):
         ddp.train_step(model, opt, data[:, :-1], data[:, 1:])  # AdamW's state exists after it
         opt.zero_grad(set_to_none=True)
         model(data[:, :-1], data[:, 1:])[1].backward()  # the gradients, as before the next step
         m = ddp.memory_per_rank(model.module, opt)
         formula = ddp.zero_memory_formula(stage, psi, world)
-        ddp.print0(
+        distributed.print0(
             f"  {name:<7} {sum(m.values()) / 1e6:9.3f} MB | {ddp.FORMULAS[name]:<13} = "
             f"{formula / 1e6:9.3f} MB   (weights {m['params'] / 1e6:.3f}, gradients "
             f"{m['grads'] / 1e6:.3f}, AdamW {m['optimizer'] / 1e6:.3f})"
@@ -254,7 +256,7 @@ def zero_memory(world, device) -> None:
     opt.zero_grad(set_to_none=True)
     model(data[:, :-1], data[:, 1:])[1].backward()
     handle.remove()
-    ddp.print0(
+    distributed.print0(
         f"  ZeRO-3 + gathered while block 0 computes: {seen[0] / 1e6:.3f} MB (the root, block 0 "
         "and block 1's prefetch)"
     )
@@ -262,19 +264,19 @@ def zero_memory(world, device) -> None:
 
 def gpt2_memory_table() -> None:
     """The formulas alone for GPT-2 124M and 1.5B: GB per rank, fp32 + AdamW."""
-    ddp.print0("\nformula only, GB per rank (fp32 weights, gradients, AdamW m and v):")
+    distributed.print0("\nformula only, GB per rank (fp32 weights, gradients, AdamW m and v):")
     for preset in ("gpt2", "gpt2-xl"):
         config = GPTConfig.from_preset(preset)
         psi, C = model_lib.count_params(config), config.n_embd
         block = 12 * C * C + 13 * C  # ZeRO-3 gathers the root and two blocks (one prefetched)
         root = psi - config.n_layer * block
         sizes = f"root {4 * root / 1e9:.2f} GB, block {4 * block / 1e9:.3f} GB"
-        ddp.print0(f"  {preset} ({psi / 1e6:,.0f}M): {sizes}")
+        distributed.print0(f"  {preset} ({psi / 1e6:,.0f}M): {sizes}")
         for world in (2, 4, 8, 64):
             cells = [ddp.zero_memory_formula(s, psi, world) / 1e9 for s in range(4)]
             units = 4 * (root + 2 * block) / 1e9
             row = "  ".join(f"{n} {c:6.2f}" for n, c in zip(("DP", "Z1", "Z2", "Z3"), cells))
-            ddp.print0(f"    N={world:<3} {row}  (+ {units:.2f} gathered)")
+            distributed.print0(f"    N={world:<3} {row}  (+ {units:.2f} gathered)")
 
 
 def main(argv=None) -> None:
@@ -290,22 +292,22 @@ def main(argv=None) -> None:
     if args.ranks < 1 or args.steps < 1 or args.warmup < 0:
         parser.error("--ranks and --steps must be >= 1, --warmup >= 0")
     if "WORLD_SIZE" not in os.environ:
-        return ddp.relaunch_with_torchrun(args.ranks, argv, __file__)
-    rank, _, world, device = ddp.init_distributed()
+        return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
+    rank, _, world, device = distributed.init_distributed()
     try:
-        ddp.print0(
+        distributed.print0(
             f"{world} ranks, {dist.get_backend()}, {gpus.machine()}, {torch.get_num_threads()} "
             f"thread(s) per rank; median of {args.steps} steps"
         )
         if "dp" in args.parts:
             ratios = [bench_case(*case, args, rank, device) for case in CASES]
             listed = ", ".join(f"{r:.2f}x" for r in ratios)
-            ddp.print0(f"\nbucketed / torch DDP over all cases: {listed} (target <= 1.10x)")
+            distributed.print0(f"\nbucketed / torch DDP over all cases: {listed} (target <= 1.10x)")
         if "zero" in args.parts:
             ratios = [time_zero(*case, args, rank, device) for case in ZERO_CASES]
             for key in ratios[0]:
                 listed = ", ".join(f"{r[key]:.2f}x" for r in ratios)
-                ddp.print0(f"{key} over all cases: {listed} (target <= 1.10x)")
+                distributed.print0(f"{key} over all cases: {listed} (target <= 1.10x)")
             zero_traffic(world, device)
             zero_memory(world, device)
             gpt2_memory_table()

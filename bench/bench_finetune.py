@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))  # the repo root: numbered files, train.py
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 sampling = importlib.import_module("bench.sampling")
-gpus = importlib.import_module("bench.gpus")
+gpus = importlib.import_module("support.gpus")
 train = importlib.import_module("train")
 
 

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the numbered files live there
 model_lib = importlib.import_module("02_model")
 mp = importlib.import_module("06_mixed_precision")
-gpus = importlib.import_module("bench.gpus")  # peak_flops, mfu
+gpus = importlib.import_module("support.gpus")  # peak_flops, mfu
 
 MODES = ("fp32", "tf32", "bf16 autocast", "fp16 autocast + scaler", "fp16 by hand")
 

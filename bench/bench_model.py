@@ -9,7 +9,7 @@ must produce our logits: the two compute the same function.
 One training step = forward, backward, AdamW step, on a fixed batch. The two models alternate
 step by step, so drift in the machine's speed hits both alike; the median step time is reported,
 with the model FLOP/s it achieves (tokens/s x 02's flops_per_token; MFU divides that by a GPU's
-peak, bench/gpus.py's peak_flops; a CPU has no entry). First it prints every preset's shape, size and
+peak, support/gpus.py's peak_flops; a CPU has no entry). First it prints every preset's shape, size and
 FLOPs/token with attention's share of them (02_model.py's demo prints the sizes only).
 Target: ours at least as fast per step as the reference on CPU.
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
 model_lib = importlib.import_module("02_model")
-gpus = importlib.import_module("bench.gpus")
+gpus = importlib.import_module("support.gpus")
 GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 train = importlib.import_module("train")
-gpus = importlib.import_module("bench.gpus")
+gpus = importlib.import_module("support.gpus")
 
 
 def run(schedule: str, steps: int, out: Path) -> dict:

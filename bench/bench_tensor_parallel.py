@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
+from support import distributed
+
 model_lib = importlib.import_module("02_model")
-ddp = importlib.import_module("03_ddp")  # init_distributed, print0, relaunch_with_torchrun
 tp_lib = importlib.import_module("04_tensor_parallel")
 mp_lib = importlib.import_module("06_mixed_precision")  # saved_activation_bytes
 
@@ -98,7 +99,7 @@ def ms_per_step(model, x, y, args) -> float:
 
 
 def bench(args, group, device):
-    tp, print0, MB = dist.get_world_size(group), ddp.print0, 2**20
+    tp, print0, MB = dist.get_world_size(group), distributed.print0, 2**20
     config = model_lib.GPTConfig.from_preset(
         args.preset, vocab_size=256, pad_vocab_multiple=math.lcm(64, tp), dropout=0.0
     )
@@ -165,8 +166,8 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=1337, help="the model's and the batch's")
     args = parser.parse_args(argv)
     if "WORLD_SIZE" not in os.environ:
-        return ddp.relaunch_with_torchrun(args.ranks, argv, __file__)
-    _, _, world_size, device = ddp.init_distributed()
+        return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
+    _, _, world_size, device = distributed.init_distributed()
     try:
         group = dist.new_group(list(range(world_size)))  # here the TP group is the whole world
         bench(args, group, device)

@@ -13,7 +13,7 @@ the third and fifth report that, as they should.
 4. recomputation (02, selective and full) with dropout on CUDA's generator: loss and gradients
    against no recomputation, beside a second run without it (the GPU's own run-to-run noise);
 5. --dtype auto (train.resolve_dtype) picks bf16 where torch.cuda.is_bf16_supported();
-6. the card's dense peaks in bench/gpus.py's table (MFU's denominator).
+6. the card's dense peaks in support/gpus.py's table (MFU's denominator).
 """
 
 import dataclasses
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
 mp_lib = importlib.import_module("06_mixed_precision")
-gpus = importlib.import_module("bench.gpus")
+gpus = importlib.import_module("support.gpus")
 train = importlib.import_module("train")
 
 

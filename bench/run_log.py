@@ -2,7 +2,7 @@
 each) and the run's figure, loss.png. Plumbing, kept out of train.py's lesson (DESIGN §2).
 
 A train row: step, loss, lr, grad_norm, tokens seen, tokens/s (all ranks and per rank), MFU and
-HFU (bench/gpus.py), peak memory (the GPU's allocator, or the CPU's peak RSS) and the ETA.
+HFU (support/gpus.py), peak memory (the GPU's allocator, or the CPU's peak RSS) and the ETA.
 """
 
 import importlib
@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
+from support import distributed
+
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
-ddp_lib = importlib.import_module("03_ddp")
 mp_lib = importlib.import_module("06_mixed_precision")
-gpus = importlib.import_module("bench.gpus")  # PEAK_FLOPS, peak_flops, mfu: MFU's denominator
+gpus = importlib.import_module("support.gpus")  # PEAK_FLOPS, peak_flops, mfu: MFU's denominator
 
 
 def model_flops_per_token(gpt_config, T: int, lora_rank: int = 0) -> int:
@@ -76,19 +77,21 @@ class Logger:
         rate = f"{tok_s:,.0f} tok/s ({tok_s / world:,.0f}/rank) | mfu {mfu_text}"
         if "comm_bytes" in stats:  # dp > 1: the gradient bytes this rank all-reduced this step
             rate += f" | comm {stats['comm_bytes'] / 1e6:.2f} MB"
-        ddp_lib.print0(f"step {step:5d} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
+        distributed.print0(f"step {step:5d} | loss {stats['loss']:.4f} | lr {stats['lr']:.2e} | "
                        f"norm {stats['grad_norm']:.3f} | {rate} | mem {mem / 1e9:.2f} GB | "
                        f"eta {eta / 60:.1f} min")  # fmt: skip
 
     def val_row(self, step: int, val_loss: float) -> None:
         tokens = (step + 1) * self.tokens_per_step
         self.write({"kind": "val", "step": step, "val_loss": val_loss, "tokens": tokens})
-        ddp_lib.print0(f"step {step:5d} | val loss {val_loss:.4f}")
+        distributed.print0(f"step {step:5d} | val loss {val_loss:.4f}")
 
 
 def plot_losses(out_dir) -> Path:
     """The run's one figure, loss.png: train and validation loss against tokens seen."""
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure to close
+    from matplotlib.figure import (
+        Figure,  # no pyplot: no GUI backend, no global figure to close
+    )
 
     rows = [json.loads(r) for r in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     ax = Figure(figsize=(7, 4)).subplots()

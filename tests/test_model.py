@@ -171,12 +171,12 @@ def test_flops_per_token_hand_count():
 
 
 def test_recomputed_flops_hand_count():
-    """HFU's extra FLOPs (bench/gpus.py, for train.py's log). Full recomputation redoes each
+    """HFU's extra FLOPs (support/gpus.py, for train.py's log). Full recomputation redoes each
     block's forward: its matmuls, 2 FLOPs per weight, 12 C^2 weights a block, and attention's
     q k^T and att @ v, 2·T·hs each per head. tiny: C = 32, L = 2, nh = 2, hs = 16, T = 32:
         2 (2 * 12 * 32^2 + 4 * 2 * 16 * 32) = 2 (24,576 + 4,096) = 57,344 FLOPs per token,
     about a third of the blocks' 6N; selective redoes no weight's matmul: 0; none: 0."""
-    gpus = importlib.import_module("bench.gpus")
+    gpus = importlib.import_module("support.gpus")
     for mode, extra in (("none", 0), ("selective", 0), ("full", 57_344)):
         assert gpus.recompute_flops_per_token(tiny(recompute=mode), 32) == extra, mode
     # with dropout, selective redoes attention (no kept output may skip a random draw): 2 x 4,096
@@ -185,10 +185,10 @@ def test_recomputed_flops_hand_count():
 
 def test_peak_flops_and_mfu():
     """Dense (not 2:4 sparse) datasheet peaks; unknown devices and dtypes are None, not guesses.
-    The table and mfu() live in bench/gpus.py (train.py's logs and the benchmarks read them).
+    The table and mfu() live in support/gpus.py (train.py's logs and the benchmarks read them).
 
     MFU by hand: 400,000 tokens/s x 1e9 FLOPs/token on 2 GPUs of 1e15 FLOP/s = 4e14 / 2e15 = 0.2."""
-    gpus = importlib.import_module("bench.gpus")
+    gpus = importlib.import_module("support.gpus")
     peak = gpus.peak_flops
     assert peak("NVIDIA H100 80GB HBM3", "bf16") == 989.5e12  # 1979 "with sparsity" / 2
     assert peak("NVIDIA H100 PCIe", "bf16") == 756.5e12  # the more specific key wins

@@ -685,17 +685,31 @@ def test_zero3_refuses_several_pipeline_chunks_per_rank(world):
         assert "\n" not in res[3]
 
 
-def test_collective_names_fall_back_to_older_torch(monkeypatch):
-    """torch 2.13 renamed the one-tensor collectives (the old names warn there); the GPU image's
-    torch 2.11 has only the old ones, and 03's ZeRO died there on reduce_scatter_single. Without
-    the new names, 03 picks the old ones, which torch still has: same signature, same op. (Only
-    the H200's one-rank demo ran them: at world 1 the collectives are trivial.)"""
-    assert (ddp.RS, ddp.AG) == ("reduce_scatter_single", "all_gather_single")
-    for new in ("reduce_scatter_single", "all_gather_single"):
-        monkeypatch.delattr(dist, new)
-    older = importlib.util.module_from_spec(importlib.util.find_spec("03_ddp"))
-    older.__spec__.loader.exec_module(older)  # 03 imported afresh, as under torch 2.11
-    assert (older.RS, older.AG) == ("reduce_scatter_tensor", "all_gather_into_tensor")
-    assert callable(getattr(dist, older.RS)) and callable(getattr(dist, older.AG))
-    source = open(ddp.__file__).read()  # and no call site names a collective itself
-    assert "dist.reduce_scatter_single(" not in source and "dist.all_gather_single(" not in source
+def test_collective_names_fall_back_to_older_torch(monkeypatch, tmp_path):
+    """torch 2.13 renamed the one-tensor collectives; the GPU image's torch 2.11 has only the
+    old ones, and 03's ZeRO died there on reduce_scatter_single. support.distributed calls the
+    new name where it exists, else the old one: both give the same sums, here on a world of 1
+    with each name removed in turn. No lesson names either collective itself."""
+    from support import distributed
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1
+    )
+    try:
+        x = torch.arange(4.0)
+        for gone in (None, "reduce_scatter_single", "all_gather_single"):
+            with monkeypatch.context() as m:
+                if gone:  # as under torch 2.11: only the old name
+                    m.delattr(dist, gone)
+                out = torch.empty(4)
+                distributed.reduce_scatter_tensor(out, x.clone())
+                assert out.equal(x)
+                out = torch.empty(4)
+                distributed.all_gather_tensor(out, x.clone())
+                assert out.equal(x)
+    finally:
+        dist.destroy_process_group()
+    for lesson in ("03_ddp.py", "04_tensor_parallel.py", "05_pipeline.py"):
+        source = open(lesson).read()
+        assert "dist.reduce_scatter_single(" not in source, lesson
+        assert "dist.all_gather_single(" not in source, lesson

@@ -1,0 +1,63 @@
+"""Joining a torchrun job, printing from rank 0, self-launching ranks, collectives' old names."""
+
+import importlib
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, int, torch.device]:
+    """Join the torchrun job: (rank, local_rank, world_size, device).
+
+    nccl on CUDA, else gloo. The timeout turns a hang (a rank skipped a collective) into
+    an error. A process group already initialised is reused; without torchrun the world
+    is one process.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # before init: NCCL binds each rank to its own GPU
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
+        # device_id (NCCL) binds the communicators to this GPU now, so no subgroup guesses.
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if cuda else None,
+        )
+    if dist.is_initialized():
+        return dist.get_rank(), local_rank, dist.get_world_size(), device
+    return 0, 0, 1, device
+
+
+def print0(*args, **kwargs) -> None:
+    """print, on global rank 0 only (or without a process group), flushed."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def relaunch_with_torchrun(ranks: int, argv, script: str) -> None:
+    """Run `python script ARGS` as `torchrun --standalone --nproc_per_node=ranks script ARGS`."""
+    args = ["--standalone", f"--nproc_per_node={ranks}", script, *argv]
+    print(f"not started by torchrun, so running: torchrun {' '.join(args)}", flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several ranks
+    importlib.import_module("torch.distributed.run").main(args)  # torchrun's own main
+
+
+# torch 2.13 renamed the single-tensor collectives; torch 2.11 (the GPU machines) has only
+# the old names. The lessons call these two functions, so the collective stays in sight.
+def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """Sum every rank's `input`; rank r keeps slice r in `output` (reduce-scatter)."""
+    kwargs = dict(op=op, group=group, async_op=async_op)
+    if hasattr(dist, "reduce_scatter_single"):
+        return dist.reduce_scatter_single(output, input, **kwargs)
+    return dist.reduce_scatter_tensor(output, input, **kwargs)
+
+
+def all_gather_tensor(output, input, group=None, async_op=False):
+    """Every rank's `input`, concatenated in rank order into `output` (all-gather)."""
+    if hasattr(dist, "all_gather_single"):
+        return dist.all_gather_single(output, input, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)

@@ -1,0 +1,93 @@
+"""The house rules of DESIGN §2, checked on the source: who imports whom, the line budgets,
+and the reader's density (long lines, packed assignments, formatter switches).
+
+Each rule fails when broken: import 07 from 03, add 40 lines of 100 characters to 02, or
+write `a, b = 1, 2` in a lesson, and the matching test goes red.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LESSONS = sorted(p.name for p in ROOT.glob("[0-9][0-9]_*.py"))
+BUDGETS = {"01_data.py": 700, "train.py": 500}  # every other lesson: 600 lines
+LONG = 88  # the formatter's line length (pyproject.toml)
+LONG_SHARE = 0.05  # at most 5% of a file's lines longer than LONG
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports: `import x`, `from x import y`, import_module("x")."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            if node.args and isinstance(node.args[0], ast.Constant):
+                names.add(node.args[0].value)
+    return names
+
+
+def numbered(module: str) -> int | None:
+    match = re.match(r"(\d\d)_", module)
+    return int(match.group(1)) if match else None
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_a_lesson_imports_only_lower_numbers_and_support(lesson):
+    mine = numbered(lesson)
+    for module in imported_modules(ROOT / lesson):
+        n = numbered(module)
+        assert n is None or n < mine, f"{lesson} imports {module}: a later lesson"
+        assert not module.startswith("bench"), f"{lesson} imports {module}: bench/ only measures"
+        assert module != "train", f"{lesson} imports train.py"
+
+
+def test_support_imports_no_lesson_and_nothing_imports_bench():
+    for path in sorted((ROOT / "support").glob("*.py")):
+        for module in imported_modules(path):
+            assert numbered(module) is None, f"support/{path.name} imports {module}"
+            assert not module.startswith(("bench", "train")), f"support/{path.name}: {module}"
+    outside = [ROOT / "train.py", *ROOT.glob("tests/*.py")]
+    for path in outside:
+        for module in imported_modules(path):
+            assert not module.startswith("bench"), f"{path.name} imports {module}"
+
+
+def density_problems(path: Path) -> list[str]:
+    """What breaks the density rules in one file (an empty list: none)."""
+    lines = path.read_text().split("\n")
+    if lines and lines[-1] == "":
+        lines = lines[:-1]
+    problems = []
+    budget = BUDGETS.get(path.name, 600)
+    if len(lines) > budget:
+        problems.append(f"{len(lines)} lines, budget {budget}")
+    long = [i + 1 for i, line in enumerate(lines) if len(line) > LONG]
+    if len(long) > LONG_SHARE * len(lines):
+        share = len(long) / len(lines)
+        problems.append(f"{share:.1%} of lines over {LONG} characters (lines {long[:8]}...)")
+    switches = [i + 1 for i, line in enumerate(lines) if re.search(r"#\s*fmt:\s*(off|skip)", line)]
+    if switches:
+        problems.append(f"formatter switched off at lines {switches}")
+    for node in ast.walk(ast.parse(path.read_text())):
+        packed = isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
+        if packed and isinstance(node.value, ast.Tuple | ast.List):
+            problems.append(f"line {node.lineno} assigns several names from a packed tuple")
+    return problems
+
+
+@pytest.mark.parametrize("name", [*LESSONS, "train.py"])
+def test_budget_and_density(name):
+    assert density_problems(ROOT / name) == [], name
+
+
+def test_the_density_check_can_fail(tmp_path):
+    packed = tmp_path / "02_x.py"
+    packed.write_text("a, b = 1, 2\n" + "x = 1  # " + "y" * 90 + "\n")
+    problems = density_problems(packed)
+    assert any("packed" in p for p in problems) and any("over 88" in p for p in problems)
