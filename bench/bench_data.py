@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -42,30 +41,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 data = importlib.import_module("01_data")
 gpus = importlib.import_module("support.gpus")
-SHAKESPEARE_URL = (
-    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-)
+files_lib = importlib.import_module("support.files")
+sources = importlib.import_module("support.sources")
 
 
 def timed(fn, *args, **kwargs):
     start = time.perf_counter()
     out = fn(*args, **kwargs)
     return out, time.perf_counter() - start
-
-
-def download_shakespeare(cache_dir="data/downloads") -> Path:
-    """Fetch tiny-shakespeare once into a cache (only when the user asks for it)."""
-    path = Path(cache_dir) / "tinyshakespeare.txt"
-    try:
-        if not path.is_file():
-            with urllib.request.urlopen(SHAKESPEARE_URL, timeout=20) as r:
-                data.atomic_write(path, lambda tmp: tmp.write_bytes(r.read()))
-    except OSError as e:  # urllib's URLError is an OSError
-        raise RuntimeError(
-            f"could not download tiny-shakespeare from {SHAKESPEARE_URL} ({e}); "
-            "if you are offline, give 01_data.py a local text file: --source path/to/file.txt"
-        ) from e
-    return path
 
 
 def main(argv=None):
@@ -85,8 +68,8 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     print(f"machine: {gpus.machine()}, Python {platform.python_version()}")
-    files = [download_shakespeare()] if args.shakespeare else data.stdlib_files()
-    docs = [text for _, _, text, _ in data.iter_documents(files, [])]
+    files = [sources.download_shakespeare()] if args.shakespeare else sources.stdlib_files()
+    docs = [text for _, _, text, _ in sources.iter_documents(files, [])]
     corpus = data.EOT.join(docs)
     small = corpus.replace(data.EOT, "\n")[:300_000]  # the reference trainer knows no specials
 
@@ -170,7 +153,7 @@ def prose_corpus(corpus: str, gb: float, folder="data/bench-prose", seed=0) -> t
                     kept = kept[-999:] + [doc]  # the originals copies are drawn from
                 lines.append(json.dumps({"text": " ".join(doc)}) + "\n")
                 n += len(lines[-1])
-            data.atomic_write(path, lambda tmp, c=lines: tmp.write_text("".join(c)))
+            files_lib.atomic_write(path, lambda tmp, c=lines: tmp.write_text("".join(c)))
         size += path.stat().st_size
     return out, size
 

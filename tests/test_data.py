@@ -19,15 +19,16 @@ import tiktoken
 import tiktoken.load
 import torch
 
+from support import files, sources, token_files
+
 data = importlib.import_module("01_data")
-bench_data = importlib.import_module("bench.bench_data")  # download_shakespeare
 EOT = data.EOT
 
 
 @pytest.fixture(scope="module")
 def real_text():
     """~300 KB of real text: the first files of the standard-library corpus."""
-    docs = [text for _, _, text, _ in data.iter_documents(data.stdlib_files()[:40], [])]
+    docs = [text for _, _, text, _ in sources.iter_documents(sources.stdlib_files()[:40], [])]
     return EOT.join(docs)[:300_000]
 
 
@@ -277,7 +278,7 @@ def test_unknown_tokenizer_says_what_is_allowed():
 # Sources, shards and prepare
 # ---------------------------------------------------------------------------------------------
 def test_stdlib_corpus_is_found_in_a_deterministic_order():
-    files = data.stdlib_files()
+    files = sources.stdlib_files()
     assert len(files) > 100 and files == sorted(files)
     assert not any("site-packages" in f.parts for f in files)
 
@@ -287,7 +288,7 @@ def test_stdlib_corpus_leaves_out_generated_tables():
     Sphinx's help text (pydoc_data/topics.py, 750 KB) and html/entities.py are in the standard
     library but are not Python anyone writes. Code stays in, the codecs' code included."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = data.stdlib_files()
+    files = sources.stdlib_files()
     names = {f.relative_to(root).as_posix() for f in files}
     assert {"json/decoder.py", "codecs.py", "encodings/utf_8.py", "encodings/idna.py"} <= names
     assert not names & {"encodings/cp437.py", "pydoc_data/topics.py", "html/entities.py"}
@@ -295,8 +296,8 @@ def test_stdlib_corpus_leaves_out_generated_tables():
     assert len(charmaps) > 30, "the standard library has charmap codecs to leave out"
     assert not set(charmaps) & set(files)
     # the rule by hand: a table is mostly lines that open with a string or number literal
-    assert data.is_table("X = {\n    'a': 1,\n    'b': 2,\n    'c': 3,\n    0x41: 'A',\n}\n")
-    assert not data.is_table('def f(x):\n    """Doc."""\n    return {"a": x}\n')
+    assert sources.is_table("X = {\n    'a': 1,\n    'b': 2,\n    'c': 3,\n    0x41: 'A',\n}\n")
+    assert not sources.is_table('def f(x):\n    """Doc."""\n    return {"a": x}\n')
 
 
 def test_shakespeare_offline_gives_a_clear_error(tmp_path, monkeypatch):
@@ -305,15 +306,15 @@ def test_shakespeare_offline_gives_a_clear_error(tmp_path, monkeypatch):
     def offline(*args, **kwargs):
         raise urllib.error.URLError("Name or service not known")
 
-    monkeypatch.setattr(bench_data.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(sources.urllib.request, "urlopen", offline)
     with pytest.raises(RuntimeError, match="could not download tiny-shakespeare.*--source"):
-        bench_data.download_shakespeare(tmp_path)
+        sources.download_shakespeare(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
 def write_shard(path, tokens: np.ndarray) -> None:
     """A shard by hand (01's ShardWriter names its own): the header, then the tokens."""
-    data.atomic_write(
+    files.atomic_write(
         path,
         lambda tmp: tmp.write_bytes(
             data.shard_header(tokens.dtype, len(tokens)) + tokens.tobytes()
@@ -340,7 +341,7 @@ def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):
         seen.append(tmp)
         tmp.write_text("new")
 
-    data.atomic_write(path, write)
+    files.atomic_write(path, write)
     assert path.read_text() == "new" and seen[0].parent == path.parent
     assert str(os.getpid()) in seen[0].name and not seen[0].exists()
 
@@ -349,9 +350,9 @@ def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        data.atomic_write(path, torn)
+        files.atomic_write(path, torn)
     assert path.read_text() == "new" and sorted(path.parent.iterdir()) == [path]
-    data.fsync_dir(path.parent)  # a folder can be fsynced (train.py does after its renames)
+    files.fsync_dir(path.parent)  # a folder can be fsynced (train.py does after its renames)
 
 
 def test_a_file_that_is_not_a_shard_is_rejected(tmp_path):
@@ -435,11 +436,11 @@ def test_encoding_holds_one_batch_of_text_at_a_time_not_the_corpus(monkeypatch, 
     reached, at least one: with a limit of 100,000, twelve documents of 30,000 characters go in
     3 calls of 4 (120,000: never more than the limit plus one document), and a document above
     the limit goes alone. The tokens are those of one document at a time, EOT between them."""
-    monkeypatch.setattr(data, "ENCODE_BATCH_CHARS", 100_000, raising=False)
+    monkeypatch.setattr(token_files, "ENCODE_BATCH_CHARS", 100_000)
 
     def encode(docs):
         enc, w = RecordingBytes(256), data.ShardWriter(tmp_path, "train", np.uint16, 10**9)
-        data.encode_documents(enc, [("train", d, 0) for d in docs], {"train": w}, 1)
+        token_files.encode_documents(enc, [("train", d, 0) for d in docs], {"train": w}, 1)
         return enc.calls, data.read_shard(tmp_path / w.shards[0]["file"]).tolist()
 
     docs = [chr(ord("a") + d) * 30_000 for d in range(12)]
@@ -486,13 +487,13 @@ NOT_UTF8 = bytes(random.Random(0).randrange(1, 256) for _ in range(4096))  # ran
 def test_binary_means_a_nul_or_not_utf8_in_the_first_8kb():
     """The old rule (a NUL only) took random bytes for text; a strict decode of the head would
     reject good text whose 8 KB cut splits a character, or accept a Latin-1 byte at the end."""
-    assert not data.is_binary("héllo wörld 中文 😀\n".encode())
+    assert not sources.is_binary("héllo wörld 中文 😀\n".encode())
     # "a" + 2-byte "é"s: the 8,192-byte cut falls inside an "é". A plain decode of the head
     # would call this text binary; the incremental decoder waits for the missing byte.
-    assert not data.is_binary(("a" + "é" * 5000).encode())
-    assert data.is_binary(b"caf\xe9")  # Latin-1: not UTF-8 (at the end of a file, no byte follows)
-    assert data.is_binary(PNG) and data.is_binary(ELF) and data.is_binary(NOT_UTF8)
-    assert not data.is_binary(b"a" * 8192 + b"\0")  # only the head is judged
+    assert not sources.is_binary(("a" + "é" * 5000).encode())
+    assert sources.is_binary(b"caf\xe9")  # Latin-1: not UTF-8 (at the end of a file, no byte follows)
+    assert sources.is_binary(PNG) and sources.is_binary(ELF) and sources.is_binary(NOT_UTF8)
+    assert not sources.is_binary(b"a" * 8192 + b"\0")  # only the head is judged
 
 
 BAD_SOURCES = {  # case: (files to write, the --source to name, what the one-line error says)
@@ -611,8 +612,8 @@ def test_the_demo_prints_its_headlines_and_trains_on_the_train_split_only(tmp_pa
     )
     assert "disjoint: True" in printed and "y is x shifted: True" in printed
     files = sorted(corpus.iterdir())
-    cut, docs = data.val_cut(files, 0.2), data.iter_documents(files, [])
-    pieces = [piece for doc in docs for piece in data.split_document(doc, cut)]
+    cut, docs = sources.val_cut(files, 0.2), sources.iter_documents(files, [])
+    pieces = [piece for doc in docs for piece in sources.split_document(doc, cut)]
     train_docs = [text for split, text in pieces if split == "train"]
     val_docs = [text for split, text in pieces if split == "val"]
     assert "qx" in "".join(val_docs) and "qx" not in "".join(train_docs)
@@ -781,7 +782,7 @@ def test_big_documents_are_refused_and_lone_surrogates_repaired(tmp_path, monkey
     """A document is encoded whole, ~20x its size in memory: a file over MAX_DOCUMENT_BYTES is a
     one-line error (split it), not a machine out of memory. A JSON line may hold a lone UTF-16
     surrogate (web dumps do); it becomes U+FFFD, as tiktoken would make it, not a crash."""
-    monkeypatch.setattr(data, "MAX_DOCUMENT_BYTES", 1_000)
+    monkeypatch.setattr(sources, "MAX_DOCUMENT_BYTES", 1_000)
     (tmp_path / "big.txt").write_text("x" * 1_001)
     with pytest.raises(ValueError, match="one document: split it"):
         data.prepare(str(tmp_path / "big.txt"), "char", tmp_path / "out", block_size=8)
