@@ -3,9 +3,8 @@
 A language model eats integers: learn a byte-level BPE vocabulary (the most frequent
 adjacent pair becomes a new token, again and again), clean the documents, encode them
 once into memory-mapped token shards, and cut (x, y) batches from them as a pure
-function of the step. BPE (Sennrich et al. 2016; byte-level as in GPT-2, Radford et al.
-2019) runs on the "words" of GPT-2's pre-tokenization regex, so no merge crosses a word
-boundary or a special token:
+function of the step. BPE (Sennrich et al. 2016; byte-level as GPT-2's) runs on the
+"words" of GPT-2's pre-tokenization regex: no merge crosses a word or a special token.
 
     start:  every word is its UTF-8 bytes        "hug" -> [h, u, g]    vocab = 256 bytes
     repeat: (a, b) = the most frequent adjacent pair, counted over words x frequency
@@ -13,19 +12,16 @@ boundary or a special token:
     ties:   among equal counts, the lexicographically greatest (bytes(a), bytes(b)) wins
     encode: in each word, merge the adjacent pair of lowest rank, and repeat
 
-BPE is taught naive first: `train_bpe_naive` recounts every pair of every word after
-each merge (minbpe's BasicTokenizer). Then `train_bpe` learns the same merges
-incrementally: a merge recounts only the words that hold its pair, and a heap gives the
-next pair.
+BPE is taught naive first (`train_bpe_naive` recounts every pair after each merge), then
+incremental (`train_bpe`: a merge recounts only its words; a heap gives the next pair).
 
 Clean data (as FineWeb, Penedo et al. 2024): --quality gopher keeps prose by Gopher's
 rules (Rae et al. 2021). --dedup drops a document seen before: exact (the same text up
-to case and spacing), or minhash (Broder 1997), near copies too. Two documents' word
-5-gram sets have the Jaccard similarity J(A, B) = |A∩B|/|A∪B|; the least of a hash over
-A is the least over B when the least of A∪B is in A∩B, so P = J. 112 hashes in 14 bands
-of 8 (LSH: a key a band; a shared key is a match, found by set lookup) match with
-P = 1 - (1 - J^8)^14: 92% at J = 0.8, 5% at 0.5. The first of a cluster stays; 15 keys
-of ~75 B a document: 17 GB for 10B tokens.
+to case and spacing), or minhash (Broder 1997), near copies too. For word 5-gram sets
+A and B, J = |A∩B|/|A∪B|; the least hash over A is the least over B iff the least over
+A∪B is in A∩B: P = J. 112 hashes in 14 bands of 8 (LSH: a key a band; a shared key is
+a match) match with P = 1 - (1 - J^8)^14: 92% at J = 0.8, 5% at 0.5. The first of a
+cluster stays; 15 keys of ~75 B a document: 17 GB for 10B tokens.
 
 Who holds what (nothing is distributed yet, except who reads which window):
 
@@ -38,18 +34,15 @@ Who holds what (nothing is distributed yet, except who reads which window):
         dp_rank 1 -> perm_e[k*dp*B + 1*B : ... + B]    (disjoint from rank 0's)
 
 Launch: `python 01_data.py` (a 4,096-token BPE on the standard library's source, shards
-in data/; --source FILES.jsonl for a real corpus; timings: bench/bench_data.py).
-
-The plumbing is in support/: reading the sources (sources.py), crash-safe writes, the
-lock and the fingerprint (files.py), the progress line (progress.py). Left out on
-purpose: Unicode normalisation, fast trainers, packing masks, language ID, URL and
+in data/; --source FILES.jsonl for a real corpus; timings: bench/bench_data.py). The
+plumbing is in support/ (sources.py, files.py, token_files.py, progress.py). Left out
+on purpose: Unicode normalisation, fast trainers, packing masks, language ID, URL and
 repetition filters.
 """
 
 import argparse
 import hashlib
 import heapq
-import json
 import time
 import zlib
 from collections import Counter
@@ -64,10 +57,10 @@ from support import files as files_lib
 from support import sources, token_files
 from support.files import atomic_write, fsync_dir  # noqa: F401 - callers use data.*
 from support.sources import split_document, val_cut
+from support.token_files import RollingWriter
 
-# GPT-2's pre-tokenization, as tiktoken's "gpt2" uses it: 's 't 're 've 'm 'll 'd,
-# ?letters, ?digits, ?other symbols, trailing whitespace, whitespace not followed by a
-# non-space, and any other single whitespace.
+# GPT-2's pre-tokenization, as tiktoken's: 's 't 're 've 'm 'll 'd, ?letters, ?digits,
+# ?other symbols, trailing whitespace, whitespace before a space, a single whitespace.
 GPT2_SPLIT_PATTERN = (
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++"""
     r"""|\s++$|\s+(?!\S)|\s"""
@@ -82,27 +75,22 @@ SPLITS = ("train", "val")
 SHARD_TOKENS = 100_000_000
 
 
-# --- BPE training: the naive trainer, then the incremental one -------------------------
+# --- BPE training: the naive trainer, then the incremental one ------------------------
 def _special_splitter(specials):
     """Cuts text at special tokens, longest first (one never hides another)."""
-    longest_first = sorted(specials, key=len, reverse=True)
-    alternatives = "|".join(map(regex.escape, longest_first))
-    # With no specials, (?!) is a pattern that never matches: the text stays whole.
-    return regex.compile(f"({alternatives or '(?!)'})")
+    alternatives = "|".join(map(regex.escape, sorted(specials, key=len, reverse=True)))
+    return regex.compile(f"({alternatives or '(?!)'})")  # (?!) never matches.
 
 
 def _pretokenize(text: str, specials) -> tuple[list[list[int]], list[int]]:
-    """Each distinct pre-token once, as its bytes, with its frequency.
-
-    Special tokens are cut out first, so no merge ever crosses or enters one.
-    """
+    """Each distinct pre-token once, as its bytes, with its frequency. Special tokens
+    are cut out first, so no merge ever crosses or enters one."""
     pattern = regex.compile(GPT2_SPLIT_PATTERN)
     counts = Counter()
     for part in _special_splitter(specials).split(text):
         if part not in specials:
             counts.update(pattern.findall(part))
-    words = [list(w.encode("utf-8")) for w in counts]
-    return words, list(counts.values())
+    return [list(w.encode("utf-8")) for w in counts], list(counts.values())
 
 
 def merge(ids: list[int], a: int, b: int, new_id: int) -> list[int]:
@@ -120,11 +108,8 @@ def merge(ids: list[int], a: int, b: int, new_id: int) -> list[int]:
 
 
 def train_bpe_naive(text: str, vocab_size: int, special_tokens=(EOT,)) -> "Tokenizer":
-    """The simple version (minbpe's BasicTokenizer, on GPT-2's pre-tokens).
-
-    After every merge it recounts every pair of every word: each merge costs a pass
-    over the whole corpus.
-    """
+    """The simple version (minbpe's BasicTokenizer, on GPT-2's pre-tokens): after every
+    merge, recount every pair of every word. Each merge costs a pass over the corpus."""
     specials = list(special_tokens)
     too_small = f"vocab_size {vocab_size} < 256 bytes + {len(specials)} specials"
     assert vocab_size >= 256 + len(specials), too_small
@@ -153,11 +138,9 @@ def _tie_key(token: bytes) -> tuple:
 
 
 def train_bpe(text: str, vocab_size: int, special_tokens=(EOT,)) -> "Tokenizer":
-    """`train_bpe_naive`'s merges, with the pair counts updated incrementally.
-
-    A merge touches only the words that contain its pair (`where`), and the next pair
-    comes from a lazy max-heap: an entry whose count moved is skipped when popped.
-    """
+    """`train_bpe_naive`'s merges, with the pair counts updated incrementally: a merge
+    touches only the words that contain its pair (`where`), and the next pair comes
+    from a lazy max-heap (an entry whose count moved is skipped when popped)."""
     specials = list(special_tokens)
     n_merges = vocab_size - 256 - len(specials)
     too_small = f"vocab_size {vocab_size} < 256 bytes + {len(specials)} specials"
@@ -212,13 +195,11 @@ def _apply_merge(pair, new_id, words, freqs, pair_counts, where) -> set:
     return changed
 
 
-# --- Tokenizers: our BPE, bytes ("char") and GPT-2 (tiktoken), with one interface ------
+# --- Tokenizers: our BPE, bytes ("char") and GPT-2 (tiktoken), with one interface -----
 class Tokenizer:
-    """Byte-level BPE whose pure-Python encoder gives exactly tiktoken's ids.
-
-    `vocab` maps id -> bytes, the 256 single bytes included (an id is also the merge's
-    rank); `merges` holds the pairs, in merge order.
-    """
+    """Byte-level BPE whose pure-Python encoder gives exactly tiktoken's ids. `vocab`:
+    id -> bytes, the 256 single bytes included (an id is also the merge's rank);
+    `merges`: the pairs, in merge order."""
 
     def __init__(self, vocab: dict[int, bytes], merges: list, special_tokens=None):
         self.vocab = dict(vocab)
@@ -240,8 +221,8 @@ class Tokenizer:
         self.n_vocab = max(self.vocab) + 1
         self._pattern = regex.compile(GPT2_SPLIT_PATTERN)
         self._splitter = _special_splitter(self.special_tokens)
-        # A lone whitespace between non-spaces, the last one first ((?r) searches
-        # backwards): encode_iterable may cut the text there.
+        # Where encode_iterable may cut: a lone whitespace between non-spaces, the last
+        # one first ((?r) searches backwards).
         self._cut = regex.compile(r"(?r)(?<=\S)\s(?=\S)")
         self._cache: dict[bytes, list[int]] = {}
 
@@ -261,8 +242,7 @@ class Tokenizer:
             ranks = [self.ranks.get(a + b, self.n_vocab) for a, b in pairs]
             if min(ranks) == self.n_vocab:
                 break
-            # The leftmost of equal pairs ("aaa"), as tiktoken.
-            i = ranks.index(min(ranks))
+            i = ranks.index(min(ranks))  # The leftmost of equal pairs, as tiktoken.
             parts[i : i + 2] = [parts[i] + parts[i + 1]]
         if len(self._cache) > 100_000:
             self._cache.clear()  # Bounded memory for encode_iterable on huge streams.
@@ -277,7 +257,7 @@ class Tokenizer:
         return ids
 
     def encode(self, text: str) -> list[int]:
-        """Encode; special tokens in the text become their ids (allowed_special="all")."""
+        """Encode; special tokens in the text become their ids, as tiktoken's "all"."""
         ids = []
         for part in self._splitter.split(text):
             special = self.special_tokens.get(part)
@@ -288,12 +268,9 @@ class Tokenizer:
         return ids
 
     def encode_iterable(self, chunks):
-        """`encode("".join(chunks))`, streamed.
-
-        The text is cut before a lone whitespace between non-spaces (" x", "\\nx"),
-        which no pre-token crosses or looks past (and specials hold none). Memory: 64K
-        characters and the text since such a place (long only without them: base64).
-        """
+        """`encode("".join(chunks))`, streamed: cut before a lone whitespace between
+        non-spaces (" x", "\\nx"), which no pre-token crosses or looks past (specials
+        hold none). Memory: 64K characters and the text since such a place."""
         buf = ""
         for chunk in chunks:
             new = max(0, len(buf) - 1)  # Search from here on: linear time in all.
@@ -310,7 +287,7 @@ class Tokenizer:
         return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
 
     def to_tiktoken(self, name: str = "bpe") -> tiktoken.Encoding:
-        """The same ranks handed to tiktoken's Rust encoder (hundreds of times faster)."""
+        """The same ranks in tiktoken's Rust encoder (hundreds of times faster)."""
         return tiktoken.Encoding(
             name,
             pat_str=GPT2_SPLIT_PATTERN,
@@ -319,7 +296,7 @@ class Tokenizer:
         )
 
     def save(self, path) -> Path:
-        """Write X.tiktoken (tiktoken's own rank format) and X.json (specials, merges)."""
+        """Write X.tiktoken (tiktoken's rank format) and X.json (specials, merges)."""
         args = (self.ranks, self.merges, self.special_tokens, GPT2_SPLIT_PATTERN)
         return token_files.save_bpe(path, *args)
 
@@ -337,7 +314,7 @@ class CharTokenizer(Tokenizer):
 
 
 def get_tokenizer(name: str):
-    """ "gpt2" (tiktoken), "char", or the path of a tokenizer saved by Tokenizer.save."""
+    """ "gpt2" (tiktoken), "char", or the path of a tokenizer Tokenizer.save wrote."""
     if name == "char":
         return CharTokenizer()
     if name != "gpt2" and Path(name).with_suffix(".tiktoken").is_file():
@@ -353,10 +330,8 @@ def get_tokenizer(name: str):
         raise RuntimeError(f"cannot load GPT-2's tokenizer ({why}); {fix}") from e
 
 
-# --- Clean data: quality rules, then duplicates (exact, then near: MinHash, LSH bands) --
-STOP_WORDS = (
-    "the|be|to|of|and|that|have|with"  # Gopher's eight: English prose has them.
-)
+# --- Clean data: quality rules, then duplicates (exact, then near: MinHash, LSH) ----
+STOP_WORDS = "the|be|to|of|and|that|have|with"  # Gopher's eight: prose has them.
 WORD = regex.compile(r"\w+")  # A word tokenizer's cuts: words, then symbol runs.
 SYMBOLS = regex.compile(r"[^\w\s]+")
 LETTERED = regex.compile(r"\w*\p{L}\w*")
@@ -373,12 +348,8 @@ def gopher_rule_broken(text: str) -> str | None:
     n_words = max(1, len(words) + len(SYMBOLS.findall(text)))  # As FineWeb counts.
     mean = len("".join(words)) / max(1, len(words))
     dots = text.count("...") + text.count("…")
-
-    def share(test):  # The share of the lines that pass `test`.
-        return sum(map(test, lines)) / len(lines)
-
-    bullets = share(lambda s: s.lstrip().startswith(("•", "-")))
-    trailing_dots = share(lambda s: s.rstrip().endswith(("...", "…")))
+    bullets = sum(s.lstrip().startswith(("•", "-")) for s in lines) / len(lines)
+    trailing_dots = sum(s.rstrip().endswith(("...", "…")) for s in lines) / len(lines)
     lettered = len(LETTERED.findall(text))
     rules = {  # Each rule: what it removes, too few first, then too many.
         "words not 50 to 100,000": not 50 <= len(words) <= 100_000,  # Fragments; logs.
@@ -390,10 +361,7 @@ def gopher_rule_broken(text: str) -> str | None:
         "alphabetic words under 80%": lettered / n_words < 0.8,  # Tables, code.
         "under 2 stop words": len(STOP.findall(text)) < 2,  # Not English prose.
     }
-    for why, broken in rules.items():
-        if broken:
-            return why
-    return None
+    return next((why for why, broken in rules.items() if broken), None)
 
 
 def _digest(raw: bytes) -> bytes:
@@ -407,9 +375,7 @@ class Deduplicator:
     def __init__(self, mode: str, hashes: int = 112, bands: int = 14):
         rng = np.random.default_rng(SHARD_MAGIC)  # Any fixed seed: the same removals.
         # a is odd, so a·s mod 2^64 is one-to-one. Each has shape (hashes, 1).
-        a_and_b = rng.integers(0, 2**64, (2, hashes, 1), np.uint64) | 1
-        self.a = a_and_b[0]
-        self.b = a_and_b[1]
+        self.a, self.b = rng.integers(0, 2**64, (2, hashes, 1), np.uint64) | 1
         self.mode = mode
         self.bands = bands
         self.seen = set()
@@ -421,9 +387,7 @@ class Deduplicator:
         crcs = [zlib.crc32(w.encode()) for w in WORD.findall(text.lower())]
         words = np.array(crcs, np.uint64)
         k = len(words) - n + 1
-        if k < 1:
-            # No n-gram: the exact key alone, or every such text (the empty one too)
-            # would meet every other.
+        if k < 1:  # No n-gram: the exact key alone, or every such text would meet.
             return None
         # (k,): a polynomial hash of each n-gram, base 2^64/φ (odd).
         shingles = words[:k].copy()
@@ -446,15 +410,12 @@ class Deduplicator:
             # A key per band, its index in front: band 2 never meets band 5.
             for i, band in enumerate(sig.reshape(self.bands, -1)):
                 keys.append(("near duplicate", _digest(bytes([i]) + band.tobytes())))
-        why = None
-        for reason, key in keys:
-            if why is None and key in self.seen:
-                why = reason
+        why = next((why for why, key in keys if key in self.seen), None)
         self.seen.update(key for _, key in keys)
         return why
 
 
-# --- Shards: a small header, then the ids; written whole or not at all ------------------
+# --- Shards: a small header, then the ids; written whole or not at all ----------------
 def shard_header(dtype, n: int) -> bytes:
     """Four int64s: magic, version, bytes per id (2: uint16, 4: uint32), id count."""
     fields = [SHARD_MAGIC, SHARD_VERSION, np.dtype(dtype).itemsize, n]
@@ -462,44 +423,17 @@ def shard_header(dtype, n: int) -> bytes:
 
 
 def read_shard(path) -> np.ndarray:
-    """Memory-map a shard: its ids are paged in from disk only when a batch reads them."""
+    """Memory-map a shard: its ids are read from disk only when a batch needs them."""
     header = np.fromfile(path, np.int64, count=HEADER_INTS)
     ours = len(header) == HEADER_INTS and header[0] == SHARD_MAGIC
-    assert ours and header[1] == SHARD_VERSION, (
-        f"{path} is not a token shard of version {SHARD_VERSION}"
-    )
+    not_ours = f"{path} is not a token shard of version {SHARD_VERSION}"
+    assert ours and header[1] == SHARD_VERSION, not_ours
     dtype = {2: np.uint16, 4: np.uint32}[int(header[2])]
     n = int(header[3])
     return np.memmap(path, dtype, mode="r", offset=HEADER_INTS * 8, shape=(n,))
 
 
-def split_shards(data_dir, split: str) -> list[Path]:
-    """A split's shards, in order: meta.json's list, or {split}.bin without one."""
-    data_dir = Path(data_dir)
-    meta_path = data_dir / "meta.json"
-    shards = None
-    if meta_path.is_file():
-        shards = json.loads(meta_path.read_text()).get("shards")
-    if shards:
-        paths = [data_dir / s["file"] for s in shards[split]]
-    else:
-        paths = [data_dir / f"{split}.bin"]
-    for p in paths:
-        if not p.is_file():
-            fix = f"prepare the data first (python 01_data.py --out {data_dir})"
-            raise FileNotFoundError(f"{p} not found: {fix}")
-    return paths
-
-
-class ShardWriter(token_files.RollingWriter):
-    """Ids in, shards of at most `limit` ids out (OUT/{split}_000000.bin, ...), each
-    renamed into place only when whole (support/token_files.py's RollingWriter)."""
-
-    def __init__(self, out: Path, split: str, dtype, limit: int):
-        super().__init__(out, split, dtype, limit, header=shard_header)
-
-
-# --- Prepare: documents -> cleaned -> token shards on disk ------------------------------
+# --- Prepare: documents -> cleaned -> token shards on disk ----------------------------
 def prepare(
     source,
     tokenizer,
@@ -513,20 +447,12 @@ def prepare(
     quality="none",
     dedup="exact",
 ) -> dict:
-    """Stream `source` (files, a folder, a glob; .jsonl lines), cleaned, through
-    `tokenizer` into shards of at most `shard_tokens` ids a split, listed in
-    OUT/meta.json. Bad input fails with a one-line error before OUT is touched.
-
-    support/files.py's build_once makes it idempotent (the same files, tokenizer and
-    settings find the work done) and atomic (shards are written to a staging folder
-    beside OUT and renamed in, meta.json last). `before_write()` runs once every check
-    has passed, before the first write to OUT: the demo saves its tokenizer there.
-    """
-    tok = tokenizer
-    name = tokenizer_name or type(tok).__name__
-    if isinstance(tokenizer, str):
-        tok = get_tokenizer(tokenizer)
-        name = tokenizer_name or tokenizer
+    """Stream `source` (files, a folder, a glob; .jsonl lines), cleaned, by `tokenizer`
+    into shards of <= `shard_tokens` ids a split, in OUT/meta.json; idempotent, atomic.
+    Bad input: one line, OUT untouched; `before_write()` runs before OUT is written."""
+    named = isinstance(tokenizer, str)
+    tok = get_tokenizer(tokenizer) if named else tokenizer
+    name = tokenizer_name or (tokenizer if named else type(tok).__name__)
     files = sources.source_files(source)
     settings = dict(val_fraction=val_fraction, block_size=block_size)
     settings.update(shard_tokens=shard_tokens, text_field=text_field)
@@ -543,12 +469,13 @@ def prepare(
     return files_lib.build_once(out_dir, inputs, build, before_write, "*.bin")
 
 
-def clean(docs, quality: str, dedup: str, removed: Counter):
-    """The documents that pass the quality rules and are no duplicates; the others are
-    counted in `removed`, by reason."""
+def clean(docs, quality: str, dedup: str, seen: Counter, removed: Counter):
+    """The documents that pass the quality rules and are no duplicates. `seen` counts
+    every document (and its bytes), `removed` the others, by reason."""
     deduper = Deduplicator(dedup)
     for doc in docs:
         text = doc[2]
+        seen.update(documents=1, bytes=len(text.encode()), text=bool(text.strip()))
         # The quality rules go first: a document they remove adds no keys.
         why = quality == "gopher" and gopher_rule_broken(text)
         if not why and dedup != "none":
@@ -568,16 +495,15 @@ def write_shards(source, tok, files, stage, settings: dict) -> dict:
     removed = Counter()
     dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
     limit = settings["shard_tokens"]
-    writers = {split: ShardWriter(stage, split, dtype, limit) for split in SPLITS}
+    writers = {}  # Each renames a shard into place only when it is whole.
+    for split in SPLITS:
+        writers[split] = RollingWriter(stage, split, dtype, limit, shard_header)
 
-    def read():  # Every document, counted on the way.
-        for doc in sources.iter_documents(files, skipped, settings["text_field"]):
-            text = doc[2]
-            seen.update(documents=1, bytes=len(text.encode()), text=bool(text.strip()))
-            yield doc
+    docs = sources.iter_documents(files, skipped, settings["text_field"])
+    docs = clean(docs, settings["quality"], settings["dedup"], seen, removed)
 
     def pieces():  # (split, text, the source's bytes read so far)
-        for doc in clean(read(), settings["quality"], settings["dedup"], removed):
+        for doc in docs:
             for split, text in split_document(doc, cut):
                 yield split, text, doc[1]
 
@@ -590,36 +516,23 @@ def write_shards(source, tok, files, stage, settings: dict) -> dict:
     summary = f"kept {kept:,} of {seen['documents']:,} documents"
     print(f"cleaning ({cleaning}): {summary}; ", end="")
     print(f"removed: {lost}{binary if skipped else ''}")
-    if not seen["text"]:
-        why = f"{len(skipped)} of {len(files)} files binary (NUL or not UTF-8)"
-        if not skipped:
-            why = "empty or whitespace only"
-        raise ValueError(f"source {source!r} holds no text: {why}; nothing to tokenize")
-    counts = {split: sum(s["tokens"] for s in w.shards) for split, w in writers.items()}
-    block = settings["block_size"]
-    for split, n in counts.items():
-        if n < block + 1:
-            few = f"{n} tokens, fewer than one block of {block}+1 ({kept:,} kept)"
-            fix = (
-                "more text or --val-fraction, less cleaning, or a smaller --block-size"
-            )
-            raise ValueError(f"the {split} split has {few}: {fix}")
+    sources.check_some_text(source, files, skipped, seen["text"])
+    counts = token_files.split_counts(writers, settings["block_size"], kept)
     shards = {split: w.shards for split, w in writers.items()}
     meta = dict(vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source)
-    meta.update(shards=shards, dtype=np.dtype(dtype).name)
-    meta.update(documents_in=seen["documents"], n_bytes=seen["bytes"])
-    meta.update(documents_kept=kept, removed=dict(removed))
+    meta.update(shards=shards, dtype=np.dtype(dtype).name, n_bytes=seen["bytes"])
+    meta.update(documents_in=seen["documents"], documents_kept=kept)
+    meta["removed"] = dict(removed)
     meta.update(train_tokens=counts["train"], val_tokens=counts["val"])
     meta["files"] = [s["file"] for split in shards.values() for s in split]
     return meta
 
 
-# --- The loader: (x, y) = f(seed, step, dp_rank, dp_size), nothing else ----------------
+# --- The loader: (x, y) = f(seed, step, dp_rank, dp_size), nothing else ---------------
 class DataLoader:
-    """B windows of T+1 tokens per rank and step, from a split's memory-mapped shards
-    (a window never crosses a shard). Epoch e permutes all windows with seed (seed, e);
-    step s takes the next dp_size*B of them, and rank r its own B: a pure function of
-    (seed, step, dp_rank, dp_size), so a run resumes exactly."""
+    """B windows of T+1 tokens per rank and step from a split's shards (none crosses a
+    shard). Epoch e permutes all windows with seed (seed, e); step s takes the next
+    dp_size*B, rank r its own B: a pure function of (seed, step, dp_rank, dp_size)."""
 
     def __init__(
         self,
@@ -632,7 +545,7 @@ class DataLoader:
         dp_size=1,
         device="cpu",
     ):
-        paths = split_shards(data_dir, split)
+        paths = token_files.listed_shards(data_dir, split)
         assert 0 <= dp_rank < dp_size, f"dp_rank {dp_rank} outside dp_size {dp_size}"
         self.shards = [read_shard(p) for p in paths]
         self.B = batch_size
@@ -681,20 +594,17 @@ class DataLoader:
         if cuda:  # Pinned memory lets the copy to the GPU run asynchronously.
             x = x.pin_memory()
             y = y.pin_memory()
-        return x.to(self.device, non_blocking=cuda), y.to(
-            self.device, non_blocking=cuda
-        )
+        x = x.to(self.device, non_blocking=cuda)
+        return x, y.to(self.device, non_blocking=cuda)
 
 
-# --- The demo: each lesson printed with its check ---------------------------------------
+# --- The demo: each lesson printed with its check -------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     formatter = argparse.ArgumentDefaultsHelpFormatter
     description = __doc__.split("\n")[0]
     parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
     arg = parser.add_argument
-    sources_help = (
-        "stdlib (Python's source), a file, folder or glob (.jsonl: a line each)"
-    )
+    sources_help = "stdlib (Python's source), a file, folder or glob (.jsonl lines)"
     arg("--source", default="stdlib", help=sources_help)
     arg("--tokenizer", default="bpe", help="bpe (trained here), gpt2, char, X.tiktoken")
     arg("--vocab-size", type=int, default=4096, help="BPE vocabulary: seconds to learn")
@@ -731,27 +641,18 @@ def main(argv=None) -> None:
         else:
             tok = get_tokenizer(args.tokenizer)
             name = args.tokenizer
-        meta = prepare(
-            args.source,
-            tok,
-            out,
-            val_fraction=args.val_fraction,
-            block_size=args.block_size,
-            tokenizer_name=name,
-            before_write=(lambda: tok.save(name)) if bpe else None,
-            shard_tokens=args.shard_tokens,
-            text_field=args.text_field,
-            quality=args.quality,
-            dedup=args.dedup,
-        )
+        save = (lambda: tok.save(name)) if bpe else None  # Once the input passed.
+        flags = "val_fraction block_size shard_tokens text_field quality dedup"
+        options = {key: getattr(args, key) for key in flags.split()}  # As they are.
+        options.update(tokenizer_name=name, before_write=save)
+        meta = prepare(args.source, tok, out, **options)
         for split, shards in meta["shards"].items():  # Also when the work was done.
             n = meta[split + "_tokens"]
             print(f"  {out}/{split}_*.bin: {n:,} tokens in {len(shards)} shard(s)")
         loaders = [DataLoader(out, "train", 2, 8, 0, rank, 2) for rank in (0, 1)]
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        raise SystemExit(
-            f"01_data.py: error: {' '.join(str(e).splitlines())}"
-        ) from None
+        one_line = " ".join(str(e).splitlines())
+        raise SystemExit(f"01_data.py: error: {one_line}") from None
     demo_loader(loaders, tok)
 
 
@@ -781,9 +682,8 @@ def demo_bpe(files, args) -> Tokenizer:
     same = train_bpe(small, vocab).merges == naive.merges
     t2 = time.perf_counter()
     took = f"naive {t1 - t0:.2f} s, incremental {t2 - t1:.2f} s"
-    print(
-        f"BPE on {len(small) / 1e3:.0f} KB, vocab {vocab}: {took}, same merges: {same}"
-    )
+    size = f"{len(small) / 1e3:.0f} KB"
+    print(f"BPE on {size}, vocab {vocab}: {took}, same merges: {same}")
     t0 = time.perf_counter()
     tok = train_bpe(text, args.vocab_size)
     took = time.perf_counter() - t0
@@ -791,9 +691,8 @@ def demo_bpe(files, args) -> Tokenizer:
     piece = text[-200_000:]
     same = tok.encode(piece) == tok.to_tiktoken().encode(piece, allowed_special="all")
     size = f"{len(text) / 1e6:.1f} MB of the train split"
-    print(
-        f"a {args.vocab_size}-token BPE on {size}: {took:.1f} s; ours == tiktoken: {same}"
-    )
+    print(f"a {args.vocab_size}-token BPE on {size}: {took:.1f} s; ", end="")
+    print(f"ours == tiktoken: {same}")
     return tok
 
 

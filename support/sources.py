@@ -182,6 +182,16 @@ def train_head(files, val_fraction: float, max_chars: int, text_field="text") ->
     return texts
 
 
+def check_some_text(source, files, skipped: list, any_text: bool) -> None:
+    """A one-line error when the source held no text: every file binary, or blank."""
+    if any_text:
+        return
+    why = f"{len(skipped)} of {len(files)} files binary (NUL or not UTF-8)"
+    if not skipped:
+        why = "empty or whitespace only"
+    raise ValueError(f"source {source!r} holds no text: {why}; nothing to tokenize")
+
+
 def download_shakespeare(cache_dir="data/downloads") -> Path:
     """Fetch tiny-shakespeare once into a cache (only when the user asks for it)."""
     path = Path(cache_dir) / "tinyshakespeare.txt"

@@ -67,6 +67,22 @@ class RollingWriter:
         self.file = None  # The next add() opens the next file.
 
 
+def split_counts(writers: dict, block_size: int, kept: int) -> dict:
+    """Each split's ids, or a one-line error when a split holds no block of
+    block_size + 1 ids (a window of x and its shifted y)."""
+    counts = {}
+    for split, w in writers.items():
+        counts[split] = sum(s["tokens"] for s in w.shards)
+        if counts[split] < block_size + 1:
+            n = counts[split]
+            few = f"{n} tokens, fewer than one block of {block_size}+1"
+            fix = (
+                "more text or --val-fraction, less cleaning, or a smaller --block-size"
+            )
+            raise ValueError(f"the {split} split has {few} ({kept:,} kept): {fix}")
+    return counts
+
+
 def encode_documents(enc, pieces, writers: dict, total_bytes: int) -> None:
     """tiktoken's threaded batch encoder over (split, text, source bytes read so far),
     into each split's writer, `enc.eot_token` between documents.
@@ -102,6 +118,24 @@ def _encode_batch(enc, batch, writers: dict) -> None:
             writers[split].add(np.array([enc.eot_token]))
         writers[split].add(np.asarray(ids))
         writers[split].docs += 1
+
+
+def listed_shards(data_dir, split: str) -> list[Path]:
+    """A split's shards, in order: meta.json's list, or {split}.bin without one."""
+    data_dir = Path(data_dir)
+    meta_path = data_dir / "meta.json"
+    shards = None
+    if meta_path.is_file():
+        shards = json.loads(meta_path.read_text()).get("shards")
+    if shards:
+        paths = [data_dir / s["file"] for s in shards[split]]
+    else:
+        paths = [data_dir / f"{split}.bin"]
+    for p in paths:
+        if not p.is_file():
+            fix = f"prepare the data first (python 01_data.py --out {data_dir})"
+            raise FileNotFoundError(f"{p} not found: {fix}")
+    return paths
 
 
 def _b64(raw: bytes) -> str:

@@ -9,6 +9,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from support import token_files
+
 data = importlib.import_module("01_data")
 char = data.CharTokenizer()
 rng = np.random.default_rng(7)
@@ -113,7 +115,7 @@ def prepare(tmp_path, docs, name, **kw):
     meta = data.prepare(str(src), char, tmp_path / name, 0.2, block_size=8, **kw)
     texts = []  # each split's documents (no EOT between the splits)
     for split in data.SPLITS:
-        ids = [data.read_shard(p) for p in data.split_shards(tmp_path / name, split)]
+        ids = [data.read_shard(p) for p in token_files.listed_shards(tmp_path / name, split)]
         texts += char.decode(np.concatenate(ids).tolist()).split(data.EOT)
     return meta, texts
 

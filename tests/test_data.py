@@ -313,7 +313,7 @@ def test_shakespeare_offline_gives_a_clear_error(tmp_path, monkeypatch):
 
 
 def write_shard(path, tokens: np.ndarray) -> None:
-    """A shard by hand (01's ShardWriter names its own): the header, then the tokens."""
+    """A shard by hand (01's writer names its own): the header, then the tokens."""
     files.atomic_write(
         path,
         lambda tmp: tmp.write_bytes(
@@ -370,7 +370,7 @@ def write_corpus(folder, n_docs=6, words=400):
 
 def split_tokens(out, split) -> np.ndarray:
     """A split's shards, end to end (as meta.json lists them)."""
-    return np.concatenate([data.read_shard(p) for p in data.split_shards(out, split)])
+    return np.concatenate([data.read_shard(p) for p in token_files.listed_shards(out, split)])
 
 
 def test_prepare_writes_shards_that_decode_back_to_the_corpus(tmp_path):
@@ -439,7 +439,7 @@ def test_encoding_holds_one_batch_of_text_at_a_time_not_the_corpus(monkeypatch, 
     monkeypatch.setattr(token_files, "ENCODE_BATCH_CHARS", 100_000)
 
     def encode(docs):
-        enc, w = RecordingBytes(256), data.ShardWriter(tmp_path, "train", np.uint16, 10**9)
+        enc, w = RecordingBytes(256), token_files.RollingWriter(tmp_path, "train", np.uint16, 10**9, data.shard_header)
         token_files.encode_documents(enc, [("train", d, 0) for d in docs], {"train": w}, 1)
         return enc.calls, data.read_shard(tmp_path / w.shards[0]["file"]).tolist()
 
@@ -714,7 +714,7 @@ def test_an_interrupted_preparation_leaves_no_shard_and_a_rerun_finishes_it(tmp_
     corpus = write_corpus(tmp_path / "corpus", n_docs=8)
     args = dict(val_fraction=0.2, block_size=64, shard_tokens=1_000)
     data.prepare(str(corpus), "char", tmp_path / "straight", **args)
-    close, closed = data.ShardWriter.close, []
+    close, closed = token_files.RollingWriter.close, []
 
     def dying_close(self):
         if self.file is not None and len(closed) == 2:
@@ -722,11 +722,11 @@ def test_an_interrupted_preparation_leaves_no_shard_and_a_rerun_finishes_it(tmp_
         closed.append(self.file and self.path.name)
         close(self)
 
-    monkeypatch.setattr(data.ShardWriter, "close", dying_close)
+    monkeypatch.setattr(token_files.RollingWriter, "close", dying_close)
     with pytest.raises(KeyboardInterrupt):
         data.prepare(str(corpus), "char", tmp_path / "out", **args)
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
-    monkeypatch.setattr(data.ShardWriter, "close", close)
+    monkeypatch.setattr(token_files.RollingWriter, "close", close)
     (tmp_path / ".out.partial").mkdir()  # what a SIGKILL leaves: half a shard, in the side folder
     (tmp_path / ".out.partial" / "train_000000.tmp").write_bytes(b"half")
     data.prepare(str(corpus), "char", tmp_path / "out", **args)
