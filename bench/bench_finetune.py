@@ -3,7 +3,7 @@ model, on a text the base model never saw.
 
 1. The base: `train.py --model small --tokenizer gpt2` (4 blocks of 128, GPT-2's 50,257-token
    vocabulary) trained for --base-steps on data/stdlib-gpt2 (Python's standard library), exported
-   and written in Hugging Face's GPT-2 layout (bench/sampling.to_hf_state_dict, config.json):
+   and written in Hugging Face's GPT-2 layout (support/export.to_hf_state_dict, config.json):
    what `--init-from` reads, as it would read GPT-2's own files.
 2. The new text: this repository's docs/*.md (English prose about training), GPT-2's tokenizer.
 3. --steps of fine-tuning each, from the same base and the same batches: every weight (--lr-full)
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the repo root: numbered files, train.py
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
-sampling = importlib.import_module("bench.sampling")
+export_lib = importlib.import_module("support.export")
 gpus = importlib.import_module("support.gpus")
 train = importlib.import_module("train")
 
@@ -48,10 +48,10 @@ def base_model(work: Path, args) -> Path:
                 "--warmup-steps", "20", "--eval-interval", "0", "--eval-steps", "4",
                 "--ckpt-interval", "0", "--sample-tokens", "0", "--dtype", "fp32",
                 "--seed", str(args.seed), "--out-dir", str(run)])  # fmt: skip
-    model, _ = sampling.load_exported(run / "model.pt")
+    model, _ = train.load_exported(run / "model.pt")
     folder = work / "base-hf"
     folder.mkdir()
-    torch.save(sampling.to_hf_state_dict(model), folder / "pytorch_model.bin")
+    torch.save(export_lib.to_hf_state_dict(model), folder / "pytorch_model.bin")
     (folder / "config.json").write_text(json.dumps({"n_head": model.config.n_head}))
     print(f"base: {args.base_steps} steps on Python's standard library, validation loss "
           f"{rows(run, 'val')[-1]['val_loss']:.3f}; written as {folder}\n")  # fmt: skip

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from tests.distributed import run_ranks
 
 train = importlib.import_module("train")
-sampling = importlib.import_module("bench.sampling")
-to_hf_state_dict = sampling.to_hf_state_dict
+to_hf_state_dict = importlib.import_module("support.export").to_hf_state_dict
+run_log = importlib.import_module("support.run_log")
 data = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 
@@ -216,7 +216,7 @@ def test_lora_fine_tuning_is_one_process_at_dp2_tp2_zero1_pp2_and_exports_merged
     block = r * ((C + 3 * C // 2) + (C // 2 + C) + (C + 4 * C // 2) + (4 * C // 2 + C))
     sent = [row["comm_bytes"] for row in rows(runs[0])]
     assert sent == [4 * L * block] * 3, sent  # fp32 gradients of the factors only
-    exported, blob = sampling.load_exported(tmp_path / "one" / "model.pt")
+    exported, blob = train.load_exported(tmp_path / "one" / "model.pt")
     assert not any("lora" in k for k in blob["model"]), "the factors were not folded in"
     val = data.DataLoader(gpt2_data, "val", 8, 32, seed=1337)
     with torch.no_grad():
@@ -224,7 +224,7 @@ def test_lora_fine_tuning_is_one_process_at_dp2_tp2_zero1_pp2_and_exports_merged
     logged = rows(one, "val")[-1]["val_loss"]
     torch.testing.assert_close(torch.stack(losses).mean().item(), logged, rtol=1e-5, atol=0)
     for name, _ in layouts:  # the sharded runs' exports: TP's and PP's merges, then LoRA's
-        other = sampling.load_exported(tmp_path / name / "model.pt")[1]["model"]
+        other = train.load_exported(tmp_path / name / "model.pt")[1]["model"]
         for k, v in blob["model"].items():
             torch.testing.assert_close(other[k], v, rtol=1e-4, atol=1e-6, msg=f"{name}: {k}")
     base = model_lib.GPT.load_pretrained(checkpoint).state_dict()
@@ -237,15 +237,16 @@ def test_lora_flops_and_flag_errors():
     and the inputs' gradients (2 more) for every frozen matmul weight, all 6 for the factors'
     16·r·C a block, attention's 12·L·C·T as without LoRA. And --grad-compression powersgd
     with --lora-rank is refused: a factor's own rank is r already; so is a --min-lr above --lr."""
-    run_log = importlib.import_module("bench.run_log")
     config = model_lib.GPTConfig.from_preset("small", vocab_size=50257)
     C, L, T, V, r = 128, 4, 128, 50257, 8
     weights = L * 12 * C * C + V * C  # the blocks' matrices and the tied head (biases: ~0)
     biases = L * 13 * C + C * 2  # biases and gains, counted as 02 counts them: in N
     attention = 12 * L * C * T
     want = 4 * (weights + biases) + 6 * 16 * r * C * L + attention
-    assert run_log.model_flops_per_token(config, T, r) == want
-    assert run_log.model_flops_per_token(config, T) == 6 * (weights + biases) + attention
+    flops = model_lib.flops_per_token(config, T)  # What train.py's log counts without LoRA.
+    N = model_lib.count_params(config, non_embedding=True)
+    assert run_log.lora_flops_per_token(flops, N, config, r) == want
+    assert flops == 6 * (weights + biases) + attention
     cfg = train.TrainConfig(dp=2, grad_compression="powersgd", lora_rank=4)
     with pytest.raises(train.ConfigError, match="powersgd with --lora-rank"):
         train.check_flags(cfg, world_size=2)

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from support import checkpoint
 from tests.distributed import run_ranks
 
 train = importlib.import_module("train")
-sampling = importlib.import_module("bench.sampling")
 data = importlib.import_module("01_data")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ def test_16_bit_training_follows_fp32_and_only_fp16_uses_a_scaler(data_dir, tmp_
         torch.testing.assert_close(torch.tensor([r[key] for r in got]),
                                    torch.tensor([r[key] for r in reference]), rtol=2e-3, atol=0,
                                    msg=lambda m, key=key: f"{dtype}, {key}: {m}")  # fmt: skip
-    shard = torch.load(train.complete_checkpoints(tmp_path)[0] / train.shard_name(0),
+    shard = torch.load(checkpoint.complete_checkpoints(tmp_path)[0] / checkpoint.shard_name(0),
                        weights_only=True)  # fmt: skip
     if dtype == "fp16":
         assert shard["scaler"]["scale"] == 2.0**16  # no overflow in 4 steps: never backed off
@@ -301,7 +301,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(data_dir, tmp_path):
     output = proc.communicate(timeout=60)[0]
     assert proc.returncode == 0, output
     assert "preemption signal: saving at step" in output
-    ckpts = train.complete_checkpoints(tmp_path)
+    ckpts = checkpoint.complete_checkpoints(tmp_path)
     assert len(ckpts) == 1
     saved = json.loads((ckpts[0] / "meta.json").read_text())["step"]
     assert saved < 399, "SIGTERM should stop the run early"
@@ -332,7 +332,7 @@ def test_sigterm_during_a_long_evaluation_is_honoured_within_seconds(data_dir, t
     finally:
         proc.kill()
     assert proc.returncode == 0, output
-    assert [c.name for c in train.complete_checkpoints(tmp_path)] == ["step_0000000"]
+    assert [c.name for c in checkpoint.complete_checkpoints(tmp_path)] == ["step_0000000"]
     assert metrics(tmp_path, "val") == []  # a half-done evaluation is not logged as a loss
 
 
@@ -360,7 +360,7 @@ def test_a_crash_during_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_
     crashed = subprocess.run([sys.executable, "-c", CRASH_IN_SECOND_SAVE, *args], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert crashed.returncode == 9, crashed.stdout + crashed.stderr
-    assert [d.name for d in train.complete_checkpoints(tmp_path)] == ["step_0000002"]
+    assert [d.name for d in checkpoint.complete_checkpoints(tmp_path)] == ["step_0000002"]
     assert (tmp_path / "checkpoints" / "step_0000005.partial").is_dir()  # the half-written one
     resumed = subprocess.run([sys.executable, "train.py", *args, "--resume"], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -372,7 +372,7 @@ def test_a_crash_during_a_checkpoint_write_keeps_the_previous_one(data_dir, tmp_
 def test_a_corrupt_checkpoint_is_named_and_the_previous_one_used(data_dir, tmp_path, capsys):
     args = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--ckpt-interval", "2"]
     run_main(args)  # checkpoints at steps 1 and 3
-    newest = train.complete_checkpoints(tmp_path)[0] / train.shard_name(0)
+    newest = checkpoint.complete_checkpoints(tmp_path)[0] / checkpoint.shard_name(0)
     newest.write_bytes(newest.read_bytes()[:1000])  # truncated
     run_main(args + ["--resume", "--max-steps", "5"])
     out = capsys.readouterr().out
@@ -389,14 +389,14 @@ def test_resume_survives_ordinary_damage(data_dir, tmp_path, capsys):
     the next row, whole, lands on the same line (json.loads raised, on rank 0 only: a hang)."""
     args = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--ckpt-interval", "2"]
     run_main(args)  # checkpoints at steps 1 and 3
-    (train.complete_checkpoints(tmp_path)[0] / "meta.json").write_text("")
+    (checkpoint.complete_checkpoints(tmp_path)[0] / "meta.json").write_text("")
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 2, "lo' + "\0" * 8)  # the rest never reached the disk
         f.write('{"kind": "train", "step": 3, "loss": 4.0}\n')  # the next row, on the same line
         f.write('{"kind": "train", "step": 4, "lo')  # half a row: killed mid-write
     stale = tmp_path / "checkpoints" / "step_0000099.partial"
     stale.mkdir()
-    assert sampling.load_exported(train.export(tmp_path))[1]["step"] == 1
+    assert train.load_exported(train.export(tmp_path))[1]["step"] == 1
     run_main(args + ["--resume", "--max-steps", "6"])
     out = capsys.readouterr().out
     assert "meta.json is unreadable" in out and "(step 1)" in out
@@ -419,7 +419,7 @@ def test_resume_loads_shards_to_the_cpu_whatever_the_run_device(data_dir, tmp_pa
     run = dataclasses.replace(run, device=torch.device("meta"))
     torch.manual_seed(0)  # somewhere else: the restore must bring back the saved state
     assert train.load_checkpoint(run) == 2
-    shard = torch.load(train.complete_checkpoints(tmp_path)[0] / train.shard_name(0),
+    shard = torch.load(checkpoint.complete_checkpoints(tmp_path)[0] / checkpoint.shard_name(0),
                        weights_only=True)  # fmt: skip
     params = run.modules()[0].state_dict()
     for name, saved in shard["model"][0].items():
@@ -444,14 +444,14 @@ def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
     train.train_step = step_then_signal
     train.main(common + ["--out-dir", f"{tmp}/sigterm", "--max-steps", "6"])
     train.train_step = real_step
-    ckpts = train.complete_checkpoints(f"{tmp}/sigterm")
+    ckpts = checkpoint.complete_checkpoints(f"{tmp}/sigterm")
     saved = [(c.name, sorted(p.name for p in c.glob("rank_*.pt"))) for c in ckpts]
 
     argv = common + ["--out-dir", f"{tmp}/corrupt", "--ckpt-interval", "2"]
     train.main(argv)  # checkpoints at steps 1 and 3
     dist.barrier()
     if rank == 1:
-        newest = train.complete_checkpoints(f"{tmp}/corrupt")[0] / train.shard_name(1)
+        newest = checkpoint.complete_checkpoints(f"{tmp}/corrupt")[0] / checkpoint.shard_name(1)
         newest.write_bytes(newest.read_bytes()[:1000])
     dist.barrier()
     cfg, _ = train.parse_args(argv + ["--resume"])
@@ -499,7 +499,7 @@ def _sharded_logits(rank, world, data_dir, tmp):
 def test_export_of_tp2_pp2_gives_one_model_with_the_same_logits(data_dir, tmp_path):
     results = run_ranks(_sharded_logits, 4, data_dir, str(tmp_path), timeout=240)
     sharded, x = results[2]  # global rank 2: pp stage 1, tp rank 0
-    model, blob = sampling.load_exported(tmp_path / "model.pt")
+    model, blob = train.load_exported(tmp_path / "model.pt")
     assert blob["step"] == 1
     logits, _ = model(x)
     # same weights, different reduction order (TP's row-parallel all-reduce): fp32 rounding
@@ -623,7 +623,7 @@ def test_resume_with_another_layout_or_a_fresh_run_over_old_ones_is_refused(data
         cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path),
                                           "--resume"] + argv)  # fmt: skip
         with pytest.raises(train.ConfigError) as err:
-            train.check_resume_layout(cfg)
+            checkpoint.check_resume_layout(cfg)
         assert message in str(err.value) and "\n" not in str(err.value), argv
     fresh, _ = train.parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path)])
     with pytest.raises(train.ConfigError, match="already holds checkpoints .* pass --resume"):

@@ -15,7 +15,6 @@ from tests.distributed import run_ranks
 from tests.test_train import BASE, assert_same_curve, data_dir, metrics, run_main  # noqa: F401
 
 train = importlib.import_module("train")
-sampling = importlib.import_module("bench.sampling")
 
 
 def build(argv, rank, world):
@@ -234,9 +233,9 @@ def test_the_model_context_is_the_trained_block_size(data_dir, tmp_path, monkeyp
     init, read as soon as the sample passes 16 tokens."""
     run_main(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--block-size", "16",
                      "--max-steps", "1"])  # fmt: skip
-    model, blob = sampling.load_exported(tmp_path / "model.pt")
+    model, blob = train.load_exported(tmp_path / "model.pt")
     assert blob["model_config"]["block_size"] == 16 and model.transformer.wpe.num_embeddings == 16
-    read, real = [], sampling.load_exported
+    read, real = [], train.load_exported
 
     def spy(path):  # sample() loads the model through load_exported: watch its wpe lookups
         model, blob = real(path)
@@ -244,8 +243,8 @@ def test_the_model_context_is_the_trained_block_size(data_dir, tmp_path, monkeyp
         wpe.register_forward_pre_hook(lambda mod, args: read.append(int(args[0].max())))
         return model, blob
 
-    monkeypatch.setattr(sampling, "load_exported", spy)
-    sampling.sample(tmp_path / "model.pt", "\n", 40)
+    monkeypatch.setattr(train, "load_exported", spy)
+    train.sample(tmp_path / "model.pt", "\n", 40)
     assert len(read) == 40 and max(read) == 15, f"positions read: up to {max(read)}"
 
 

@@ -1,0 +1,390 @@
+"""train.py's configuration: its flags, their parsing, and the checks needing no lesson.
+
+Every field of TrainConfig is a command-line flag (`batch_size` is `--batch-size`); its
+help text says what it does and why its default. The checks here raise ConfigError, one
+line per bad flag, before any process group exists or any file is written. The checks
+that need the model, the pipeline or the data loader stay in train.py, which passes in
+the lessons' own lists of choices.
+"""
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+# What `python 01_data.py --tokenizer T` writes, per T: the default --data-dir,
+# prepared if it is missing.
+DEFAULT_DATA = {
+    "bpe": "data/stdlib-bpe4096",
+    "gpt2": "data/stdlib-gpt2",
+    "char": "data/stdlib-char",
+}
+
+
+class ConfigError(ValueError):
+    """A bad flag: reported as one line, before any process group exists."""
+
+
+def flag(default, help: str):
+    """A config field whose help text (what it does) feeds --help."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    """Every flag of train.py: its help text, and above it its default's reason."""
+
+    # The parallel layout: one process by default, so a laptop runs it as it is.
+    dp: int = flag(1, "data-parallel replicas, each on a share of the batch (03)")
+    tp: int = flag(1, "tensor-parallel ranks splitting every matrix, in a node (04)")
+    pp: int = flag(1, "pipeline stages; the only split that crosses nodes (05)")
+    # 1F1B keeps at most pp microbatches' activations alive, GPipe all of them.
+    schedule: str = flag("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved (05)")
+    virtual_stages: int = flag(1, "model chunks per pipeline rank (> 1: interleaved)")
+    sequence_parallel: bool = flag(False, "with --tp: shard LayerNorm by tokens (04)")
+    zero: int = flag(0, "ZeRO stage: 1 AdamW's state, 2 + gradients, 3 + weights")
+    grad_compression: str = flag("none", "DP's gradients: none, fp16, bf16, powersgd")
+    powersgd_rank: int = flag(4, "powersgd: sketch rank r, (m + n)·r numbers a matrix")
+    # Early training is the most sensitive to a sketched gradient.
+    powersgd_warmup_steps: int = flag(10, "powersgd: exact all-reduces first")
+    # 32 sequences of 128 tokens: a step a CPU takes in well under a second.
+    batch_size: int = flag(32, "global batch: sequences per optimizer step, all ranks")
+    micro_batch_size: int = flag(8, "sequences per microbatch per DP rank")
+    # The preset's context: a shorter one would leave positions untrained.
+    block_size: int = flag(0, "tokens per sequence, the model's context; 0: preset")
+    # The small preset (4 layers of 128) trains on a CPU in minutes.
+    model: str = flag("small", "02_model.py's preset: tiny, small, gpt2, ...")
+    n_layer: int = flag(0, "number of blocks; 0: the preset's")
+    init_from: str = flag("", "fine-tune a Hugging Face GPT-2 checkpoint")
+    lora_rank: int = flag(0, "LoRA (02): train rank-r factors only; 0: off")
+    # A fixed alpha roughly keeps the best learning rate as the rank changes.
+    lora_alpha: float = flag(16.0, "LoRA: the update is (alpha / r)·B·A")
+    # Pretraining on plenty of data needs no dropout.
+    dropout: float = flag(0.0, "dropout probability")
+    recompute: str = flag("none", "activations redone in the backward: selective, full")
+    # bf16 where the GPU has it; fp32 on a CPU, where 16 bits would be slower.
+    dtype: str = flag("auto", "fp32, bf16 or fp16 (06's loss scaler); auto")
+    # Compiling costs minutes of first steps; it pays on a GPU only.
+    compile: bool = flag(False, "torch.compile each model chunk")
+    # 500 steps of 4,096 tokens: the CPU job in about 5 minutes.
+    max_steps: int = flag(500, "optimizer steps, the LR schedule's length")
+    # Small models take large learning rates; GPT-2 used 6e-4.
+    lr: float = flag(3e-3, "peak learning rate")
+    warmup_steps: int = flag(50, "steps of linear warm-up (--lr at step N - 1)")
+    lr_schedule: str = flag("cosine", "then: cosine, wsd, cyclic or constant")
+    # A tenth of the peak, as Chinchilla.
+    min_lr: float = flag(3e-4, "the LR at the end of the decay, a cycle's bottom")
+    decay_fraction: float = flag(0.2, "wsd: the share of the run that decays")
+    cycle_steps: int = flag(100, "cyclic: steps from --lr to --min-lr and back")
+    # On matrices only (embeddings too, as nanoGPT), never on biases and gains.
+    weight_decay: float = flag(0.1, "AdamW's weight decay")
+    grad_clip: float = flag(1.0, "clip to this global L2 norm over all shards; 0: off")
+    eval_interval: int = flag(100, "steps between validation losses (and at the end)")
+    eval_steps: int = flag(10, "validation batches per evaluation (the same each time)")
+    log_interval: int = flag(10, "steps between log lines and rows of metrics.jsonl")
+    sample_tokens: int = flag(200, "tokens sampled at the end; 0: no sample")
+    out_dir: str = flag("out/run", "metrics.jsonl, loss.png, checkpoints/, model.pt")
+    data_dir: str = flag("", "01_data.py's shards and meta.json; empty: --tokenizer's")
+    # Empty: bpe's data, or whatever --data-dir was prepared with.
+    tokenizer: str = flag("", "bpe, gpt2 or char: the default data, made if missing")
+    ckpt_interval: int = flag(250, "steps between checkpoints; 0: end, signals")
+    keep_checkpoints: int = flag(3, "how many complete checkpoints to keep")
+    resume: bool = flag(False, "continue from the newest complete checkpoint")
+    # For time-limited jobs: the LR schedule still runs to --max-steps.
+    steps_this_run: int = flag(0, "stop after this many steps, with a checkpoint")
+    seed: int = flag(1337, "seed of the model's init, the data order and dropout")
+
+
+# The numeric flags that must be > 0; every other number must be >= 0.
+POSITIVE = (
+    "dp",
+    "tp",
+    "pp",
+    "virtual_stages",
+    "batch_size",
+    "micro_batch_size",
+    "max_steps",
+    "lr",
+    "eval_steps",
+    "log_interval",
+    "keep_checkpoints",
+    "cycle_steps",
+    "powersgd_rank",
+    "lora_alpha",
+)
+
+
+def flag_name(name: str) -> str:
+    """A TrainConfig field's flag: batch_size -> --batch-size."""
+    return "--" + name.replace("_", "-")
+
+
+def parse_args(argv=None, description: str = "train.py"):
+    """TrainConfig's fields as flags, plus the one-shot --export and --sample.
+
+    Returns (cfg, args): the TrainConfig, and argparse's namespace for the others.
+    """
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
+    for f in fields(TrainConfig):
+        kind = {"action": "store_true"} if f.type is bool else {"type": f.type}
+        help = f.metadata["help"]
+        parser.add_argument(flag_name(f.name), default=f.default, help=help, **kind)
+    export = "merge RUN_DIR's newest checkpoint into RUN_DIR/model.pt, then exit"
+    parser.add_argument("--export", metavar="RUN_DIR", help=export)
+    sample = "sample from an exported model, then exit"
+    parser.add_argument("--sample", metavar="MODEL_PT", help=sample)
+    parser.add_argument("--prompt", default="def ", help="the prompt for --sample")
+    args = parser.parse_args(argv)
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    # An empty --data-dir means the default data of --tokenizer ("" for an unknown one,
+    # which check_flags reports).
+    cfg.data_dir = cfg.data_dir or DEFAULT_DATA.get(cfg.tokenizer or "bpe", "")
+    return cfg, args
+
+
+def check_numbers(cfg: TrainConfig) -> None:
+    """Sizes and rates: POSITIVE's > 0, every other number >= 0.
+
+    The checks are written with `not`, so that NaN fails them too.
+    """
+    for f in fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if f.type not in (int, float):
+            continue
+        if f.name in POSITIVE and not value > 0:
+            raise ConfigError(f"{flag_name(f.name)} must be > 0, got {value}")
+        if f.name not in POSITIVE and not value >= 0:
+            raise ConfigError(f"{flag_name(f.name)} must be >= 0, got {value}")
+    if not 0 <= cfg.dropout < 1:
+        raise ConfigError(f"--dropout {cfg.dropout}: a probability, in [0, 1)")
+    if cfg.min_lr > cfg.lr and cfg.lr_schedule != "constant":
+        raise ConfigError(
+            f"--min-lr {cfg.min_lr} exceeds --lr {cfg.lr}: the decay would climb"
+        )
+    if not 0 < cfg.decay_fraction <= 1:
+        fraction = cfg.decay_fraction
+        raise ConfigError(
+            f"--decay-fraction {fraction}: a fraction of the run, in (0, 1]"
+        )
+
+
+def check_choices(cfg: TrainConfig, choices: dict) -> None:
+    """Each named flag's value is one of its choices ("" may be one, left unlisted)."""
+    for name, allowed in choices.items():
+        value = getattr(cfg, name)
+        if value not in allowed:
+            listed = ", ".join(filter(None, allowed))
+            raise ConfigError(f"{flag_name(name)} {value}: use one of {listed}")
+
+
+def check_combinations(cfg: TrainConfig) -> None:
+    """Flags that would silently do nothing, or that cannot work together."""
+    compressed = cfg.grad_compression != "none"
+    # Each row: the flag, whether it is on, the size it needs above 1, what it does.
+    needs = (
+        ("--zero", cfg.zero, "--dp", cfg.dp, "shards over the DP replicas"),
+        (
+            "--grad-compression",
+            compressed,
+            "--dp",
+            cfg.dp,
+            "compresses DP's all-reduce",
+        ),
+        (
+            "--sequence-parallel",
+            cfg.sequence_parallel,
+            "--tp",
+            cfg.tp,
+            "shards over TP ranks",
+        ),
+        (
+            "--virtual-stages",
+            cfg.virtual_stages > 1,
+            "--pp",
+            cfg.pp,
+            "cuts pipeline ranks",
+        ),
+    )
+    for name, on, dim, size, what in needs:
+        if on and size == 1:
+            raise ConfigError(f"{name} {what}, but {dim} is 1: it would do nothing")
+    if compressed and cfg.zero:  # 03 compresses DataParallel's all-reduce only.
+        raise ConfigError(
+            f"--grad-compression with --zero {cfg.zero}: ZeRO reduce-scatters"
+        )
+    powersgd = cfg.grad_compression == "powersgd"
+    for name in ("powersgd_rank", "powersgd_warmup_steps"):
+        if getattr(cfg, name) != getattr(TrainConfig, name) and not powersgd:
+            raise ConfigError(f"{flag_name(name)} needs --grad-compression powersgd")
+    if cfg.lora_alpha != TrainConfig.lora_alpha and not cfg.lora_rank:
+        raise ConfigError(
+            "--lora-alpha scales LoRA's update, but --lora-rank is 0: LoRA is off"
+        )
+    if powersgd and cfg.lora_rank:  # A factor's sketch, (m + r)·r, is no smaller.
+        raise ConfigError(
+            "--grad-compression powersgd with --lora-rank: the factors are low-rank"
+        )
+    if powersgd and cfg.dtype == "fp16":
+        why = "an overflowed step's inf would stay in its residuals: use bf16 or fp32"
+        raise ConfigError(f"--grad-compression powersgd with --dtype fp16: {why}")
+    if cfg.zero > 3:
+        raise ConfigError(f"--zero {cfg.zero}: a stage is 0 to 3")
+    if cfg.zero == 3 and cfg.pp > 1:  # 03 refuses several chunks on one rank.
+        why = "a stage re-gathers every block for every microbatch"
+        raise ConfigError(f"--zero 3 with --pp: {why}")
+
+
+def check_world(cfg: TrainConfig, world_size: int) -> None:
+    """The grid dp x tp x pp fills the world of processes exactly."""
+    n = cfg.dp * cfg.tp * cfg.pp
+    if n != world_size:
+        sizes = f"--dp {cfg.dp} x --tp {cfg.tp} x --pp {cfg.pp} = {n}"
+        fix = f"launch {n} processes or change the sizes"
+        raise ConfigError(f"world_size={world_size} but {sizes}: {fix}")
+
+
+def check_batch(cfg: TrainConfig) -> None:
+    """The global batch splits into whole microbatches on every DP rank."""
+    per_step = cfg.micro_batch_size * cfg.dp
+    if cfg.batch_size % per_step:
+        split = (
+            f"--micro-batch-size {cfg.micro_batch_size} x --dp {cfg.dp} = {per_step}"
+        )
+        what = f"--batch-size {cfg.batch_size} is not divisible into microbatches"
+        raise ConfigError(f"{what} of {split}")
+
+
+def check_out_dir_path(cfg: TrainConfig) -> None:
+    """--out-dir can be a folder: the nearest path of it that exists is not a file."""
+    out_dir = Path(cfg.out_dir)
+    found = next(p for p in (out_dir, *out_dir.parents) if p.exists())
+    if found.is_file():
+        raise ConfigError(f"--out-dir {cfg.out_dir}: {found} is a file, not a folder")
+
+
+def check_flags(cfg, world_size: int, choices: dict, presets: dict, check_pipeline):
+    """Every check that needs no file, in order, each failure one ConfigError line.
+
+    The lessons' own lists come in: `choices` (flag name -> allowed values), 02's
+    `presets` (for the preset's n_layer) and 05's `check_pipeline(schedule, pp, m, v,
+    n_layer)`, which raises ValueError for a bad schedule, virtual stages without
+    interleaving, fewer blocks than stages, and so on.
+    """
+    check_numbers(cfg)
+    check_world(cfg, world_size)
+    check_choices(cfg, {**choices, "tokenizer": ("", *DEFAULT_DATA)})
+    check_combinations(cfg)
+    check_batch(cfg)
+    n_layer = cfg.n_layer or presets[cfg.model]["n_layer"]
+    m = cfg.batch_size // (cfg.micro_batch_size * cfg.dp)
+    v = cfg.virtual_stages
+    try:
+        check_pipeline(cfg.schedule, cfg.pp, m, v, n_layer)
+    except ValueError as e:
+        where = f"--schedule {cfg.schedule} --pp {cfg.pp} --virtual-stages {v}"
+        raise ConfigError(f"{where} --n-layer {n_layer}: {e}") from None
+    check_out_dir_path(cfg)
+
+
+def check_block_size(cfg: TrainConfig, context: int) -> None:
+    """--block-size fits the preset's `context` (its number of positions)."""
+    if cfg.block_size > context:
+        preset = f"--model {cfg.model} ({context} positions)"
+        raise ConfigError(
+            f"--block-size {cfg.block_size} exceeds the context of {preset}"
+        )
+
+
+def check_data(cfg: TrainConfig, T: int, loader_class) -> None:
+    """Sequences of T tokens split over --tp (with SP), and the data holds a batch.
+
+    `loader_class` is 01's DataLoader: building one runs its own checks (a batch larger
+    than the data, a missing shard).
+    """
+    if cfg.sequence_parallel and T % cfg.tp:
+        what = f"--sequence-parallel shards the {T} tokens of a sequence"
+        fix = f"use a --block-size divisible by {cfg.tp}"
+        raise ConfigError(f"{what} over --tp {cfg.tp} ranks: {fix}")
+    for split in ("train", "val"):
+        try:
+            loader_class(
+                cfg.data_dir, split, cfg.batch_size // cfg.dp, T, dp_size=cfg.dp
+            )
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(
+                f"--data-dir {cfg.data_dir}, {split} split: {e}"
+            ) from None
+
+
+def prepare_default_data(cfg: TrainConfig, rank: int, prepare) -> None:
+    """Rank 0 makes missing default data with `prepare(argv)`; the others wait.
+
+    `prepare` is 01_data.main, as `python 01_data.py --tokenizer T` runs it.
+    """
+    kinds = [k for k, path in DEFAULT_DATA.items() if path == cfg.data_dir]
+    meta = Path(cfg.data_dir) / "meta.json"
+    if not kinds or meta.is_file():
+        return
+    if rank == 0:
+        command = f"python 01_data.py --tokenizer {kinds[0]}"
+        print(f"{cfg.data_dir} is missing: preparing it ({command})")
+        try:
+            prepare(["--tokenizer", kinds[0]])
+        except SystemExit as e:
+            # 01's one-line error (gpt2's files offline, say) already says what to do.
+            raise ConfigError(str(e).removeprefix("01_data.py: error: ")) from None
+    deadline = time.monotonic() + 600
+    while not meta.is_file() and time.monotonic() < deadline:
+        time.sleep(1)
+
+
+def read_data_meta(cfg: TrainConfig) -> dict:
+    """--data-dir's meta.json, checked against --tokenizer."""
+    path = Path(cfg.data_dir) / "meta.json"
+    if not path.is_file():
+        fix = f"run `python 01_data.py --out {cfg.data_dir}` (see --help there)"
+        raise ConfigError(
+            f"--data-dir {cfg.data_dir} has no prepared data (meta.json): {fix}"
+        )
+    meta = json.loads(path.read_text())
+    # A saved BPE is recorded by its path: the data was made with "bpe".
+    made_with = meta["tokenizer"] if meta["tokenizer"] in ("gpt2", "char") else "bpe"
+    if cfg.tokenizer and cfg.tokenizer != made_with:
+        was = f"--data-dir {cfg.data_dir} was prepared with {meta['tokenizer']}"
+        fix = f"pass --tokenizer {made_with}, or another --data-dir"
+        raise ConfigError(f"--tokenizer {cfg.tokenizer}, but {was}: {fix}")
+    return meta
+
+
+def check_init_from(cfg: TrainConfig, meta: dict, gpt_config, load_pretrained) -> None:
+    """--init-from's checkpoint fits: GPT-2's tokenizer, and `gpt_config`'s shape.
+
+    `load_pretrained(path)` is 02's GPT.load_pretrained: a model with its `.config`.
+    Whatever it raises on a missing, foreign or damaged file becomes one line.
+    """
+    if meta["tokenizer"] != "gpt2":  # GPT-2's weights read GPT-2's token ids only.
+        tokenizer = meta["tokenizer"]
+        what = f"{cfg.data_dir} is {tokenizer}'s"
+        raise ConfigError(f"--init-from needs data of --tokenizer gpt2; {what}")
+    try:
+        have = load_pretrained(Path(cfg.init_from).resolve(strict=True)).config
+    except Exception as e:  # noqa: BLE001 - whatever the reader raises: one line.
+        raise ConfigError(
+            f"--init-from {cfg.init_from}: {' '.join(str(e).split())}"
+        ) from None
+    keys = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "tie_embeddings")
+    bad = [
+        f"{k}={getattr(have, k)}"
+        for k in keys
+        if getattr(have, k) != getattr(gpt_config, k)
+    ]
+    # A longer context is fine: wpe is cut to --block-size.
+    if have.block_size < gpt_config.block_size:
+        bad.append(f"block_size={have.block_size}")
+    if bad:
+        differ = ", ".join(bad)
+        raise ConfigError(
+            f"--init-from {cfg.init_from} has {differ}: not --model {cfg.model}'s"
+        )

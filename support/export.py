@@ -1,0 +1,133 @@
+"""model.pt, the exported model: merged from a checkpoint's shards, written, sampled.
+
+model.pt holds the model's config and state dict (02_model.GPT's), the step, and the
+tokenizer: a name ("gpt2", "char") or a trained BPE's vocabulary, merges and special
+tokens, so that it samples from any folder. This file knows the files; train.py builds
+the model, and passes in 04's tp_layout and merge_tensors for the merge.
+"""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from support.checkpoint import read_newest, shard_name
+from support.files import atomic_write
+
+
+def merge_shards(state_dicts, tp_layout, merge_tensors) -> dict:
+    """The TP ranks' state dicts, in tp_rank order -> the full one.
+
+    `tp_layout(key)` says how 04 split a tensor (None: replicated), and
+    `merge_tensors(shards, *layout)` joins its shards back.
+    """
+    full = {}
+    for key, value in state_dicts[0].items():
+        layout = tp_layout(key)
+        if layout:
+            value = merge_tensors([sd[key] for sd in state_dicts], *layout)
+        full[key] = value
+    return full
+
+
+def read_model(ckpt, merge) -> tuple[dict, dict]:
+    """A checkpoint folder -> (its meta.json, the whole model's state dict).
+
+    Stage p's TP ranks at DP rank 0 sit at grid (p, 0, t): global rank p·dp·tp + t.
+    `merge(state_dicts)` joins one chunk's TP shards (merge_shards, with 04's layout).
+    """
+    meta = json.loads((ckpt / "meta.json").read_text())
+    dp = meta["dp"]
+    tp = meta["tp"]
+    full = {}
+    for p in range(meta["pp"]):
+        files = [ckpt / shard_name(p * dp * tp + t) for t in range(tp)]
+        shards = [torch.load(f, "cpu", weights_only=True)["model"] for f in files]
+        for chunk_states in zip(*shards):  # The stage's chunks, each split over TP.
+            full.update(merge(chunk_states))
+    return meta, full
+
+
+def export(run_dir, tp_layout, merge_tensors, fold_lora, build_model, get_tokenizer):
+    """Merge the newest readable checkpoint's (tp, pp) shards into RUN_DIR/model.pt.
+
+    The lessons' parts come in: 04's `tp_layout` and `merge_tensors` (merge_shards),
+    02's `fold_lora(state_dict, scale)` (merge_lora), `build_model(config)` (a plain GPT
+    from a config dict) and 01's `get_tokenizer`.
+    """
+
+    def merge(state_dicts):
+        return merge_shards(state_dicts, tp_layout, merge_tensors)
+
+    meta, full = read_newest(run_dir, lambda ckpt: read_model(ckpt, merge))
+    config = meta["config"]
+    if config.get("lora_rank"):  # LoRA's factors folded in: W + (alpha / r)·B·A.
+        full = fold_lora(full, config["lora_alpha"] / config["lora_rank"])
+    # Older runs saved a recompute mode in the model's config: a training choice only.
+    sizes = {k: v for k, v in meta["model_config"].items() if k != "recompute"}
+    model = build_model(sizes)
+    model.load_state_dict(full, strict=True)  # Every weight present, none left over.
+    tokenizer = tokenizer_blob(meta["tokenizer"], get_tokenizer)
+    return write_model_pt(Path(run_dir) / "model.pt", model, meta["step"], tokenizer)
+
+
+def tokenizer_blob(name: str, get_tokenizer):
+    """The tokenizer as model.pt stores it: a name, or a BPE's vocab, merges, specials.
+
+    `get_tokenizer` is 01_data's: it reads a saved BPE from its path.
+    """
+    if name in ("gpt2", "char"):
+        return name
+    tok = get_tokenizer(name)
+    specials = list(tok.special_tokens)
+    return {"vocab": tok.vocab, "merges": tok.merges, "special_tokens": specials}
+
+
+def write_model_pt(out, model, step: int, tokenizer):
+    """A plain model (with `.config`, a dataclass) -> model.pt at `out`, atomically."""
+    blob = {
+        "model_config": asdict(model.config),
+        "model": model.state_dict(),
+        "step": step,
+    }
+    blob["tokenizer"] = tokenizer
+    atomic_write(out, lambda tmp: torch.save(blob, tmp))
+    return out
+
+
+def load_exported(path, build_model) -> tuple:
+    """model.pt -> (`build_model(its config dict)` with its weights, the blob)."""
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    model = build_model(blob["model_config"])
+    model.load_state_dict(blob["model"])
+    return model, blob
+
+
+def generate_text(model, tokenizer, prompt: str, n_tokens: int, seed: int = 0) -> str:
+    """The prompt and n_tokens sampled after it (temperature 0.8, top 50), decoded."""
+    idx = torch.tensor([tokenizer.encode(prompt) or [tokenizer.eot_token]])
+    generator = torch.Generator().manual_seed(seed)
+    out = model.generate(idx, n_tokens, temperature=0.8, top_k=50, generator=generator)
+    return tokenizer.decode(out[0].tolist())
+
+
+def to_hf_state_dict(model) -> dict:
+    """A plain GPT's weights in Hugging Face's GPT-2 layout: the inverse of
+    GPT.from_hf_state_dict, for --init-from's tests and benchmarks.
+
+    GPT2LMHeadModel's keys; Conv1D weights (type(model)._CONV1D) back to (in, out); the
+    padding rows of wte and lm_head dropped. No attn.bias mask buffers: Hugging Face's
+    newer versions do not save them.
+    """
+    V = model.config.vocab_size
+    conv1d = type(model)._CONV1D
+    sd = {}
+    for key, value in model.state_dict().items():
+        value = value.detach()
+        if key.endswith(conv1d):
+            value = value.t()
+        if key in ("transformer.wte.weight", "lm_head.weight"):
+            value = value[:V]
+        sd[key] = value.contiguous().clone()
+    return sd
