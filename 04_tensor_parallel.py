@@ -1,54 +1,58 @@
-"""04_tensor_parallel.py: Megatron-style tensor parallelism (TP), every matrix split over tp ranks.
+"""04_tensor_parallel.py: tensor parallelism (TP), every weight matrix split over tp ranks.
 
-The idea in one sentence: cut a layer's first matrix by columns and its second by rows, and each
-rank computes its share with no communication in between; one all-reduce sums the shares.
+The idea in one sentence: cut an MLP's first matrix by columns and its second by rows,
+so that each rank computes its share with no communication in between, and one
+all-reduce sums the shares.
 
-The math (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053, section 3), an MLP Z = GELU(X A) B:
-    column split  A = [A1 | A2]:  Y = GELU(X [A1 | A2]) = [GELU(X A1) | GELU(X A2)] = [Y1 | Y2]
-                  as GELU is elementwise (a row split would need GELU(X1 A1 + X2 A2) first)
+The math (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053, section 3), for an MLP
+Z = GELU(X A) B:
+    column split  A = [A1 | A2]:  GELU(X [A1 | A2]) = [GELU(X A1) | GELU(X A2)] = [Y1 | Y2]
     row split     B = [B1 ; B2]:  Z = [Y1 | Y2] [B1 ; B2] = Y1 B1 + Y2 B2
-Forward: one all-reduce, Z = sum_i Yi Bi (operator g). Backward: one more, as X feeds every
-rank's X Ai, so dL/dX sums over ranks (operator f, g's conjugate). Attention splits by heads, the
-embedding and tied head by vocabulary: the loss takes three all-reduces of (B, T), never (B, T, V).
+GELU is elementwise, so the column split needs no sum (a row split of A would). The
+forward takes one all-reduce, Z = sum_i Yi Bi: the operator g. The backward takes one
+more, as X feeds every rank's X Ai and dL/dX sums over the ranks: the operator f.
 
-    operator (the papers' name)              forward               backward              stands
-    CopyToTensorParallel (f)                 identity              all-reduce            entering
-    ReduceFromTensorParallel (g)             all-reduce            identity              leaving
-    GatherFromSequenceParallel (SP's g)      all-gather along T    reduce-scatter on T   where f was
-    ReduceScatterToSequenceParallel (g-bar)  reduce-scatter on T   all-gather along T    where g was
+    operator (the paper's name)             forward              backward
+    CopyToTensorParallel (f)                identity             all-reduce
+    ReduceFromTensorParallel (g)            all-reduce           identity
+    GatherFromSequenceParallel (SP's g)     all-gather on T      reduce-scatter on T
+    ReduceScatterToSequenceParallel (g-bar) reduce-scatter on T  all-gather on T
 
-Who holds what at tp = 2 (rows of an nn.Linear weight are its output features):
-    c_attn (3C x C)  [q heads 0..nh/2-1 | k same | v same]: rank 0, the other heads: rank 1
-    c_fc (4C x C)    rows 0..2C-1: rank 0, rows 2C..4C-1: rank 1            column-parallel
-    c_proj           the matching input columns, split the same way         row-parallel
-    wte = lm_head    vocabulary rows [0, V/2): rank 0, [V/2, V): rank 1      vocab-parallel
-    LayerNorms, wpe, c_proj biases: a full copy on every rank               replicated
-    MLP: X (B,T,C) ─f─▶ X A_i (B,T,4C/tp) ─GELU─▶ Y_i ─▶ Y_i B_i (B,T,C), partial ─g─▶ Z (B,T,C)
+Who holds what at tp = 2 (the rows of an nn.Linear weight are its output features):
+    X (B,T,C) ─f─▶ X A_i (B,T,4C/tp) ─GELU─▶ Y_i ─▶ Y_i B_i (B,T,C), partial ─g─▶ Z
+    c_fc (4C x C)    rows 0..2C-1: rank 0, rows 2C..4C-1: rank 1     column-parallel
+    c_proj (C x 4C)  the matching input columns, split the same way  row-parallel
+    c_attn (3C x C)  [q | k | v] of heads 0..nh/2-1: rank 0, the rest: rank 1
+    wte = lm_head    vocabulary rows [0, V/2): rank 0, [V/2, V): rank 1
+    LayerNorms, wpe, row-parallel biases: a full copy on every rank  (replicated)
+The loss over vocabulary shards takes three all-reduces of (B, T), never (B, T, V).
 
-Sequence parallelism (SP, Korthikanti et al. 2022, arXiv 2205.05198): between g and the next f
-every rank repeats the same LayerNorm, dropout and residual add on all of (B, T, C). An all-reduce
-is a reduce-scatter then an all-gather, so g becomes a reduce-scatter along T, f an all-gather: the
-SP paper names them "ḡ" and "g" (the table's g-bar and SP's g). That work runs on (B, T/tp, C): the
-same bytes, tp x less memory there. tp must divide T.
+Sequence parallelism (SP, Korthikanti et al. 2022, arXiv 2205.05198): between g and the
+next f every rank repeats the same LayerNorm, dropout and residual add on (B, T, C). An
+all-reduce is a reduce-scatter then an all-gather, so g becomes a reduce-scatter along T
+(the SP paper's g-bar) and f an all-gather (its g). That work then runs on (B, T/tp, C):
+the same bytes are sent, and it takes tp times less memory. tp must divide T.
 
-Communication per layer and step, E = B*T*C: 4 all-reduces of E (2 forward g, 2 backward f), a
-ring sending 2(tp-1)/tp * E each; with SP 4 all-gathers + 4 reduce-scatters, (tp-1)/tp * E each:
-the same bytes. Per step also 2 of E for the embedding (g) and head (f), 3 all-reduces of B*T for
-the loss, with SP small ones for replicated gradients. All on the critical path: TP stays in a node.
+Communication per layer and step, E = B*T*C: 4 all-reduces of E (2 g, 2 f), a ring
+sending 2(tp-1)/tp * E each; with SP, 4 all-gathers and 4 reduce-scatters sending
+(tp-1)/tp * E each: the same bytes. All on the critical path, so TP stays in a node.
 
-Run it:  python 04_tensor_parallel.py [--ranks 4]   (relaunches itself under torchrun; 2 ranks)
+Run it:  python 04_tensor_parallel.py [--ranks 4]   (relaunches itself under torchrun)
     or:  torchrun --standalone --nproc_per_node=2 04_tensor_parallel.py
-It checks the sharded model, with and without SP, against the whole one; bench/ measures costs.
+The demo checks the MLP alone, then the whole GPT with and without SP, against one
+process; bench/bench_tensor_parallel.py measures the costs.
 
-What changed from 03_ddp.py: DP copies the model and splits the batch, sending gradients once per
-step; TP splits every matrix, keeps the whole batch and sends activations in every layer.
+What changed from 03_ddp.py: DP copies the model and splits the batch, sending gradients
+once per step; TP splits every matrix, keeps the whole batch and sends activations in
+every layer. The simple version, one MLP with f and g in sight, comes first; then the
+reusable layers, the whole GPT, and LoRA's factors sharded beside their weights.
 
-Left out on purpose: overlapping the backward all-reduce with the weight-gradient matmul; saving
-only X/tp under SP; one coalesced all-reduce of SP's gradients; 2D tensor, context parallelism.
+Left out on purpose: overlapping the backward all-reduce with the weight-gradient
+matmul; saving only X/tp under SP; 2D tensor parallelism. The plumbing (slicing, the
+dropout stream, the config check) is in support/sharding.py.
 """
 
 import argparse
-import contextlib
 import copy
 import functools
 import importlib
@@ -61,39 +65,24 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from support import distributed
+from support import distributed, sharding
 
 model_lib = importlib.import_module("02_model")
 
-SEQ_DIM = 1  # T in (B, T, C). Megatron keeps (T, B, C) so its gathers are contiguous; we keep 02's
-TP_RNG = "tensor_parallel"  # the per-rank dropout stream's name in checkpoints
+# Plumbing that train.py, 05, bench/ and the tests reach through this lesson.
+RNGStateTracker = sharding.RNGStateTracker
+TP_RNG = sharding.TP_RNG
+check_tp_config = sharding.check_tp_config
+grad_norm_squared = sharding.grad_norm_squared
+merge_tensors = sharding.merge_tensors
+shard_tensor = sharding.shard_tensor
+
+# T is dim 1 of 02's (B, T, C). Megatron keeps (T, B, C) so that its gathers are
+# contiguous; we keep 02's layout and pay for a copy.
+SEQ_DIM = 1
 
 
-# --------------------------------------------------------------------------- raw collectives
-def _chunks(x: torch.Tensor, group, dim: int):  # x cut into tp equal chunks along dim
-    if x.size(dim) % (tp := dist.get_world_size(group)):
-        raise ValueError(f"dim {dim} of {tuple(x.shape)}: with SP T must be a multiple of tp={tp}")
-    return x.chunk(tp, dim=dim)
-
-
-def _all_reduce(x, group, op=dist.ReduceOp.SUM):
-    dist.all_reduce(x, op=op, group=group)  # in place; a ring sends 2(tp-1)/tp of x per rank
-    return x
-
-
-def _all_gather(x, group, dim):  # every rank's x, concatenated along dim in rank order
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)  # (tp-1)/tp of the result sent per rank
-    return torch.cat(parts, dim=dim)
-
-
-def _reduce_scatter(x, group, dim):  # the sum of every rank's x; this rank keeps its chunk
-    parts = [p.contiguous() for p in _chunks(x, group, dim)]  # tp-1 of them sent per rank
-    dist.reduce_scatter(out := torch.empty_like(parts[0]), parts, group=group)
-    return out
-
-
-# ------------------ the operators: one autograd.Function per collective, its backward the conjugate
+# --------------------------------------------- f and g: one autograd.Function each
 class CopyToTensorParallel(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce backward (entering the TP region)."""
 
@@ -104,8 +93,10 @@ class CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # this rank's share of dL/dX -> the sum over ranks
-        # subtle: reduce a copy: autograd may share the incoming gradient with other consumers
-        return _all_reduce(grad.clone(), ctx.group), None
+        # subtle: reduce a copy, as autograd may share this gradient elsewhere.
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)  # a ring sends 2(tp-1)/tp of it
+        return grad, None
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
@@ -113,80 +104,81 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):  # (B, T, C): this rank's partial sum Y_i B_i
-        return _all_reduce(x.clone(), group)  # a copy: x is the caller's tensor
+        x = x.clone()  # a copy, as x is the caller's tensor
+        dist.all_reduce(x, group=group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):  # every term of a sum gets the sum's gradient
         return grad, None
 
 
+# --------------------------------------------------------------------------- simple first
+class TensorParallelMLP(nn.Module):
+    """02's MLP over the ranks of `group`, with f and g in sight (Megatron's Figure 3a).
+    This rank keeps c_fc's output rows [r 4C/tp, (r+1) 4C/tp) and the matching input
+    columns of c_proj; c_proj's bias is replicated and added once, after g's sum."""
+
+    def __init__(self, mlp, group):
+        super().__init__()
+        assert mlp.c_fc.bias is not None, "the simple version keeps GPT-2's biases"
+        rank = dist.get_rank(group)
+        tp = dist.get_world_size(group)
+        w_fc = mlp.c_fc.weight.detach().chunk(tp, dim=0)[rank]  # (4C/tp, C)
+        b_fc = mlp.c_fc.bias.detach().chunk(tp, dim=0)[rank]  # (4C/tp,)
+        w_proj = mlp.c_proj.weight.detach().chunk(tp, dim=1)[rank]  # (C, 4C/tp)
+        self.fc_weight = nn.Parameter(w_fc.clone())
+        self.fc_bias = nn.Parameter(b_fc.clone())
+        self.proj_weight = nn.Parameter(w_proj.clone())
+        self.proj_bias = mlp.c_proj.bias  # (C,): replicated, the same Parameter
+        self.gelu = mlp.gelu
+        self.dropout = mlp.dropout  # after g, on a copy: the same mask on every rank
+        self.group = group
+
+    def forward(self, x):  # (B, T, C), the same on every rank
+        x = CopyToTensorParallel.apply(x, self.group)  # f: dL/dX summed in backward
+        y = self.gelu(F.linear(x, self.fc_weight, self.fc_bias))  # (B, T, 4C/tp): Y_i
+        z = F.linear(y, self.proj_weight)  # (B, T, C): the partial sum Y_i B_i
+        z = ReduceFromTensorParallel.apply(z, self.group)  # g: Z = sum_i Y_i B_i
+        return self.dropout(z + self.proj_bias)  # (B, T, C), the same on every rank
+
+
+# ----------------------------------------------------- sequence parallelism's f and g
 class GatherFromSequenceParallel(torch.autograd.Function):
-    """SP's g, where f stood: all-gather along T forward, reduce-scatter along T backward."""
+    """SP's g, where f stood: all-gather along T forward, reduce-scatter backward."""
 
     @staticmethod
     def forward(ctx, x, group):  # (B, T/tp, C): this rank's tokens -> (B, T, C)
         ctx.group = group
-        return _all_gather(x, group, SEQ_DIM)
+        return sharding.all_gather_along(x, group, SEQ_DIM)
 
     @staticmethod
     def backward(ctx, grad):  # (B, T, C), this rank's share -> (B, T/tp, C), summed
-        return _reduce_scatter(grad, ctx.group, SEQ_DIM), None
+        return sharding.reduce_scatter_along(grad, ctx.group, SEQ_DIM), None
 
 
 class ReduceScatterToSequenceParallel(torch.autograd.Function):
-    """SP's g-bar, where g stood: reduce-scatter along T forward, all-gather along T backward."""
+    """SP's g-bar, where g stood: reduce-scatter along T forward, all-gather backward."""
 
     @staticmethod
-    def forward(ctx, x, group):  # (B, T, C) partial sums -> (B, T/tp, C) complete, own tokens
+    def forward(ctx, x, group):  # (B, T, C) partial sums -> (B, T/tp, C), own tokens
         ctx.group = group
-        return _reduce_scatter(x, group, SEQ_DIM)
+        return sharding.reduce_scatter_along(x, group, SEQ_DIM)
 
     @staticmethod
     def backward(ctx, grad):  # (B, T/tp, C) -> (B, T, C)
-        return _all_gather(grad, ctx.group, SEQ_DIM), None
+        return sharding.all_gather_along(grad, ctx.group, SEQ_DIM), None
 
 
 def gather_logits(logits, group):
-    """(B, T, V/tp) logit shards -> the full (B, T, V_padded), outside autograd (for sampling)."""
-    return _all_gather(logits.detach(), group, -1)
-
-
-# --------------------------------------------------------------------------- randomness
-class RNGStateTracker:
-    """This rank's own dropout stream (Megatron's CudaRNGStatesTracker, one stream). The default
-    stream is alike on every TP rank: copies get the same mask. Shards (heads; with SP, tokens) need
-    their own: `with tracker.fork():` swaps it into the default generator and back, advanced."""
-
-    def __init__(self, device, seed: int):
-        self.device = torch.device(device)
-        self.state = torch.Generator(device=self.device).manual_seed(seed).get_state()
-
-    def _swap(self, state):  # install `state` in the device's default generator; return the old
-        if self.device.type == "cuda":
-            old = torch.cuda.get_rng_state(self.device)
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            old = torch.get_rng_state()
-            torch.set_rng_state(state)
-        return old
-
-    @contextlib.contextmanager
-    def fork(self):
-        outside = self._swap(self.state)
-        try:
-            yield
-        finally:
-            self.state = self._swap(outside)
-
-    def state_dict(self) -> dict:  # for checkpoints, next to torch's own RNG state
-        return {TP_RNG: self.state.clone()}
-
-    def load_state_dict(self, states: dict):
-        self.state = states[TP_RNG].clone()
+    """(B, T, V/tp) logit shards -> the full (B, T, V_padded), outside autograd."""
+    return sharding.all_gather_along(logits.detach(), group, -1)
 
 
 class ParallelDropout(nn.Dropout):
-    """Dropout on rank-specific data (a shard of heads or tokens): masks from the TP stream."""
+    """Dropout on rank-specific data (a shard of heads or tokens), from the TP stream.
+    Replicated activations keep the default stream, alike on every TP rank, so that the
+    copies stay copies; sharded ones need masks of their own."""
 
     def __init__(self, p: float, rng: RNGStateTracker):
         super().__init__(p)
@@ -198,37 +190,39 @@ class ParallelDropout(nn.Dropout):
 
 
 # --------------------------------------------------------------------------- slicing
-# GPT module (name suffix) -> (dim, chunks) of its weight's split. Row-parallel (dim 1) biases are
-# replicated. chunks=3: the fused [q|k|v] is cut per part, so a rank holds whole heads of each.
-SHARDED = {"wte": (0, 1), "lm_head": (0, 1), "attn.c_attn": (0, 3), "mlp.c_fc": (0, 1),
-           "attn.c_proj": (1, 1), "mlp.c_proj": (1, 1)}  # fmt: skip
+# A GPT module (a name suffix) -> the (dim, chunks) of its weight's split. dim 0 is
+# column-parallel (output rows), dim 1 row-parallel (input columns; the bias is then
+# replicated). chunks=3 cuts the fused [q|k|v] per part, so a rank holds whole heads.
+SHARDED = {
+    "wte": (0, 1),
+    "lm_head": (0, 1),
+    "attn.c_attn": (0, 3),
+    "mlp.c_fc": (0, 1),
+    "attn.c_proj": (1, 1),
+    "mlp.c_proj": (1, 1),
+}
+# LoRA's factors (02): B (out, r) is cut as its weight's rows, A (r, in) as its columns.
+LORA_DIM = {"lora_B": 0, "lora_A": 1}
 
 
 def tp_layout(key: str):
-    """(dim, chunks) along which a GPT state-dict entry is split, or None when replicated."""
+    """(dim, chunks) along which a GPT state-dict entry is split, or None: replicated."""
     module, _, kind = key.rpartition(".")
     for suffix, (dim, chunks) in SHARDED.items():
-        if module == suffix or module.endswith("." + suffix):
-            whole = kind == ("lora_A" if dim == 0 else "lora_B") or (dim == 1 and kind == "bias")
-            return None if whole else (dim, chunks)  # LoRA: B cut like W's rows, A like columns
-
-
-def shard_tensor(t: torch.Tensor, dim: int, chunks: int, rank: int, tp: int) -> torch.Tensor:
-    """Rank's slice of a full tensor: each of `chunks` equal parts along dim cut into tp pieces."""
-    if t.size(dim) % (chunks * tp):
-        raise ValueError(f"size {t.size(dim)} (dim {dim}) is not divisible by {chunks} x tp={tp}")
-    return torch.cat([part.chunk(tp, dim)[rank] for part in t.chunk(chunks, dim)], dim).clone()
-
-
-def merge_tensors(shards, dim: int, chunks: int) -> torch.Tensor:
-    """Inverse of shard_tensor: the tp ranks' slices, in rank order -> the full tensor."""
-    parts = [s.chunk(chunks, dim) for s in shards]  # tp x chunks
-    return torch.cat([torch.cat([p[c] for p in parts], dim) for c in range(chunks)], dim)
+        if module != suffix and not module.endswith("." + suffix):
+            continue
+        if kind in LORA_DIM:
+            return (dim, chunks) if LORA_DIM[kind] == dim else None
+        if dim == 1 and kind == "bias":
+            return None
+        return (dim, chunks)
+    return None
 
 
 def _shard_param(t, dim, chunks, group):
-    """A new Parameter holding this rank's slice, marked as sharded (train.py's grad norm)."""
-    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    """A new Parameter of this rank's slice, marked as sharded (for the grad norm)."""
+    rank = dist.get_rank(group)
+    tp = dist.get_world_size(group)
     p = nn.Parameter(shard_tensor(t.detach(), dim, chunks, rank, tp), t.requires_grad)
     p.tensor_parallel = True
     return p
@@ -236,262 +230,365 @@ def _shard_param(t, dim, chunks, group):
 
 # --------------------------------------------------------------------------- the layers
 class ColumnParallelLinear(nn.Module):
-    """Y_i = X A_i, built from a full nn.Linear: this rank's out/tp output features. Input
-    (B, T, in), replicated, through f; with SP (B, T/tp, in), all-gathered. Out: (B, T, out/tp)."""
+    """Y_i = X A_i from a full nn.Linear: this rank's out/tp output features.
+    The input (B, T, in), replicated, enters through f; with SP, (B, T/tp, in) is
+    all-gathered. The output is (B, T, out/tp)."""
 
     def __init__(self, linear: nn.Linear, group, sequence_parallel=False, chunks=1):
         super().__init__()
         self.weight = _shard_param(linear.weight, 0, chunks, group)  # (out/tp, in)
-        self.bias = None if linear.bias is None else _shard_param(linear.bias, 0, chunks, group)
-        self.group, self.sequence_parallel = group, sequence_parallel
-        if hasattr(linear, "lora_A"):  # LoRA (02): A (r, in) whole, B cut as the weight's rows
-            self.lora_A, self.scale = linear.lora_A, linear.scale
-            self.lora_B = _shard_param(linear.lora_B, 0, chunks, group)  # (out/tp, r)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = _shard_param(linear.bias, 0, chunks, group)  # (out/tp,)
+        self.group = group
+        self.sequence_parallel = sequence_parallel
 
-    def forward(self, x):  # (B, T, in) or (B, T/tp, in)
-        enter = GatherFromSequenceParallel if self.sequence_parallel else CopyToTensorParallel
-        x = enter.apply(x, self.group)  # (B, T, in): SP's g, or f
-        y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
-        if not hasattr(self, "lora_A"):
-            return y
-        a = CopyToTensorParallel.apply(self.lora_A, self.group)  # f on a weight: dA summed
-        return y + x @ a.T @ self.lora_B.T * self.scale  # + (x A^T) B_i^T, this rank's features
+    def forward(self, x):  # (B, T, in), or (B, T/tp, in) with SP
+        return F.linear(self.enter(x), self.weight, self.bias)  # (B, T, out/tp)
+
+    def enter(self, x):  # -> (B, T, in), the same on every rank
+        if self.sequence_parallel:
+            return GatherFromSequenceParallel.apply(x, self.group)  # SP's g
+        return CopyToTensorParallel.apply(x, self.group)  # f
 
 
 class RowParallelLinear(nn.Module):
-    """Z = sum_i Y_i B_i from a full nn.Linear: this rank's in/tp input features. (B, T, in/tp) ->
-    (B, T, out) through g, or (B, T/tp, out) through SP's g-bar; the replicated bias added after."""
+    """Z = sum_i Y_i B_i from a full nn.Linear: this rank's in/tp input features.
+    (B, T, in/tp) -> (B, T, out) through g, or (B, T/tp, out) through SP's g-bar;
+    the replicated bias is added once, after the sum."""
 
     def __init__(self, linear: nn.Linear, group, sequence_parallel=False):
         super().__init__()
         self.weight = _shard_param(linear.weight, 1, 1, group)  # (out, in/tp)
         self.bias = linear.bias  # replicated: the same Parameter
-        self.group, self.sequence_parallel = group, sequence_parallel
-        if hasattr(linear, "lora_A"):  # LoRA (02): A cut as the weight's columns, B (out, r) whole
-            self.lora_A, self.scale = _shard_param(linear.lora_A, 1, 1, group), linear.scale
-            self.lora_B = linear.lora_B
+        self.group = group
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x):  # (B, T, in/tp)
-        y = F.linear(x, self.weight)  # (B, T, out): this rank's partial sum Y_i B_i
-        if hasattr(self, "lora_A"):  # + (x_i A_i^T) B^T, partial too; dB is partial: f sums it
-            b = CopyToTensorParallel.apply(self.lora_B, self.group)  # (out, r)
-            y = y + x @ self.lora_A.T @ b.T * self.scale
+        return self.leave(F.linear(x, self.weight))  # the partial sum Y_i B_i
+
+    def leave(self, y):  # (B, T, out), a partial sum -> the sum, plus the bias
         if not self.sequence_parallel:
-            y = ReduceFromTensorParallel.apply(y, self.group)  # (B, T, out), g
+            y = ReduceFromTensorParallel.apply(y, self.group)  # g: (B, T, out)
             return y if self.bias is None else y + self.bias
-        y = ReduceScatterToSequenceParallel.apply(y, self.group)  # (B, T/tp, out), g-bar
-        # subtle: the bias meets this rank's T/tp tokens only: f sums its partial gradient
-        return y if self.bias is None else y + CopyToTensorParallel.apply(self.bias, self.group)
+        y = ReduceScatterToSequenceParallel.apply(y, self.group)  # (B, T/tp, out)
+        if self.bias is None:
+            return y
+        # subtle: the bias meets this rank's T/tp tokens only, so f sums its gradient.
+        return y + CopyToTensorParallel.apply(self.bias, self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
-    """wte split by vocabulary: rank r holds ids [r V/tp, (r+1) V/tp). It looks up the ids it owns,
-    writes zeros for the others, and g sums over ranks: (B, T) ids -> (B, T, C), or (B, T/tp, C)."""
+    """wte split by vocabulary: rank r holds the ids [r V/tp, (r+1) V/tp).
+    It looks up the ids it owns, writes zeros for the others, and g sums over the
+    ranks: (B, T) ids -> (B, T, C), or with SP g-bar's (B, T/tp, C)."""
 
     def __init__(self, emb: nn.Embedding, group, sequence_parallel=False):
         super().__init__()
         self.weight = _shard_param(emb.weight, 0, 1, group)  # (V/tp, C)
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group = group
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, idx):  # (B, T)
-        local = idx - dist.get_rank(self.group) * (rows := self.weight.size(0))  # rows: V/tp
-        outside = (local < 0) | (local >= rows)  # ids another rank owns
+        rows = self.weight.size(0)  # V/tp
+        local = idx - dist.get_rank(self.group) * rows
+        outside = (local < 0) | (local >= rows)  # the ids another rank owns
         x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
-        x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # zeros (and zero gradient) there
-        op = ReduceScatterToSequenceParallel if self.sequence_parallel else ReduceFromTensorParallel
-        return op.apply(x, self.group)  # g-bar: (B, T/tp, C), or g: (B, T, C)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # zeros, and no gradient, there
+        if self.sequence_parallel:
+            return ReduceScatterToSequenceParallel.apply(x, self.group)  # (B, T/tp, C)
+        return ReduceFromTensorParallel.apply(x, self.group)  # g: (B, T, C)
 
 
 class SequenceParallelLayerNorm(nn.Module):
-    """LayerNorm on this rank's (B, T/tp, C) tokens. Its weight and bias are replicated but each
-    rank's gradient covers its own tokens only: f sums them (forget it: the copies drift apart)."""
+    """LayerNorm on this rank's (B, T/tp, C) tokens, its weight and bias replicated.
+    Each rank's gradient covers its own tokens only, so f sums it over the ranks
+    (forget f and the copies drift apart: the classic SP bug)."""
 
     def __init__(self, ln: nn.LayerNorm, group):
         super().__init__()
-        self.weight, self.bias = ln.weight, ln.bias  # the same Parameters, the same keys
-        self.shape, self.eps, self.group = ln.normalized_shape, ln.eps, group
+        self.weight = ln.weight  # the same Parameters, under the same keys
+        self.bias = ln.bias
+        self.shape = ln.normalized_shape
+        self.eps = ln.eps
+        self.group = group
 
     def forward(self, x):  # (B, T/tp, C)
-        w = CopyToTensorParallel.apply(self.weight, self.group)  # f: dw summed over ranks
-        b = None if self.bias is None else CopyToTensorParallel.apply(self.bias, self.group)
+        w = CopyToTensorParallel.apply(self.weight, self.group)  # f: dw summed
+        b = None
+        if self.bias is not None:
+            b = CopyToTensorParallel.apply(self.bias, self.group)
         return F.layer_norm(x, self.shape, w, b, self.eps)
 
 
 class SequenceParallelPositionEmbedding(nn.Module):
-    """wpe rows for this rank's T/tp positions; f sums the (T, C) gradient over the group."""
+    """wpe's rows for this rank's T/tp positions; f sums the (T, C) gradient."""
 
     def __init__(self, emb: nn.Embedding, group):
         super().__init__()
-        self.weight, self.group = emb.weight, group  # the same Parameter
+        self.weight = emb.weight  # the same Parameter
+        self.group = group
 
     def forward(self, pos):  # (T,)
-        pos_emb = CopyToTensorParallel.apply(F.embedding(pos, self.weight), self.group)  # (T, C)
-        return _chunks(pos_emb, self.group, 0)[dist.get_rank(self.group)]  # (T/tp, C)
+        pos_emb = CopyToTensorParallel.apply(F.embedding(pos, self.weight), self.group)
+        mine = sharding.chunk_for_ranks(pos_emb, self.group, 0)
+        return mine[dist.get_rank(self.group)]  # (T/tp, C)
 
 
 class ParallelSelfAttention(nn.Module):
-    """02's CausalSelfAttention with nh/tp whole heads: column-parallel [q|k|v], row c_proj."""
+    """02's CausalSelfAttention on nh/tp whole heads: c_attn column-, c_proj row-parallel."""
 
     def __init__(self, attn, group, sequence_parallel, rng):
         super().__init__()
-        self.c_attn = ColumnParallelLinear(attn.c_attn, group, sequence_parallel, chunks=3)
-        self.c_proj = RowParallelLinear(attn.c_proj, group, sequence_parallel)
-        drop = attn.resid_dropout  # on copies: alike masks; with SP, on token shards: their own
-        self.resid_dropout = ParallelDropout(drop.p, rng) if sequence_parallel else drop
-        self.head_dim, self.dropout, self.rng = attn.head_dim, attn.dropout, rng
+        sp = sequence_parallel
+        self.c_attn = parallel_linear(ColumnParallelLinear, attn.c_attn, group, sp, 3)
+        self.c_proj = parallel_linear(RowParallelLinear, attn.c_proj, group, sp)
+        # On copies the default masks are alike; SP's token shards need their own.
+        drop = attn.resid_dropout
+        self.resid_dropout = ParallelDropout(drop.p, rng) if sp else drop
+        self.head_dim = attn.head_dim
+        self.dropout = attn.dropout
+        self.rng = rng
 
     def forward(self, x):  # (B, T, C), or (B, T/tp, C) with sequence parallelism
         qkv = self.c_attn(x)  # (B, T, 3C/tp): [q | k | v] of this rank's heads
         B, T, _ = qkv.shape
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, -1))
+        parts = qkv.chunk(3, -1)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in parts)
         p = self.dropout if self.training else 0.0  # q, k, v: (B, nh/tp, T, hs)
-        with self.rng.fork():  # this rank's heads: its own attention-dropout masks
+        with self.rng.fork():  # this rank's heads get their own attention-dropout masks
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C/tp)
         return self.resid_dropout(self.c_proj(y))  # (B, T, C), or (B, T/tp, C)
 
 
+# ------------------------------------------------- LoRA (02), sharded beside its weight
+class ColumnParallelLoRA(ColumnParallelLinear):
+    """02's LoRALinear, column-parallel: W and B by rows, A whole under f."""
+
+    def __init__(self, lora, group, sequence_parallel=False, chunks=1):
+        super().__init__(lora, group, sequence_parallel, chunks)  # W and its bias
+        self.lora_A = lora.lora_A  # (r, in): whole, the same Parameter
+        self.lora_B = _shard_param(lora.lora_B, 0, chunks, group)  # (out/tp, r)
+        self.scale = lora.scale
+
+    def forward(self, x):  # (B, T, in), or (B, T/tp, in) with SP
+        x = self.enter(x)  # (B, T, in): one f (or SP's g) for both paths
+        # Each rank's dA comes from its own out/tp features only, so f sums it.
+        a = CopyToTensorParallel.apply(self.lora_A, self.group)
+        update = x @ a.T @ self.lora_B.T * self.scale  # (B, T, r) -> (B, T, out/tp)
+        return F.linear(x, self.weight, self.bias) + update
+
+
+class RowParallelLoRA(RowParallelLinear):
+    """02's LoRALinear, row-parallel: W and A by columns, B whole under f."""
+
+    def __init__(self, lora, group, sequence_parallel=False):
+        super().__init__(lora, group, sequence_parallel)  # W, and the replicated bias
+        self.lora_A = _shard_param(lora.lora_A, 1, 1, group)  # (r, in/tp)
+        self.lora_B = lora.lora_B  # (out, r): whole, the same Parameter
+        self.scale = lora.scale
+
+    def forward(self, x):  # (B, T, in/tp)
+        # x_i A_i^T is this rank's partial sum of x A^T, so dB is one too: f sums it.
+        b = CopyToTensorParallel.apply(self.lora_B, self.group)
+        update = x @ self.lora_A.T @ b.T * self.scale  # (B, T, r) -> (B, T, out)
+        return self.leave(F.linear(x, self.weight) + update)  # one g for both sums
+
+
+def parallel_linear(cls, linear, group, *args):
+    """cls(linear, group, ...), or cls's LoRA subclass for 02's LoRALinear."""
+    if isinstance(linear, model_lib.LoRALinear):
+        cls = ColumnParallelLoRA if cls is ColumnParallelLinear else RowParallelLoRA
+    return cls(linear, group, *args)
+
+
 # --------------------------------------------------------------------------- the loss
-def vocab_parallel_cross_entropy(logits, targets, reduction="mean", *, group, vocab_size=None):
-    """02's loss, mean (or sum) of -log softmax[target] where target != -1, from (B, T, V/tp) logit
-    shards: log sum_exp - x[target], both pieces summed over ranks (3 all-reduces of (B*T,), the
-    max included), so every rank computes the same loss. No backward to write: g's is the
-    identity, so d loss/d sum_exp = 1/sum_exp reaches each rank's own sum of exp(x), giving its
-    shard exp(x)/sum_exp = softmax, and the target's owner -1 via x[target]: softmax - onehot."""
+def vocab_parallel_cross_entropy(
+    logits, targets, reduction="mean", *, group, vocab_size=None
+):
+    """02's loss, the mean (or sum) of -log softmax[target] where target != -1, from
+    (B, T, V/tp) logit shards: log sum_exp - x[target], both pieces summed over the
+    ranks by 3 all-reduces of (B*T,), the max included. No backward to write: g's is
+    the identity, so 1/sum_exp reaches each rank's own sum of exp(x), giving its shard
+    exp(x)/sum_exp = softmax, and the target's owner -1 via x[target]: softmax - onehot."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    x = logits.float().reshape(-1, logits.size(-1))  # (N, V/tp), N = B*T; fp32 softmax, as 02
-    rows, targets, n = x.size(-1), targets.reshape(-1), torch.arange(len(x), device=x.device)
-    first = dist.get_rank(group) * rows  # this rank's first column: vocabulary id
-    if vocab_size is not None and (pad := max(vocab_size - first, 0)) < rows:  # padding columns
-        x = x.index_fill(1, torch.arange(pad, rows, device=x.device), -math.inf)  # no probability
-    m = _all_reduce(x.detach().max(dim=-1).values, group, dist.ReduceOp.MAX)  # 1: global max
-    x = x - m.unsqueeze(-1)  # exp(x - m) <= 1: no overflow; a constant shift, no gradient
-    local = targets - first  # (N,) target ids, in this rank's columns
+    x = logits.float().reshape(-1, logits.size(-1))  # (N, V/tp), N = B*T; fp32, as 02
+    rows = x.size(-1)
+    targets = targets.reshape(-1)
+    n = torch.arange(len(x), device=x.device)
+    first = dist.get_rank(group) * rows  # the vocabulary id of this rank's first column
+    if vocab_size is not None and vocab_size - first < rows:  # padding columns here
+        pad = max(vocab_size - first, 0)
+        x = x.index_fill(1, torch.arange(pad, rows, device=x.device), -math.inf)
+    m = x.detach().max(dim=-1).values
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # 1: the global max
+    x = x - m.unsqueeze(-1)  # exp(x - m) <= 1, so no overflow; a constant, no gradient
+    local = targets - first  # (N,) the target ids, in this rank's columns
     mine = (local >= 0) & (local < rows)  # this rank holds the target's column
-    picked = torch.where(mine, x[n, local.clamp(0, rows - 1)], 0.0)  # x[n, target_n] if mine
-    target_logit = ReduceFromTensorParallel.apply(picked, group)  # 2: x[target], from its owner
-    sum_exp = ReduceFromTensorParallel.apply(x.exp().sum(dim=-1), group)  # 3: the denominator
+    picked = torch.where(mine, x[n, local.clamp(0, rows - 1)], 0.0)  # x[n, target_n]
+    target_logit = ReduceFromTensorParallel.apply(picked, group)  # 2: from its owner
+    sum_exp = ReduceFromTensorParallel.apply(x.exp().sum(dim=-1), group)  # 3: the sum
     keep = targets != -1  # 02's ignore_index
-    losses = torch.where(keep, sum_exp.log() - target_logit, 0.0)  # (N,) -log softmax[target]
+    losses = torch.where(keep, sum_exp.log() - target_logit, 0.0)  # (N,)
     return losses.sum() if reduction == "sum" else losses.sum() / keep.sum()
 
 
 # --------------------------------------------------------------------------- the model
-def check_tp_config(config, tp: int):
-    """Every reason this GPTConfig cannot be split tp ways, in one ValueError (no collectives).
-    n_head % tp == 0 is enough for the widths: C = nh * hs and 4C then split evenly too."""
-    V, m, problems = config.padded_vocab_size, math.lcm(64, tp), []
-    if config.n_head % tp:
-        problems.append(f"n_head={config.n_head} is not divisible by tp={tp} (whole heads)")
-    if V % tp:
-        now = f"vocab_size={config.vocab_size}, pad_vocab_multiple={config.pad_vocab_multiple}"
-        fix = f"pad with GPTConfig(pad_vocab_multiple={m}) -> {-(-config.vocab_size // m) * m} rows"
-        problems.append(f"the vocabulary has {V} rows ({now}), not divisible by tp={tp}: {fix}")
-    if problems:
-        raise ValueError(f"cannot split this GPT over tp={tp} ranks: " + "; ".join(problems))
-
-
 def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
-    """Shard a 02_model.GPT over the TP `group` in place, by slicing its full weights; returns it.
-    Build the model identically on every rank first (same seed). model(idx, targets) then returns
-    this rank's (B, T, V/tp) logits and the full mean loss; state-dict keys stay 02's; 05 may call
-    model.embed, the blocks, model.head and model.loss_fn apart. The per-rank dropout stream is
-    seeded (seed or torch.initial_seed()) + 1 + world_size + global rank: unique per (stage,
-    replica, TP rank); train.py keeps default streams below (seed + 1 + pp_rank * dp + dp_rank)."""
+    """Shard a 02_model.GPT over the TP `group` in place, by slicing its full weights.
+    Build the model identically on every rank first (the same seed). model(idx, targets)
+    then returns this rank's (B, T, V/tp) logits and the full mean loss; the state-dict
+    keys stay 02's; 05 may call model.embed, the blocks, model.head and model.loss_fn
+    apart. The per-rank dropout stream is seeded (seed or torch.initial_seed()) + 1 +
+    world_size + global rank, unique per (stage, replica, TP rank); train.py keeps the
+    default streams below that (seed + 1 + pp_rank * dp + dp_rank)."""
     if group is None:
         raise ValueError("pass the TP process group explicitly (dist.new_group(ranks))")
     if getattr(model, "tp_group", None) is not None:
         raise ValueError("this model is already tensor-parallel")
     check_tp_config(model.config, dist.get_world_size(group))  # before any collective
-    # one tiny all-reduce: slicing is only right if every TP rank built the same model
-    sums = torch.stack([p.detach().double().sum() for p in model.parameters()])
-    both = _all_reduce(torch.cat([sums, -sums]), group, dist.ReduceOp.MAX)  # max, -min
-    if not torch.equal(both[: len(sums)], -both[len(sums) :]):
-        raise ValueError("weights differ across TP ranks: torch.manual_seed alike before GPT()")
-    t, sp, V = model.transformer, sequence_parallel, model.config.vocab_size
+    # Slicing is only right if every TP rank built the same model.
+    different = "weights differ across TP ranks: torch.manual_seed alike before GPT()"
+    sharding.check_same_on_ranks(list(model.parameters()), group, different)
+    t = model.transformer
+    sp = sequence_parallel
     seed = (torch.initial_seed() if seed is None else seed) + 1 + dist.get_world_size()
-    rng = RNGStateTracker(t.wte.weight.device, (seed + dist.get_rank()) % 2**63)  # one per rank
+    rng = RNGStateTracker(t.wte.weight.device, (seed + dist.get_rank()) % 2**63)
     tied = model.lm_head.weight is t.wte.weight
     t.wte = VocabParallelEmbedding(t.wte, group, sp)
-    model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)  # (B, T, V/tp) logits
-    if tied:  # the tied head reuses the embedding's vocab shard
+    # The head gives this rank's (B, T, V/tp) logits; a tied one reuses wte's shard.
+    model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)
+    if tied:
         model.lm_head.weight = t.wte.weight
     for block in t.h:
         block.attn = ParallelSelfAttention(block.attn, group, sp, rng)
-        block.mlp.c_fc = ColumnParallelLinear(block.mlp.c_fc, group, sp)  # (B, T, 4C/tp)
-        block.mlp.c_proj = RowParallelLinear(block.mlp.c_proj, group, sp)
-        if sp:  # these activations are token shards now: own dropout masks, f on LayerNorms
-            block.mlp.dropout = ParallelDropout(block.mlp.dropout.p, rng)
+        mlp = block.mlp
+        mlp.c_fc = parallel_linear(ColumnParallelLinear, mlp.c_fc, group, sp)
+        mlp.c_proj = parallel_linear(RowParallelLinear, mlp.c_proj, group, sp)
+        if sp:  # token shards now: their own dropout masks, and f on the LayerNorms
+            mlp.dropout = ParallelDropout(mlp.dropout.p, rng)
             block.ln_1 = SequenceParallelLayerNorm(block.ln_1, group)
             block.ln_2 = SequenceParallelLayerNorm(block.ln_2, group)
     if sp:
         t.wpe = SequenceParallelPositionEmbedding(t.wpe, group)
-        t.drop, t.ln_f = ParallelDropout(t.drop.p, rng), SequenceParallelLayerNorm(t.ln_f, group)
-    model.loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, vocab_size=V)
-    model.tp_group, model.tp_rng, model.sequence_parallel = group, rng, sp
+        t.drop = ParallelDropout(t.drop.p, rng)
+        t.ln_f = SequenceParallelLayerNorm(t.ln_f, group)
+    V = model.config.vocab_size
+    loss_fn = functools.partial(vocab_parallel_cross_entropy, group=group, vocab_size=V)
+    model.loss_fn = loss_fn
+    model.tp_group = group
+    model.tp_rng = rng
+    model.sequence_parallel = sp
     return model
 
 
-def grad_norm_squared(grads, group, device) -> torch.Tensor:
-    """Σ g² over (parameter, gradient) pairs, the same on every TP rank: shards summed, copies once."""
-    sq = {True: torch.zeros((), device=device), False: torch.zeros((), device=device)}
-    for p, g in grads:  # True: a slice, the ranks' squares add up; False: a copy, counted once
-        sq[getattr(p, "tensor_parallel", False)] += g.float().pow(2).sum()
-    return _all_reduce(sq[True], group) + sq[False]
-
-
 # --------------------------------------------------------------------------- the demo
-def demo(args, config, group, device):
-    tp, rank, print0 = dist.get_world_size(group), dist.get_rank(group), distributed.print0
-    torch.manual_seed(args.seed)  # the same whole model on every rank, sliced afterwards
+def relative_diff(mine, whole) -> torch.Tensor:
+    """max |mine - whole| / max |whole|: fp32 rounding is ~1e-7, a bug ~1."""
+    return (mine - whole).abs().max() / whole.abs().max()
+
+
+def demo_mlp(args, config, group, device):
+    """The simple version: 02's MLP sharded by hand, against itself whole."""
+    rank = dist.get_rank(group)
+    tp = dist.get_world_size(group)
+    torch.manual_seed(args.seed)  # the same MLP, X and dL/dZ on every rank
+    full = model_lib.MLP(config).to(device)
+    x = torch.randn(args.batch_size, config.block_size, config.n_embd, device=device)
+    dz = torch.randn_like(x)  # a given dL/dZ: the loss is sum(Z * dz)
+    x_full = x.clone().requires_grad_()
+    z_full = full(x_full)
+    (z_full * dz).sum().backward()
+    mlp = TensorParallelMLP(copy.deepcopy(full), group)
+    x_tp = x.clone().requires_grad_()
+    z = []
+    n_forward = sharding.count_all_reduces(lambda: z.append(mlp(x_tp)))
+    n_backward = sharding.count_all_reduces(lambda: (z[0] * dz).sum().backward())
+    assert n_forward == 1, f"g all-reduces once forward, not {n_forward} times"
+    assert n_backward == 1, f"f all-reduces once backward, not {n_backward} times"
+    d_grad = [relative_diff(x_tp.grad, x_full.grad)]
+    d_grad.append(relative_diff(mlp.proj_bias.grad, full.c_proj.bias.grad))
+    pairs = [(mlp.fc_weight, full.c_fc.weight, 0), (mlp.fc_bias, full.c_fc.bias, 0)]
+    pairs.append((mlp.proj_weight, full.c_proj.weight, 1))
+    for mine, whole, dim in pairs:  # each shard against its slice of the whole
+        d_grad.append(relative_diff(mine.grad, whole.grad.chunk(tp, dim)[rank]))
+    d_out = relative_diff(z[0], z_full)
+    diffs = sharding.max_over_ranks([d_out, max(d_grad)], group)
+    assert max(diffs) < 1e-4, f"the TP MLP differs from the unsharded one: {diffs}"
+    print0 = distributed.print0
+    print0(f"MLP alone at tp={tp}: {n_forward} all-reduce forward (g), 1 backward (f)")
+    worst = "output {:.1e}, any gradient {:.1e}".format(*diffs)
+    print0(f"  equals the unsharded MLP: max relative |diff| {worst}")
+
+
+def demo_gpt(args, config, group, device):
+    """The whole GPT, with and without SP, against the unsharded model."""
+    rank = dist.get_rank(group)
+    tp = dist.get_world_size(group)
+    print0 = distributed.print0
+    torch.manual_seed(args.seed)  # the same whole model on every rank, sliced after
     full = model_lib.GPT(config).to(device)
-    sharded = {sp: apply_tensor_parallel(copy.deepcopy(full), group, sp) for sp in (False, True)}
-    B, T = args.batch_size, config.block_size
-    [(x, y)] = model_lib.byte_batches(T, B, seed=args.seed, device=device)  # same on every rank
-    print0(f"GPT '{args.preset}' (nh={config.n_head}), (B, T) = ({B}, {T}), fp32, on {device.type}")
+    sharded = {}
+    for sp in (False, True):
+        sharded[sp] = apply_tensor_parallel(copy.deepcopy(full), group, sp)
+    B = args.batch_size
+    T = config.block_size
+    # The same batch on every rank: TP splits the model, not the data.
+    [(x, y)] = model_lib.byte_batches(T, B, seed=args.seed, device=device)
+    print0(f"GPT '{args.preset}' (nh={config.n_head}), (B, T) = ({B}, {T}), fp32")
     logits_full, loss_full = full(x, y)
     loss_full.backward()
     want = {}  # each gradient of the whole model, or this rank's slice of it
-    for n, p in full.named_parameters():
-        want[n] = p.grad if (lay := tp_layout(n)) is None else shard_tensor(p.grad, *lay, rank, tp)
+    for name, p in full.named_parameters():
+        layout = tp_layout(name)
+        want[name] = shard_tensor(p.grad, *layout, rank, tp) if layout else p.grad
+    n_full = sum(p.numel() for p in full.parameters())
     for sp, model in sharded.items():
         logits, loss = model(x, y)
         loss.backward()
-        d_grad = max((p.grad - want[name]).abs().max() for name, p in model.named_parameters())
+        params = model.named_parameters()
+        d_grad = max((p.grad - want[n]).abs().max() for n, p in params)
         d_logits = (gather_logits(logits, group) - logits_full).abs().max()
-        diffs = torch.stack([d_logits, (loss - loss_full).abs(), d_grad]).detach()
-        diffs = _all_reduce(diffs, group, dist.ReduceOp.MAX).tolist()  # the worst rank's
-        # O(1) values; fp32 sums split over ranks round ~1e-7 apart: 1e-4 is far above, below a bug
+        diffs = sharding.max_over_ranks(
+            [d_logits, (loss - loss_full).abs(), d_grad], group
+        )
+        # O(1) values; fp32 sums split over ranks round ~1e-7 apart, far below 1e-4.
         assert max(diffs) < 1e-4, f"TP differs from the unsharded model: {diffs}"
-        n_rank, n_full = (sum(p.numel() for p in m.parameters()) for m in (model, full))
-        worst = "max |diff| logits {:.1e}, loss {:.1e}, any gradient {:.1e}".format(*diffs)
-        print0(f"tp={tp}{' + sequence parallel' if sp else ''} equals the unsharded model: {worst}")
+        worst = "logits {:.1e}, loss {:.1e}, any gradient {:.1e}".format(*diffs)
+        print0(f"tp={tp}{' + sequence parallel' if sp else ''}: max |diff| {worst}")
+        n_rank = sum(p.numel() for p in model.parameters())
         share = f"{n_rank / n_full:.1%} of the whole (1/tp = {1 / tp:.1%})"
-        print0(f"  parameters per rank {share}, as LayerNorms, wpe and row biases are replicated")
+        print0(f"  parameters per rank {share}: LayerNorms, wpe, row biases are copies")
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=formatter)
-    parser.add_argument("--ranks", type=int, default=2, help="tp, started without torchrun")
-    parser.add_argument("--preset", default="small", help="02's preset; small: 4 heads, tp 2 or 4")
-    parser.add_argument("--batch-size", type=int, default=8, help="B; reaches every gradient")
-    parser.add_argument("--seed", type=int, default=1337, help="model and batch, alike on ranks")
+    description = __doc__.split("\n")[0]
+    parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
+    parser.add_argument("--ranks", type=int, default=2, help="tp, without torchrun")
+    parser.add_argument("--preset", default="small", help="02's preset; small: 4 heads")
+    parser.add_argument("--batch-size", type=int, default=8, help="B, the batch")
+    parser.add_argument("--seed", type=int, default=1337, help="model and batch, alike")
     args = parser.parse_args(argv)
     tp = int(os.environ.get("WORLD_SIZE", args.ranks))
+    # Bytes as tokens: 256 rows, padded to a multiple of 64 and of tp.
     sizes = dict(vocab_size=256, pad_vocab_multiple=math.lcm(64, tp), dropout=0.0)
-    try:  # bytes as tokens: 256 rows, padded to a multiple of 64 and of tp
+    try:
         config = model_lib.GPTConfig.from_preset(args.preset, **sizes)
-        check_tp_config(config, tp)  # a bad --ranks fails here, before any process starts
+        # A bad --ranks fails here, before any process starts.
+        check_tp_config(config, tp)
     except ValueError as e:
         parser.error(str(e))
     if "WORLD_SIZE" not in os.environ:
         return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
     _, _, world_size, device = distributed.init_distributed()
     try:
-        demo(args, config, dist.new_group(list(range(world_size))), device)  # TP group: all ranks
+        group = dist.new_group(list(range(world_size)))  # the TP group: every rank
+        demo_mlp(args, config, group, device)
+        demo_gpt(args, config, group, device)
         dist.barrier()  # subtle: no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()

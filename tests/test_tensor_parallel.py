@@ -122,6 +122,32 @@ def consolidate_state_dict(model, group) -> dict:
 # ---------------------------------------------------------------------------------------------
 # the cases, run inside each world
 # ---------------------------------------------------------------------------------------------
+def case_mlp(rank, tp, group):
+    """The simple version, 02's MLP with f and g written out: output, dX and every
+    gradient equal the whole MLP's (each shard against its slice), with exactly one
+    all-reduce of (B, T, C) forward (g) and one backward (f)."""
+    torch.manual_seed(0)
+    full = model_lib.MLP(tiny())
+    x = torch.randn(B, T, 32, requires_grad=True)
+    upstream = torch.randn(B, T, 32)  # a fixed dL/dZ: L = sum(Z * upstream)
+    (full(x) * upstream).sum().backward()
+    mlp = tp_lib.TensorParallelMLP(copy.deepcopy(full), group)
+    x_tp = x.detach().clone().requires_grad_()
+    with bench_lib.count_comm() as forward:
+        z = mlp(x_tp)
+    with bench_lib.count_comm() as backward:
+        (z * upstream).sum().backward()
+    E = B * T * 32 * 4  # bytes of one fp32 (B, T, C)
+    assert forward == [("all_reduce", E)], f"forward: g once, got {forward}"
+    assert backward == [("all_reduce", E)], f"backward: f once, got {backward}"
+    close(z, full(x).detach(), "MLP: output")
+    close(x_tp.grad, x.grad, "MLP: input grad")
+    close(mlp.fc_weight.grad, full.c_fc.weight.grad.chunk(tp, 0)[rank], "MLP: c_fc dW")
+    close(mlp.fc_bias.grad, full.c_fc.bias.grad.chunk(tp, 0)[rank], "MLP: c_fc db")
+    close(mlp.proj_weight.grad, full.c_proj.weight.grad.chunk(tp, 1)[rank], "MLP: c_proj dW")
+    close(mlp.proj_bias.grad, full.c_proj.bias.grad, "MLP: c_proj db (replicated)")
+
+
 def case_column_linear(rank, tp, group):
     """Y_i = X A_i: the rank's output columns, and f's all-reduce makes dX the full dX."""
     for sp in (False, True):
@@ -261,6 +287,7 @@ def case_gpt(rank, tp, group):
     for sp in (False, True):
         for tied in (True, False):
             full, tpm, idx, targets, loss = _check_gpt(rank, tp, group, sp, tied)
+            assert type(tpm.transformer.h[0].mlp.c_fc) is tp_lib.ColumnParallelLinear
             x = tpm.embed(idx)
             for block in tpm.transformer.h:
                 assert x.shape == (B, T // tp if sp else T, 32), f"sp={sp}: stage shape {x.shape}"
@@ -292,6 +319,10 @@ def case_lora(rank, tp, group):
                 if name.endswith("lora_B"):
                     p.normal_(std=0.05)
         tpm = tp_lib.apply_tensor_parallel(copy.deepcopy(full), group, sequence_parallel=sp)
+        block = tpm.transformer.h[0]  # LoRA's own sharded wrappers; the head stays plain
+        assert type(block.attn.c_attn) is tp_lib.ColumnParallelLoRA
+        assert type(block.mlp.c_proj) is tp_lib.RowParallelLoRA
+        assert type(tpm.lm_head) is tp_lib.ColumnParallelLinear
         idx, targets = batch(3)
         logits_full, loss_full = full(idx, targets)
         loss_full.backward()
@@ -502,6 +533,7 @@ def case_grad_norm(rank, tp, group):
 
 
 CASES = [
+    case_mlp,
     case_column_linear,
     case_row_linear,
     case_vocab_embedding,
@@ -544,6 +576,10 @@ def verdict(world, case):
         status, detail = results.get(case.__name__, ("not run", "an earlier case failed"))
         assert status == "ok", f"tp={tp} rank {rank}: {case.__name__} {status}:\n{detail}"
     return [results[case.__name__][1] for results in per_rank]
+
+
+def test_mlp_simple_version_f_and_g(world):
+    verdict(world, case_mlp)
 
 
 def test_column_parallel_linear(world):
