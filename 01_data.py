@@ -343,15 +343,15 @@ DEDUP = ("none", "exact", "minhash")  # The choices of --dedup.
 def gopher_rule_broken(text: str) -> str | None:
     """The first Gopher rule (Rae et al. 2021; FineWeb's thresholds) `text` breaks, or
     None. Each rule's comment says what it removes: too few, then too many."""
-    words = WORD.findall(text)  # C-speed regexes, no Python loops over characters.
+    words = WORD.findall(text)  # Regexes run at C speed: no Python loop per character.
     lines = text.splitlines() or [""]
-    n_words = max(1, len(words) + len(SYMBOLS.findall(text)))  # As FineWeb counts.
+    n_words = max(1, len(words) + len(SYMBOLS.findall(text)))  # FineWeb counts runs.
     mean = len("".join(words)) / max(1, len(words))
     dots = text.count("...") + text.count("…")
     bullets = sum(s.lstrip().startswith(("•", "-")) for s in lines) / len(lines)
     trailing_dots = sum(s.rstrip().endswith(("...", "…")) for s in lines) / len(lines)
     lettered = len(LETTERED.findall(text))
-    rules = {  # Each rule: what it removes, too few first, then too many.
+    rules = {  # Each rule, and in its comment what it removes (too few; too many).
         "words not 50 to 100,000": not 50 <= len(words) <= 100_000,  # Fragments; logs.
         "mean word not 3 to 10 characters": not 3 <= mean <= 10,  # Numbers; URLs.
         "'#' over 0.1 a word": text.count("#") / n_words > 0.1,  # Hashtag spam.
@@ -373,7 +373,7 @@ class Deduplicator:
     tokens). Exact mode keeps one key a text; minhash adds one key per band."""
 
     def __init__(self, mode: str, hashes: int = 112, bands: int = 14):
-        rng = np.random.default_rng(SHARD_MAGIC)  # Any fixed seed: the same removals.
+        rng = np.random.default_rng(SHARD_MAGIC)  # A fixed seed: the same removals.
         # a is odd, so a·s mod 2^64 is one-to-one. Each has shape (hashes, 1).
         self.a, self.b = rng.integers(0, 2**64, (2, hashes, 1), np.uint64) | 1
         self.mode = mode
@@ -387,7 +387,7 @@ class Deduplicator:
         crcs = [zlib.crc32(w.encode()) for w in WORD.findall(text.lower())]
         words = np.array(crcs, np.uint64)
         k = len(words) - n + 1
-        if k < 1:  # No n-gram: the exact key alone, or every such text would meet.
+        if k < 1:  # No n-gram: only the exact key, or all such texts would match.
             return None
         # (k,): a polynomial hash of each n-gram, base 2^64/φ (odd).
         shingles = words[:k].copy()
@@ -490,7 +490,7 @@ def write_shards(source, tok, files, stage, settings: dict) -> dict:
     """Every document cleaned and encoded into shards in `stage`; then the checks that
     there was text and that each split holds a block. Returns meta.json's fields."""
     cut = val_cut(files, settings["val_fraction"])
-    skipped = []  # The binary files.
+    skipped = []  # The binary files go here.
     seen = Counter()
     removed = Counter()
     dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
@@ -502,7 +502,7 @@ def write_shards(source, tok, files, stage, settings: dict) -> dict:
     docs = sources.iter_documents(files, skipped, settings["text_field"])
     docs = clean(docs, settings["quality"], settings["dedup"], seen, removed)
 
-    def pieces():  # (split, text, the source's bytes read so far)
+    def pieces():  # Yields (split, text, the source's bytes read so far).
         for doc in docs:
             for split, text in split_document(doc, cut):
                 yield split, text, doc[1]
@@ -641,9 +641,9 @@ def main(argv=None) -> None:
         else:
             tok = get_tokenizer(args.tokenizer)
             name = args.tokenizer
-        save = (lambda: tok.save(name)) if bpe else None  # Once the input passed.
+        save = (lambda: tok.save(name)) if bpe else None  # Runs once checks pass.
         flags = "val_fraction block_size shard_tokens text_field quality dedup"
-        options = {key: getattr(args, key) for key in flags.split()}  # As they are.
+        options = {key: getattr(args, key) for key in flags.split()}  # Passed as is.
         options.update(tokenizer_name=name, before_write=save)
         meta = prepare(args.source, tok, out, **options)
         for split, shards in meta["shards"].items():  # Also when the work was done.

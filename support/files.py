@@ -1,4 +1,4 @@
-"""Crash-safe, idempotent writes: atomic files, fsynced folders, a lock, fingerprints, staging.
+"""Crash-safe, idempotent writes: atomic files, a lock, fingerprints, a staging folder.
 
 01_data.py writes its shards with these, train.py its checkpoints and logs. A reader of
 either sees an old file or a new one, never half of one, even after a crash or a kill.
@@ -64,7 +64,7 @@ def fingerprint(*inputs) -> str:
 
 
 def file_stats(files) -> list:
-    """Each file's path, size and modification time: a fingerprint's view of its inputs."""
+    """Each file's path, size and modification time: what a fingerprint sees of it."""
     stats = []
     for f in files:
         st = Path(f).stat()
@@ -88,7 +88,7 @@ def finished_meta(folder, expected: str, meta_name: str = "meta.json") -> dict |
 
 @contextlib.contextmanager
 def staging(folder):
-    """A fresh, empty sibling folder `.NAME.partial` to write into, removed on the way out.
+    """A fresh, empty sibling folder `.NAME.partial` to write into, removed after.
 
     It sits beside `folder`, on the same disk, so renaming its files into `folder` is
     atomic. An interrupted run's staging folder is cleared first: the work restarts.
@@ -129,7 +129,7 @@ def remove_unlisted(folder, pattern: str, listed) -> None:
 
 
 def build_once(folder, inputs, build, before_publish=None, pattern="*") -> dict:
-    """Fill `folder` from `inputs` once: one process at a time, atomically, idempotently.
+    """Fill `folder` from `inputs` once: a process at a time, atomically, idempotently.
 
     Under a lock on the folder: if its meta.json holds the fingerprint of `inputs` and
     every file it lists, the work is done and that meta is returned. Otherwise

@@ -1,4 +1,4 @@
-"""Where the text comes from: the standard library, files, folders, globs, .jsonl lines.
+"""Where the text comes from: the standard library, files, folders, globs, JSON lines.
 
 Plumbing for 01_data.py, which teaches what happens to documents once they are read:
 finding the files, skipping binaries and generated tables, parsing JSON lines, each
@@ -27,7 +27,7 @@ SHAKESPEARE_URL = (
 
 
 def is_table(text: str) -> bool:
-    """Generated data, not code: over 60% of the code lines open with a string or number.
+    """Generated data, not code: over 60% of code lines open with a string or number.
 
     Charmap codecs, pydoc_data/topics.py and the Unicode and locale tables do;
     hand-written Python scores under 30%.
@@ -94,7 +94,7 @@ def source_files(source: str) -> list[Path]:
 
 
 def json_text(line: bytes, field: str, where: str) -> str:
-    """The string `field` of one JSON line; lone surrogates become U+FFFD, as tiktoken's."""
+    """A JSON line's string `field`; a lone surrogate becomes U+FFFD, as in tiktoken."""
     with contextlib.suppress(ValueError, KeyError, TypeError, IndexError):
         text = json.loads(line)[field]
         if isinstance(text, str):
