@@ -1,87 +1,65 @@
-"""06 · Memory: mixed precision, gradient accumulation and activation recomputation.
+"""06_mixed_precision.py: the memory of one step, in 16 bits and fewer activations.
 
-The idea in one sentence: run the forward and backward in 16-bit numbers (half the bytes, and on
-a GPU's tensor cores many times fp32's FLOP/s), keep what accumulates small changes (weights,
-optimizer state, the loss, long sums) in fp32, and for fp16 multiply the loss by a scale S so
-that small gradients are not flushed to zero.
+The idea in one sentence: run the forward and backward in 16-bit numbers (half the
+bytes, and many times fp32's FLOP/s on a GPU's tensor cores), keep what accumulates
+small changes (weights, optimizer state, the loss, long sums) in fp32, and for fp16
+multiply the loss by a scale S so that small gradients are not flushed to zero.
 
-The formats, sign|exponent|mantissa bits: fp32 1|8|23; bf16 1|8|7 (fp32's range, 2-3 digits);
-fp16 1|5|10 (max 65504, smallest normal 2^-14, smallest subnormal 2^-24); tf32: fp32 in memory,
-matmul inputs rounded to 10 mantissa bits on Ampere+ GPUs. Below the smallest normal number
-values keep fewer bits (subnormals); below half the smallest subnormal they round to 0.
+Bits, sign|exponent|mantissa: fp32 1|8|23; bf16 1|8|7 (fp32's range, 2-3 digits); fp16
+1|5|10 (max 65504, smallest normal 6.1e-5, smallest subnormal 6.0e-8; below 3.0e-8: 0).
 
-Why fp16 gradients underflow and bf16's don't: dL/dlogits = (softmax - onehot)/N is ~1/(V·N) for
-most entries, and gradients shrink further on the way down: most of the tiny GPT's activation
-gradients are fp16 subnormals and about 1% round to 0 (the demo counts). bf16 has fp32's 8
-exponent bits, so nothing above 1e-38 vanishes; it pays in precision, which is why weights and
-updates stay fp32.
+1. Why fp16 gradients underflow: dL/dlogits = (softmax - onehot)/N is about 1/(V·N) for
+   most entries, and gradients shrink on the way down. In the demo's tiny GPT the
+   median activation gradient is 7.8e-06: 78% are fp16 subnormals (fewer bits) and
+   1.2% round to 0. bf16 has fp32's 8 exponent bits: nothing above 1e-38 vanishes.
+2. A static loss scale: backprop is linear, so grad(S·L) = S·grad(L). S = 2^k moves
+   every gradient k binades up, past the underflow; divide by S in fp32 before the
+   step. With S = 2^16, 0.05% of the demo's activation gradients round to 0.
+3. A dynamic loss scale: too large an S overflows to inf, and the right S drifts.
+   DynamicLossScaler (GradScaler's decisions) skips the step and halves S on an inf or
+   NaN, and doubles S after growth_interval clean steps. The demo starts at 2^19,
+   skips steps 0 and 1, then grows to 2^18 and backs off to 2^17 again and again.
+4. The fp32 master copy: an update lr·g is often below half the gap between w and the
+   next 16-bit number, so in 16 bits w + lr·g == w. The optimizer updates an fp32 copy,
+   and the 16-bit working copy is rounded from it after each step (MasterWeights):
+       master (fp32) --round--> working (16-bit) --forward/backward--> grads of S·L
+            ^                                                             | copy up
+            +-- optimizer.step (skipped on inf/NaN) <-- /S, check inf/NaN <-+
+   torch.autocast works the other way round: the weights stay fp32 (the master copy),
+   matmuls cast their inputs to 16 bits, and softmax, norms and losses stay fp32.
+5. Gradient accumulation: k microbatches must give one batch's gradient of
+       L = (1/N) Σ_microbatches Σ_tokens ℓ_t,   N = target tokens in the WHOLE step,
+   so each microbatch back-propagates its summed loss / N. The mean of microbatch means
+   over-weights short microbatches when token counts differ (Hugging Face's Trainer
+   did until 4.46). With DP, N is all-reduced, and each rank's loss is x dp.
+6. Recomputation (Chen et al. 2016, arXiv 1604.06174; Korthikanti et al. 2022, arXiv
+   2205.05198): what the forward keeps grows as B·T·L; apply_recomputation keeps less
+   and redoes the rest in the backward. Bytes per token and layer (dropout 0; r bytes
+   a residual-stream number, 4, or 2 in "fp16 by hand"; a bytes a kept matmul operand,
+   4 in fp32, 2 in 16 bits; what each holds: activation_formula):
+       none  2(C+2)r + 14Ca + 4nh    selective  Cr + 10Ca + 4nh    full  Cr
+   Full redoes each block's forward (8N FLOPs a token, not 6N: HFU counts them, MFU does
+   not); selective only elementwise ops, but runs torch's policy in Python on each op.
 
-Loss scaling: backprop is linear, so grad(S·L) = S·grad(L): S = 2^k moves every gradient k
-binades up, past the underflow; divide by S in fp32 before the step. Too large an S overflows to
-inf, so S is dynamic (DynamicLossScaler, the same decisions as torch.amp.GradScaler): on inf/NaN
-skip the step and halve S; after growth_interval clean steps double it.
+Launch:  python 06_mixed_precision.py   (seconds on a CPU; --help): the six in order.
 
-The fp32 master copy: an update lr·g is often below half the gap between w and the next 16-bit
-number, so in 16 bits w + lr·g == w. The optimizer updates an fp32 copy, and the 16-bit working
-copy is rounded from it after each step (MasterWeights, Micikevicius et al. §3.1):
-    master (fp32) --round--> working (16-bit) --forward/backward--> 16-bit grads of S·L
-         ^                                                                | copy up to fp32
-         +-- optimizer.step (skipped on inf/NaN) <-- /S, check inf/NaN <--+
-torch.autocast works the other way round: weights stay fp32 (they are the master copy) and each
-op casts its inputs: matmuls to 16 bits (caching a 16-bit copy of each weight), while on CUDA
-softmax, layer_norm, sums, exp/log and losses stay fp32 (long sums; exp overflows fp16 past 11.1);
-our residual stream and 02's loss are fp32 anyway. Kept matmul operands halve (formula below).
-
-Gradient accumulation: k microbatches must give one batch's gradient of
-    L = (1/N) Σ_microbatches Σ_tokens ℓ_t,   N = target tokens in the WHOLE step (all DP ranks),
-so each microbatch back-propagates its summed loss / N. The mean of microbatch means,
-(1/k) Σ_i (1/n_i) Σ_t ℓ_t, over-weights short microbatches when the n_i differ (padding, masks):
-Hugging Face Transformers' Trainer did that until 4.46 (found by Unsloth, October 2024). With
-DP, N is all-reduced (SUM) and, as DP averages gradients, each rank multiplies its loss by dp.
-no_sync() on all but the last microbatch: one all-reduce round per step, not k.
-
-Recomputation (Chen et al. 2016, arXiv 1604.06174; Korthikanti et al. 2022, arXiv 2205.05198):
-what the forward keeps for the backward grows as B·T·L; after ZeRO it is what stops a bigger
-batch. 02's GPTConfig.recompute keeps less and redoes the rest in the backward. Bytes per token
-and layer with dropout 0 (nh heads; r bytes per residual-stream number: 4, or 2 in "fp16 by hand";
-a bytes per kept matmul operand: 4 in fp32, 2 in 16 bits):
-  none       2(C+2)r + 14Ca + 4nh   LayerNorm inputs, mean, rstd; c_attn's input C, q|k|v 3C, the
-                                    attention output C, c_fc's input C, GELU's input and output 8C;
-                                    flash attention's fp32 log-sum-exp per head
-  selective  Cr + 10Ca + 4nh        the block's input, its matmuls' outputs (3C, C, 4C, C) and
-                                    attention's: LayerNorm, GELU, dropout and adds are redone
-  full       Cr                     the block's input: the whole block is redone
-Dropout adds its masks, and a CPU then runs attention with a kernel that keeps T x T numbers.
-Compute: full redoes each block's forward, 2·12C² + 4·nh·hs·T FLOPs per token and layer: 8N, not
-6N, for the blocks' N (not the head's: GPT-2 124M +24%). MFU counts the model's FLOPs; HFU,
-hardware FLOPs utilisation, adds the redone ones. Selective redoes elementwise ops (and, with
-dropout, attention): no matmul, but torch runs its policy in Python on every op, a cost per op
-that shows on a CPU's small ops (bench/bench_mixed_precision.py); torch.compile runs it once.
-
-Launch: python 06_mixed_precision.py   (seconds on a CPU; --help). It prints what underflows in
-fp16 without and with S and in bf16, accumulation against one batch, and recomputation's bytes.
-bench/bench_mixed_precision.py: the modes side by side, our scaler against GradScaler, figures.
-
-What changed from 05: 05's microbatches come back as accumulation steps, and training gets a
-dtype. The one new collective is the scaler's inf check, a 4-byte all-reduce (MAX) over all
-ranks: DP, TP and PP ranks hold different gradients and must skip the same step (a rank stepping
-alone would desync replicas or hang ZeRO's all-gathers). Left out on purpose: fp8, stochastic
-rounding, 16-bit optimizer states. Paper: Micikevicius et al., ICLR 2018, arXiv 1710.03740.
+What changed from 05_pipeline.py: its microbatches come back as accumulation steps, and
+training gets a dtype; the new collective is the scaler's inf check, a 4-byte MAX over
+all ranks (DP, TP and PP ranks must skip the same step). Left out on purpose: fp8,
+stochastic rounding, 16-bit optimizer states. Paper: Micikevicius et al., 1710.03740.
 """
 
 import argparse
 import contextlib
 import dataclasses
-import gc
+import functools
 import importlib
 import math
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+import torch.utils.checkpoint as ckpt
 
 model_lib = importlib.import_module("02_model")
 
@@ -89,94 +67,119 @@ IGNORE = -1  # 02's cross_entropy_loss ignores targets == -1 (padding, masked pr
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# --------------------------------------------------------------------------- the loss scaler
+# ------------------------------------------------------------ a static loss scale first
+def static_scale_example(S: float = 2.0**16):
+    """Four gradients in fp16 as they are, and scaled by S then /S in fp32."""
+    g = torch.tensor([1e-3, 1e-6, 1e-8, 1e-9])  # fp32: the true gradients
+    plain = g.half().float()  # 1e-8 and 1e-9 are below 3e-8: they round to 0
+    scaled = (g * S).half().float() / S  # S·g in fp16 (as backward makes it), /S fp32
+    print(f"{'gradient':>10} {'in fp16':>10} {'x S, fp16, /S':>16}")
+    for row in zip(g.tolist(), plain.tolist(), scaled.tolist()):
+        print(f"{row[0]:>10.1e} {row[1]:>10.3e} {row[2]:>16.3e}")
+    print(f"too large an S overflows: 1e-3 x 2^30 in fp16 = {(g[0] * 2**30).half()}\n")
 
 
+# -------------------------------------------------------- the dynamic loss scaler
 def _fp32(x: float) -> float:
-    """Round a Python float (a double) to the nearest fp32: GradScaler keeps its scale in fp32."""
+    """Round a Python float (a double) to fp32: GradScaler keeps its scale in fp32."""
     return torch.tensor(x, dtype=torch.float32).item()
 
 
 class DynamicLossScaler:
-    """torch.amp.GradScaler's algorithm, written out, with the inf check all-reduced over `group`.
+    """torch.amp.GradScaler's algorithm, the inf check all-reduced over `group`:
 
-        scaler.scale(loss).backward()      # gradients of S·L
-        scaler.unscale_(optimizer)         # /S in place; found_inf = any inf/NaN on ANY rank
-        clip_grad_norm_(params, 1.0)       # clip the true gradients, after unscale_
-        scaler.step(optimizer)             # skipped when found_inf
-        scaler.update()                    # inf: S *= backoff; growth_interval clean: S *= growth
+        scaler.scale(loss).backward()   # gradients of S·L
+        scaler.unscale_(optimizer)      # /S in place; found_inf: inf/NaN on ANY rank
+        clip_grad_norm_(params, 1.0)    # clip the true gradients, after unscale_
+        scaler.step(optimizer)          # skipped when found_inf
+        scaler.update()                 # inf: S *= backoff; growth_interval clean
+                                        # steps in a row: S *= growth
 
-    The same scale and skip decisions as GradScaler with the same settings, and a state_dict that
-    either one can load. enabled=False (bf16, fp32) turns every method into a pass-through."""
+    GradScaler's decisions and state_dict. enabled=False (bf16, fp32): pass-through."""
 
-    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=2000, enabled=True, group=None):  # fmt: skip
+    KEYS = "scale growth_factor backoff_factor growth_interval _growth_tracker"
+
+    def __init__(
+        self,
+        init_scale=2.0**16,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=2000,
+        enabled=True,
+        group=None,
+    ):
         assert init_scale > 0, f"init_scale must be > 0, got {init_scale}"
         assert growth_factor > 1.0, f"growth_factor must be > 1, got {growth_factor}"
-        assert 0.0 < backoff_factor < 1.0, f"backoff_factor must be in (0, 1), got {backoff_factor}"
-        assert growth_interval >= 1, f"growth_interval must be >= 1, got {growth_interval}"
-        self.enabled, self.group = enabled, group
+        assert 0.0 < backoff_factor < 1.0, f"backoff_factor {backoff_factor}: in (0, 1)"
+        assert growth_interval >= 1, f"growth_interval must be >= 1: {growth_interval}"
+        self.enabled = enabled
+        self.group = group
         self._scale = _fp32(init_scale)  # a Python float holding an fp32 value
-        self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
-        self._growth_interval, self._growth_tracker = growth_interval, 0  # clean steps in a row
-        self._per_optimizer: dict[int, dict] = {}  # id(optimizer) -> stage and found_inf
-        self.skipped_steps, self.last_step_skipped = 0, False  # statistics for logs, not state
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._growth_tracker = 0  # clean steps in a row
+        self._per_optimizer: dict[int, dict] = {}  # id(optimizer) -> stage, found_inf
+        self.skipped_steps = 0  # statistics for logs, not state
+        self.last_step_skipped = False
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """loss * S: the gradients of the result are S times the true ones."""
         return loss * self._scale if self.enabled else loss
 
-    def _state(self, optimizer) -> dict:
-        return self._per_optimizer.setdefault(id(optimizer), {"stage": "ready", "found_inf": None})
+    def _state(self, optimizer) -> dict:  # "ready" -> "unscaled" -> "stepped"
+        new = {"stage": "ready", "found_inf": None}
+        return self._per_optimizer.setdefault(id(optimizer), new)
 
     def unscale_(self, optimizer) -> None:
-        """Divide the optimizer's gradients by S in place and record whether any rank found an
-        inf/NaN. Call it before clipping; a second call in the same step is a no-op (GradScaler
-        raises instead), so step() may call it again."""
+        """Divide the gradients by S in place; found_inf: any inf or NaN on any rank.
+        Before clipping; a second call is a no-op (GradScaler raises), for step()."""
         if not self.enabled or self._state(optimizer)["stage"] == "unscaled":
             return
         state = self._state(optimizer)
         assert state["stage"] == "ready", "unscale_() after step(): call update() first"
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        msg = "fp16 grads: keep fp32 params (autocast) or copy them up first (MasterWeights)"
-        assert all(g.dtype != torch.float16 for g in grads), msg  # /S in fp16 flushes small ones
-        # nccl needs the flag on the GPU, even on a rank without gradients
-        device = grads[0].device if grads else ("cuda" if torch.cuda.is_available() else "cpu")
-        found_inf = torch.zeros((), device=device)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        msg = "fp16 grads: /S would flush them; use autocast or MasterWeights"
+        assert all(g.dtype != torch.float16 for g in grads), msg
+        gpu = "cuda" if torch.cuda.is_available() else "cpu"
+        found_inf = torch.zeros((), device=grads[0].device if grads else gpu)  # NCCL
         for g in grads:  # checked before dividing, as GradScaler's kernel does
             found_inf = torch.maximum(found_inf, (~torch.isfinite(g)).any().float())
-        if grads:  # subtle: 1/S in double, then rounded to fp32, as GradScaler: bit-equal grads
+        if grads:  # subtle: 1/S in double, rounded to fp32, as GradScaler: bit-equal
             torch._foreach_mul_(grads, _fp32(1.0 / self._scale))
-        # subtle: MAX over every rank of the group (None = the world), so that all skip together;
-        # never ReduceOp.AVG (gloo lacks it), and a 0/1 flag's MAX needs no division
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+        # subtle: MAX over every rank of the group (None: the world): all skip together.
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
-        state["found_inf"], state["stage"] = found_inf, "unscaled"
+        state["found_inf"] = found_inf
+        state["stage"] = "unscaled"
 
     def step(self, optimizer, *args, **kwargs):
-        """unscale_ (if not done yet), then optimizer.step() unless an inf/NaN was found."""
+        """unscale_ (if not done yet), then optimizer.step() unless an inf was found."""
         if not self.enabled:
             return optimizer.step(*args, **kwargs)
         state = self._state(optimizer)
-        assert state["stage"] != "stepped", "step() was already called since the last update()"
+        assert state["stage"] != "stepped", "step() already called since update()"
         self.unscale_(optimizer)
         state["stage"] = "stepped"
-        self.last_step_skipped = bool(state["found_inf"].item())  # the host must know: a sync
+        self.last_step_skipped = bool(state["found_inf"].item())  # the host must know
         self.skipped_steps += self.last_step_skipped
         return None if self.last_step_skipped else optimizer.step(*args, **kwargs)
 
     def update(self, new_scale: float | None = None) -> None:
-        """Back off after an overflow, grow after growth_interval clean steps: GradScaler's
-        _amp_update_scale_ rule (products in double, rounded to fp32, never grown to inf)."""
+        """Back off after an overflow, grow after growth_interval clean steps:
+        GradScaler's rule (products in double, rounded to fp32, never grown to inf)."""
         if not self.enabled:
             return
         if new_scale is not None:
             self._scale = _fp32(float(new_scale))
         else:
             flags = [s["found_inf"] for s in self._per_optimizer.values()]
-            assert any(f is not None for f in flags), "no inf checks before update(): call step()"
-            if any(f is not None and bool(f.item()) for f in flags):
-                self._scale, self._growth_tracker = _fp32(self._scale * self._backoff_factor), 0
+            flags = [f for f in flags if f is not None]
+            assert flags, "no inf checks before update(): call step() first"
+            if any(bool(f.item()) for f in flags):
+                self._scale = _fp32(self._scale * self._backoff_factor)
+                self._growth_tracker = 0
             elif self._growth_tracker + 1 == self._growth_interval:
                 grown = _fp32(self._scale * self._growth_factor)
                 self._scale = grown if math.isfinite(grown) else self._scale
@@ -192,18 +195,16 @@ class DynamicLossScaler:
         return self.enabled
 
     def state_dict(self) -> dict:
-        """GradScaler's five keys, so either class loads the other's checkpoint ({} if disabled)."""
+        """GradScaler's keys ("scale" is our _scale), so either loads the other's."""
         if not self.enabled:
             return {}
-        return {"scale": self._scale, "growth_factor": self._growth_factor,
-                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
-                "_growth_tracker": self._growth_tracker}  # fmt: skip
+        return {k: getattr(self, "_" + k.lstrip("_")) for k in self.KEYS.split()}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not self.enabled:
             return
         if not state_dict:
-            raise RuntimeError("empty scaler state dict: was it saved from a disabled scaler?")
+            raise RuntimeError("empty scaler state dict: saved from a disabled scaler?")
         self._scale = _fp32(float(state_dict["scale"]))
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
@@ -212,8 +213,7 @@ class DynamicLossScaler:
 
 
 def make_scaler(dtype: torch.dtype, group=None, **kwargs) -> DynamicLossScaler:
-    """The scaler for a dtype: only fp16's 5 exponent bits flush small gradients to zero; for
-    bf16 (fp32's exponent range) and fp32 it passes everything through."""
+    """Enabled for fp16 only: bf16 has fp32's exponent range, and fp32 is fp32."""
     return DynamicLossScaler(enabled=dtype == torch.float16, group=group, **kwargs)
 
 
@@ -224,46 +224,40 @@ def autocast_context(dtype: torch.dtype, device_type: str):
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
-# ----------------------------------------------------------- fp32 master weights; one training step
-
-
+# ------------------------------------------------ fp32 master weights; one training step
 class MasterWeights:
-    """Mixed precision by hand (Micikevicius et al. 2018, §3.1): an fp32 master copy of every
-    parameter for the optimizer, and the model itself turned into the 16-bit working copy.
-
-        mw = MasterWeights(model, torch.float16)        # model is now fp16; mw.master is fp32
-        opt = torch.optim.AdamW(mw.parameters())        # the optimizer only sees fp32
-        scaler.scale(model(x, y)[1]).backward()         # 16-bit forward and backward
-        mw.grads_to_master(); scaler.step(opt); scaler.update(); mw.master_to_model()"""
+    """Mixed precision by hand (Micikevicius et al. §3.1): fp32 masters for the
+    optimizer (mw.parameters()), the model itself made the 16-bit working copy;
+    train_step shows the order of the calls."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float16):
         params = list(model.parameters())  # a tied weight (wte = lm_head) appears once
-        assert all(p.dtype == torch.float32 for p in params), "MasterWeights wants an fp32 model"
-        self.master = [nn.Parameter(p.detach().clone()) for p in params]  # fp32, before the cast
+        assert all(p.dtype == torch.float32 for p in params), "an fp32 model, please"
+        self.master = [nn.Parameter(p.detach().clone()) for p in params]  # fp32
         model.to(dtype)  # in place: the same Parameter objects, now 16-bit
         self.working = list(model.parameters())
-        assert len(self.working) == len(self.master), "the model's parameters changed under .to()"
+        assert len(self.working) == len(self.master), "parameters changed under .to()"
 
     def parameters(self) -> list[nn.Parameter]:
         return self.master
 
     def grads_to_master(self) -> None:
-        """fp32 copies of the 16-bit gradients (exact), which are freed; still scaled by S."""
+        """fp32 copies of the 16-bit gradients (exact), which are freed; still x S."""
         for w, m in zip(self.working, self.master):
-            m.grad, w.grad = (None if w.grad is None else w.grad.float()), None
+            m.grad = None if w.grad is None else w.grad.float()
+            w.grad = None
 
     @torch.no_grad()
     def master_to_model(self) -> None:
-        """Round the fp32 masters to the nearest 16-bit numbers: the next forward's weights."""
+        """Round the fp32 masters to the nearest 16-bit numbers: the next weights."""
         torch._foreach_copy_(self.working, self.master)
 
 
-def train_step(model, optimizer, scaler, master, autocast_dtype, x, y, grad_clip=1.0) -> float:
-    """One step, the same code for every mode: fp32, autocast (bf16, or fp16 with a scaler) and
-    fp16 by hand (master = MasterWeights). A disabled scaler passes everything through, and
-    torch.amp.GradScaler can stand in for ours."""
+def train_step(model, optimizer, scaler, master, autocast_dtype, x, y, grad_clip=1.0):
+    """One step in any mode: fp32, autocast (fp16 with a scaler) or fp16 by hand
+    (master = MasterWeights); torch.amp.GradScaler can stand in for our scaler."""
     with autocast_context(autocast_dtype, x.device.type):
-        _, loss = model(x, y)  # fp32 in every mode: 02 computes the loss on fp32 logits
+        _, loss = model(x, y)  # fp32 in every mode: 02's loss runs on fp32 logits
     scaler.scale(loss).backward()
     if master:
         master.grads_to_master()  # 16-bit grads of S·L -> fp32
@@ -278,38 +272,35 @@ def train_step(model, optimizer, scaler, master, autocast_dtype, x, y, grad_clip
     return loss.item()  # a sync: on a GPU the step's time is now real
 
 
-# --------------------------------------------------------------------------- gradient accumulation
-
-
+# ------------------------------------------------------------ gradient accumulation
 def count_tokens(targets: torch.Tensor) -> torch.Tensor:
     """Target tokens that count in the loss (not IGNORE), as a 0-dim int64 tensor."""
     return (targets != IGNORE).sum()
 
 
 def global_token_count(microbatches, group=None) -> int:
-    """N: real target tokens in this step's microbatches, summed over the DP group: a collective
-    every DP rank calls before its first backward of the step."""
+    """N: real target tokens in this step's microbatches, summed over the DP group: a
+    collective every DP rank calls before its first backward of the step."""
     n = sum(count_tokens(y) for _, y in microbatches)  # 0-dim, on the targets' device
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
     assert n.item() > 0, "this step has no target tokens: every target is IGNORE"
     return int(n.item())
 
 
 def accumulate_gradients(
-    model, microbatches, global_tokens: int, dp_size: int = 1, scaler=None, dtype=torch.float32
+    model, microbatches, global_tokens: int, dp_size=1, scaler=None, dtype=torch.float32
 ) -> float:
-    """Backward over k microbatches so that .grad = d/dθ [(1/N) Σ_all tokens ℓ_t], exactly one
-    batch's gradient, on all DP ranks. global_tokens: N from global_token_count. dp_size: DP
-    wrappers average gradients (SUM, /dp), so each rank's loss is multiplied by dp to make that a
-    sum. Returns this rank's share of the step's mean loss (the DP ranks' shares add up to it)."""
+    """Backward over k microbatches so that .grad = d/dθ [(1/N) Σ_all tokens ℓ_t], one
+    batch's gradient. global_tokens: N (global_token_count). DP averages gradients, so
+    each rank's loss is x dp_size. Returns this rank's share of the step's mean loss."""
     assert global_tokens > 0, f"global_tokens must be > 0, got {global_tokens}"
     total = 0.0
     for i, (x, y) in enumerate(microbatches):  # x, y: (b, T)
-        local = i < len(microbatches) - 1 and hasattr(model, "no_sync")  # no all-reduce yet
+        local = i < len(microbatches) - 1 and hasattr(model, "no_sync")  # no sync yet
         with model.no_sync() if local else contextlib.nullcontext():
             with autocast_context(dtype, x.device.type):
-                _, loss_sum = model(x, y, reduction="sum")  # Σ_t ℓ_t over this microbatch
+                _, loss_sum = model(x, y, reduction="sum")  # Σ_t ℓ_t, this microbatch
             # subtle: divide by the WHOLE step's N, not by this microbatch's own count
             loss = loss_sum * (dp_size / global_tokens)
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -318,138 +309,209 @@ def accumulate_gradients(
 
 
 def accumulate_mean_of_means(model, microbatches) -> None:
-    """The trap, kept to show it: back-propagate each microbatch's own mean loss / k. Equal to
-    accumulate_gradients only when every microbatch holds the same number of target tokens."""
+    """The trap, kept to show it: back-propagate each microbatch's own mean loss / k.
+    Equal to accumulate_gradients only when every microbatch has as many targets."""
     for x, y in microbatches:
-        _, loss = model(x, y)  # mean over this microbatch's n_i tokens
+        _, loss = model(x, y)  # the mean over this microbatch's n_i tokens
         (loss / len(microbatches)).backward()
 
 
-# --------------------------------------------------------------------------- activation memory
+# ------------------------------------------------------------ activation recomputation
+# torch's checkpoint drops what a block saved for its backward and runs it again there.
+# A policy makes it selective: keep the matmuls' and flash attention's outputs (costly
+# to redo; no T x T scores), redo LayerNorm, GELU, dropout and adds.
+RECOMPUTE = ("none", "selective", "full")
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
-class _Allocations(TorchDispatchMode):
-    """Sees every aten op run inside it (a TorchDispatchMode) and keeps a weak reference to each
-    storage an op allocates: a reference that does not keep the memory alive, so once it has
-    expired nothing (autograd, a checkpoint, a cache) holds that memory any more."""
-
-    def __init__(self):
-        super().__init__()
-        self.made = {}  # address -> (weak reference, bytes) of the latest storage there
-
-    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-        out, inputs = op(*args, **(kwargs or {})), _storages((args, kwargs))
-        for address, storage in _storages(out).items():
-            if address not in inputs:  # new memory, not a view of an input (a weight's .t())
-                self.made[address] = (StorageWeakRef(storage), storage.nbytes())
-        return out
+def apply_recomputation(model: nn.Module, mode: str) -> nn.Module:
+    """Wrap each 02 Block's forward from outside, in place ("none": unwrap). Blocks are
+    found by type: a GPT, 04's sharded one or a stage of 05's pipeline."""
+    if mode not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {mode!r}")
+    for block in (m for m in model.modules() if isinstance(m, model_lib.Block)):
+        block.__dict__.pop("forward", None)  # back to Block.forward
+        if mode != "none":  # an instance attribute: module.__call__ finds it first
+            block.forward = functools.partial(_recomputed, block, mode)
+    return model
 
 
-def _storages(tree) -> dict:
-    tensors = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-    return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+def _recomputed(block, mode: str, x: torch.Tensor) -> torch.Tensor:
+    """Block.forward under torch's checkpoint: its replay rewinds torch's generators."""
+    run = functools.partial(type(block).forward, block)
+    if not torch.is_grad_enabled():  # evaluation, sampling: nothing to recompute
+        return run(x)
+    # Attention with dropout is redone: a kept output would skip its draws (and shift
+    # every later mask).
+    keep_attention = block.attn.dropout == 0 or not block.training
+    policy = functools.partial(_policy, keep_attention)
+    selective = functools.partial(ckpt.create_selective_checkpoint_contexts, policy)
+    contexts = selective if mode == "selective" else None
+    # A per-rank stream (a module's `rng` with a `.state`: 04's RNGStateTracker) is
+    # rewound here, only if it draws (torch.compile traces torch's generators only).
+    stream = next((m.rng for m in block.modules() if hasattr(m, "rng")), None)
+    if stream is not None and block.attn.dropout > 0:
+        contexts = functools.partial(_with_stream, contexts, stream)
+    kwargs = {"context_fn": contexts} if contexts else {}
+    return ckpt.checkpoint(run, x, use_reentrant=False, **kwargs)
+
+
+def _policy(keep_attention, ctx, op, *args, **kwargs):
+    """Keep matmuls and attention (flash, cuDNN, efficient, CPU) outputs; redo the rest."""
+    attention = op.name().startswith("aten::_scaled_dot_product")
+    keep = op in MATMULS or (keep_attention and attention)
+    if keep and _counts:  # saved_activation_bytes is counting (see there)
+        _count(_counts[-1], ctx.op_output)
+    if keep:
+        return ckpt.CheckpointPolicy.MUST_SAVE
+    return ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _with_stream(contexts, stream):
+    """Called as the forward starts: the stream's state now is the one to replay."""
+    forward, redo = contexts() if contexts else (contextlib.nullcontext(),) * 2
+    return forward, _replaying(redo, stream, stream.state)
+
+
+@contextlib.contextmanager
+def _replaying(inner, stream, state):
+    """Replay from `state` (04's fork replaces .state: a reference is a snapshot)."""
+    now = stream.state
+    stream.state = state
+    try:
+        with inner:
+            yield
+    finally:
+        stream.state = now
+
+
+# ------------------------------------------------------------ activation memory
+_counts: list[dict] = []  # the storages of each saved_activation_bytes still counting
+
+
+def _count(kept: dict, tensors) -> None:
+    """Note each tensor's storage, unless it is a parameter's (or a view of one)."""
+    for t in tensors if isinstance(tensors, (tuple, list)) else [tensors]:
+        base = getattr(t, "_base", None)  # a view's storage owner
+        weight = isinstance(t if base is None else base, nn.Parameter)
+        if isinstance(t, torch.Tensor) and not weight:  # weights live on anyway
+            kept[t.untyped_storage().data_ptr()] = t
 
 
 def saved_activation_bytes(fn):
-    """fn()'s result, and the bytes its forward allocated that are alive when it returns, less the
-    result's: what autograd, a checkpoint or autocast's cache holds for the backward, per storage
-    (a saved-tensors hook would miss what selective recomputation keeps: checkpoint stores it)."""
-    allocations = _Allocations()
-    with allocations:
-        out = fn()
-    gc.collect()  # what only a reference cycle kept alive is not held for the backward
-    returned = _storages(out)
-    alive = [(a, n) for a, (ref, n) in allocations.made.items() if not ref.expired()]
-    return out, sum(n for address, n in alive if address not in returned)
+    """fn()'s result, and the bytes of the distinct storages kept for its backward.
+
+    autograd hands each tensor it saves to a saved-tensors hook (the batch's ids and
+    targets too); the parameters' storages are left out. One thing more is needed:
+    inside a checkpoint its own hooks take ours' place, so selective recomputation's
+    kept outputs (in torch's checkpoint, not autograd) are added by the policy."""
+    kept = {}
+    _counts.append(kept)
+
+    def pack(t):
+        _count(kept, t)
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+    finally:
+        _counts.pop()
+    return out, sum(t.untyped_storage().nbytes() for t in kept.values())
 
 
-def activation_formula(config, B: int, T: int, mode: str, recompute: str = "none") -> int:
-    """Bytes held for the backward of 02's GPT (dropout 0) in `mode` ("fp32", "bf16 autocast",
-    "fp16 autocast + scaler" or "fp16 by hand"): per token, L layers (the table at the top), ln_f
-    (C + stats), lm_head's input C, the fp32 log-softmax V; per batch the T int64 positions (wpe's
-    backward), the loss's token count and autocast's 16-bit copies of weights and biases."""
-    C, L, V, nh = config.n_embd, config.n_layer, config.padded_vocab_size, config.n_head
+def activation_formula(config, B: int, T: int, mode: str, recompute="none") -> int:
+    """Bytes held for the backward of 02's GPT (dropout 0) in `mode` ("fp32", "bf16
+    autocast", "fp16 autocast + scaler" or "fp16 by hand"). A layer: none keeps the
+    LayerNorms' inputs, means and rstds, c_attn's input C, q|k|v 3C, attention's output
+    C and log-sum-exp per head, c_fc's input C, GELU's input and output 8C; selective
+    the block's input and the matmuls' and attention's outputs (3C, C, 4C, C, C); full
+    the block's input. Then ln_f, lm_head's input, the fp32 log-softmax V and the int64
+    ids and targets a token; the T positions and the loss's count a batch; under
+    autocast the 16-bit weights matmuls saved (a recomputed block casts again)."""
+    C = config.n_embd
+    L = config.n_layer
+    V = config.padded_vocab_size
+    nh = config.n_head
     a = 4 if mode == "fp32" else 2  # matmul operands: 16-bit under autocast and by hand
-    r = 2 if mode == "fp16 by hand" else 4  # residual stream: fp32 unless the model is 16-bit
-    layer = {"none": 2 * (C + 2) * r + 14 * C * a + 4 * nh, "full": C * r,
-             "selective": C * r + 10 * C * a + 4 * nh}[recompute]  # fmt: skip
-    per_token = L * layer + (C + 2) * r + C * a + 4 * V
-    biases = 9 * C if config.bias else 0  # c_attn 3C, attn.c_proj C, c_fc 4C, mlp.c_proj C
-    weight_copies = 2 * (L * (12 * C * C + biases) + V * C) if "autocast" in mode else 0
-    return B * T * per_token + 8 * T + 4 + weight_copies
+    r = 2 if mode == "fp16 by hand" else 4  # residual stream: fp32 unless by hand
+    layer = {
+        "none": 2 * (C + 2) * r + 14 * C * a + 4 * nh,
+        "selective": C * r + 10 * C * a + 4 * nh,
+        "full": C * r,
+    }[recompute]
+    per_token = L * layer + (C + 2) * r + C * a + 4 * V + 16
+    copies = 0
+    if "autocast" in mode:
+        blocks = L * 12 * C * C if recompute == "none" else 0
+        copies = 2 * (blocks + V * C)
+    return B * T * per_token + 8 * T + 4 + copies
 
 
-def recompute_demo(config, args):
-    """Each recompute mode on one batch: the bytes held for the backward, in all and per layer
-    (L layers' less L - 1 layers'), against the formula; with dropout, the gradients."""
-    [(x, y)] = model_lib.byte_batches(config.block_size, args.batch_size, 1, args.seed, args.device)
-    (B, T), L, none = x.shape, config.n_layer, None
-    print(f"\nrecomputation (02), fp32, B·T = {B * T} tokens, {L} blocks: bytes held for backward")
-    print("recompute   held KB  formula   a layer, bytes/token: held formula  same grads, p .1")
-    for mode in model_lib.RECOMPUTE:
-        held, formula = {}, {}
-        for layers, dropout in ((L - 1, 0.0), (L, 0.0), (L, 0.1)):  # last: with dropout masks
-            torch.manual_seed(args.seed)
-            change = dict(recompute=mode, dropout=dropout, n_layer=layers)  # (model: the last's)
-            model = model_lib.GPT(dataclasses.replace(config, **change)).to(args.device)
-            (_, loss), bytes_held = saved_activation_bytes(lambda m=model: m(x, y))
-            held[layers if dropout == 0 else "dropout"] = bytes_held
-            loss.backward()
-            formula[layers] = activation_formula(model.config, B, T, "fp32", mode)
-        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-        none = none if none is not None else grads
-        one_layer = [(d[L] - d[L - 1]) / (B * T) for d in (held, formula)]  # L - 1 >= 1 blocks
-        print(f"{mode:<10} {held[L] / 1024:>8.1f} {formula[L] / 1024:>8.1f} {one_layer[0]:>28,.0f}"
-              f" {one_layer[1]:>7,.0f} {str(torch.equal(grads, none)):>17}")  # fmt: skip
-    print(f"(fp32: r = a = 4, so none 64C + 16 + 4nh, selective 44C + 4nh, full 4C; C = "
-          f"{config.n_embd}, nh = {config.n_head})")  # fmt: skip
-
-
-# --------------------------------------------------------------------------- the demo
-
-
+# ------------------------------------------------------------------------ the demo
 def underflow_demo(config, batches, args):
-    """fp32-train on all but the last batch, then take |grad| of every Linear's output (the
-    activation gradients) and of every parameter in one more backward: what does rounding them
-    to 16 bits make 0, subnormal or inf, without and with the loss scale S?"""
+    """After fp32 training, every Linear output's |grad| (the activation gradients) and
+    every parameter's, rounded to 16 bits without and with S: how many are 0?"""
     torch.manual_seed(args.seed)
-    model = model_lib.GPT(config).to(batches[0][0].device)
+    model = model_lib.GPT(config).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    fp32 = torch.float32
     for x, y in batches[:-1]:
-        train_step(model, optimizer, make_scaler(torch.float32), None, torch.float32, x, y)
+        train_step(model, optimizer, make_scaler(fp32), None, fp32, x, y)
     outputs = []  # every Linear's output: their gradients are the activation gradients
     for linear in (m for m in model.modules() if isinstance(m, nn.Linear)):
-        linear.register_forward_hook(lambda module, inputs, output: outputs.append(output))
-    loss, params = model(*batches[-1])[1], list(model.parameters())
-    g, n = torch.autograd.grad(loss, outputs + params), len(outputs)
-    grads = {"activation grads": g[:n], "parameter grads": g[n:]}
-    grads = {k: torch.cat([t.abs().flatten() for t in ts]).cpu() for k, ts in grads.items()}
-    grads = {name: g[g > 0] for name, g in grads.items()}  # the non-zeros
-    S, fp16 = args.init_scale, torch.float16
-    cases = (("fp16", fp16, 1.0), (f"fp16 x 2^{math.log2(S):.0f}", fp16, S),
-             ("bf16", torch.bfloat16, 1.0))  # fmt: skip
-    print(f"gradients after {len(batches) - 1} fp32 steps, rounded   -> 0  subnormal  -> inf")
-    for name, g in grads.items():
-        for label, dtype, s in cases:
-            q = (g * s).to(dtype)
-            zero, inf = (q == 0).float().mean(), q.isinf().float().mean()
+        linear.register_forward_hook(lambda module, inputs, out: outputs.append(out))
+    _, loss = model(*batches[-1])
+    g = torch.autograd.grad(loss, outputs + list(model.parameters()))
+    n = len(outputs)
+    S = args.init_scale
+    cases = (("fp16", 1.0), (f"fp16 x 2^{math.log2(S):.0f}", S), ("bf16", 1.0))
+    print(f"gradients after {len(batches) - 1} fp32 steps, rounded  0  subnormal  inf")
+    grads = {}  # the non-zeros, returned for bench/bench_mixed_precision.py's figure
+    for name, ts in (("activation grads", g[:n]), ("parameter grads", g[n:])):
+        flat = torch.cat([t.abs().flatten() for t in ts]).cpu()
+        flat = grads[name] = flat[flat > 0]
+        for label, s in cases:
+            dtype = DTYPES[label[:4]]
+            q = (flat * s).to(dtype)
+            zero = (q == 0).float().mean()
             sub = ((q != 0) & (q.abs() < torch.finfo(dtype).tiny)).float().mean()
-            print(f"{name:<17} to {label:<12} {zero:>8.2%} {sub:>10.2%} {inf:>7.2%}")
-    median, normal = grads["activation grads"].median(), torch.finfo(fp16).tiny
-    flush = normal * torch.finfo(fp16).eps / 2  # half the smallest subnormal: below it, 0
-    print(f"(median activation |g| {median:.1e}; fp16: subnormal < {normal:.1e}, 0 < {flush:.1e})")
-    print("drawn, with our scaler against GradScaler: python bench/bench_mixed_precision.py\n")
+            inf = q.isinf().float().mean()
+            print(f"{name:<17} to {label:<12} {zero:>7.2%} {sub:>10.2%} {inf:>4.0%}")
+        print(f"({name}: median |g| {flat.median():.1e})")
     return grads
 
 
+def fp16_training_demo(config, batches, args):
+    """fp16 by hand under the scaler, started too high on purpose, beside fp32."""
+    print("\nfp16 by hand: MasterWeights + DynamicLossScaler(2^19, growth_interval=3)")
+    print("step  loss fp32  loss fp16  scale after  skipped")
+    runs = []
+    for dtype in (torch.float32, torch.float16):
+        torch.manual_seed(args.seed)
+        model = model_lib.GPT(config).to(args.device)
+        master = MasterWeights(model, dtype) if dtype != torch.float32 else None
+        optimizer = torch.optim.AdamW((master or model).parameters(), lr=args.lr)
+        scaler = make_scaler(dtype, init_scale=2.0**19, growth_interval=3)
+        runs.append([])
+        for x, y in batches[: args.fp16_steps]:
+            loss = train_step(model, optimizer, scaler, master, torch.float32, x, y)
+            runs[-1].append((loss, scaler.get_scale(), scaler.last_step_skipped))
+    for step, (fp32, fp16) in enumerate(zip(*runs)):
+        scale = f"2^{math.log2(fp16[1]):.0f}"
+        print(f"{step:>4} {fp32[0]:>10.4f} {fp16[0]:>10.4f} {scale:>12} {fp16[2]!s:>8}")
+    print("(a skipped step changes no weight: fp16 has had that many fewer updates)\n")
+
+
 def accumulation_demo(config, args):
-    """k microbatches of b rows against one batch of k·b rows, with equal and with unequal
-    numbers of real target tokens per microbatch (microbatch i keeps T/(i+1) per row)."""
-    k, b, T = args.accum, args.batch_size // args.accum, config.block_size
+    """k microbatches against one batch, then with T/(i+1) targets in microbatch i."""
+    k = args.accum
+    b = args.batch_size // k
+    T = config.block_size
     torch.manual_seed(args.seed)
     model = model_lib.GPT(config).to(args.device)
-    [(x, y)] = model_lib.byte_batches(T, k * b, seed=args.seed + 1, device=args.device)  # (k·b, T)
-    padded = y.clone()
+    [(x, y)] = model_lib.byte_batches(T, k * b, 1, args.seed + 1, args.device)
+    padded = y.clone()  # (k·b, T)
     for i in range(k):
         padded[i * b : (i + 1) * b, T // (i + 1) :] = IGNORE
 
@@ -458,40 +520,76 @@ def accumulation_demo(config, args):
         fn()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-    print(f"{k} microbatches of {b} rows vs one batch of {k * b}: max |g_accumulated - g_batch|")
-    print("/ max |g_batch|     token-normalised  mean of means   tokens per microbatch")
+    print(f"{k} microbatches of {b} rows vs one batch of {k * b}, max |g - g_batch|")
+    print("/ max |g_batch|:      token-normalised  mean of means  tokens each")
     for label, targets in (("equal tokens", y), ("unequal tokens", padded)):
         micro = list(zip(x.split(b), targets.split(b)))
-        one_batch = grads(lambda t=targets: model(x, t)[1].backward())  # mean over all tokens
+        one_batch = grads(lambda t=targets: model(x, t)[1].backward())
         n = global_token_count(micro)
-        token_normalised = grads(lambda m=micro, n=n: accumulate_gradients(model, m, n))
+        normalised = grads(lambda m=micro, n=n: accumulate_gradients(model, m, n))
         mean_of_means = grads(lambda m=micro: accumulate_mean_of_means(model, m))
         top = one_batch.abs().max()
-        err = [(g - one_batch).abs().max() / top for g in (token_normalised, mean_of_means)]
+        ours = (normalised - one_batch).abs().max() / top
+        trap = (mean_of_means - one_batch).abs().max() / top
         counts = [int(count_tokens(t)) for _, t in micro]
-        print(f"{label:<18} {err[0]:>17.1e} {err[1]:>14.1e}   {counts}")
+        print(f"{label:<20} {ours:>17.1e} {trap:>14.1e}  {counts}")
+
+
+def recompute_demo(config, args):
+    """Each mode's bytes held for the backward, in all and a layer (L layers' less
+    L - 1's), beside the formula; with dropout 0.1, the gradients against none's."""
+    T = config.block_size
+    [(x, y)] = model_lib.byte_batches(T, args.batch_size, 1, args.seed, args.device)
+    B = args.batch_size
+    L = config.n_layer
+    print(f"\nrecomputation, fp32, {B * T} tokens, {L} blocks: bytes held for backward")
+    print("mode        held KB  formula  a layer, bytes/token: held formula same grads")
+    reference = None
+    for mode in RECOMPUTE:
+        held = {}
+        for layers, dropout in ((L - 1, 0.0), (L, 0.0), (L, 0.1)):  # last: with masks
+            torch.manual_seed(args.seed)
+            changed = dataclasses.replace(config, dropout=dropout, n_layer=layers)
+            model = apply_recomputation(model_lib.GPT(changed).to(args.device), mode)
+            forward = functools.partial(model, x, y)
+            (_, loss), held[layers, dropout] = saved_activation_bytes(forward)
+        loss.backward()  # the last model's: dropout 0.1
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        reference = grads if reference is None else reference
+        same = torch.equal(grads, reference)
+        sizes = [dataclasses.replace(config, n_layer=n) for n in (L - 1, L)]
+        formula = [activation_formula(c, B, T, "fp32", mode) for c in sizes]
+        layer = (held[L, 0.0] - held[L - 1, 0.0]) / (B * T)
+        layer_formula = (formula[1] - formula[0]) / (B * T)
+        kb = f"{held[L, 0.0] / 1024:>8.1f} {formula[1] / 1024:>8.1f}"
+        print(f"{mode:<11} {kb} {layer:>26,.0f} {layer_formula:>7,.0f} {same!s:>10}")
+    print(f"(fp32, r = a = 4: 64C + 16 + 4nh, 44C + 4nh, 4C; C = {config.n_embd})")
 
 
 def main(argv=None):
     formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=formatter)
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per step; 2 per microbatch")
-    parser.add_argument("--steps", type=int, default=50, help="fp32 steps before the gradients")
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW's; high for a short run")
-    parser.add_argument("--init-scale", type=float, default=2.0**16, help="S, underflow table")
-    parser.add_argument("--accum", type=int, default=4, help="microbatches; 4 token counts")
-    parser.add_argument("--seed", type=int, default=1337, help="init and batch seed: runs repeat")
+    description = __doc__.split("\n")[0]
+    parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
+    add = parser.add_argument
+    add("--batch-size", type=int, default=8, help="rows per step; 2 per microbatch")
+    add("--steps", type=int, default=50, help="fp32 steps before the gradients")
+    add("--fp16-steps", type=int, default=10, help="steps of the fp16 training demo")
+    add("--lr", type=float, default=3e-3, help="AdamW's; high for a short run")
+    add("--init-scale", type=float, default=2.0**16, help="S, the static loss scale")
+    add("--accum", type=int, default=4, help="microbatches; 4 token counts")
+    add("--seed", type=int, default=1337, help="init and batch seed: runs repeat")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    parser.add_argument("--device", default=device, help="where it runs; a GPU when there is one")
+    add("--device", default=device, help="where it runs; a GPU when there is one")
     args = parser.parse_args(argv)
-    if args.accum < 1 or args.batch_size % args.accum or args.steps < 1:
-        parser.error("--steps must be >= 1 and --batch-size a multiple of --accum")
-    torch.set_num_threads(1)  # the tiny model's ops are too small to share; extra threads only spin
+    if args.accum < 1 or args.batch_size % args.accum or args.steps < args.fp16_steps:
+        parser.error("--steps >= --fp16-steps, and --batch-size a multiple of --accum")
+    torch.set_num_threads(1)  # the tiny model's ops are too small to share
     config = model_lib.GPTConfig.from_preset("tiny")  # V = 256: bytes are the tokens
-    T, B = config.block_size, args.batch_size
-    batches = model_lib.byte_batches(T, B, args.steps + 1, args.seed, args.device)
-
+    batch = (config.block_size, args.batch_size, args.steps + 1, args.seed)
+    batches = model_lib.byte_batches(*batch, args.device)
+    static_scale_example(args.init_scale)
     underflow_demo(config, batches, args)
+    fp16_training_demo(config, batches, args)
     accumulation_demo(config, args)
     recompute_demo(config, args)
 

@@ -52,16 +52,16 @@ def mfu(tokens_per_s, flops_per_token, n_devices, peak_flops_per_device) -> floa
     return tokens_per_s * flops_per_token / (n_devices * peak_flops_per_device)
 
 
-def recompute_flops_per_token(config, seq_len: int) -> int:
+def recompute_flops_per_token(config, seq_len: int, mode: str) -> int:
     """The FLOPs per token that recomputation adds (HFU counts them, MFU does not). Full redoes
     each block's forward: 2 FLOPs per matmul weight (12C² a block) and attention's q k^T and
     att @ v, 4·nh·hs·T. Selective redoes no weight's matmul, but with dropout on it redoes
     attention (02 keeps no output that drew random numbers); its elementwise ops are left out,
     as in 02's count."""
     C, L, attention = config.n_embd, config.n_layer, 4 * config.n_head * config.head_dim * seq_len
-    if config.recompute == "full":
+    if mode == "full":  # mode: "none" | "selective" | "full", as 06's recomputation
         return L * (2 * 12 * C * C + attention)
-    return L * attention if config.recompute == "selective" and config.dropout > 0 else 0
+    return L * attention if mode == "selective" and config.dropout > 0 else 0
 
 
 def machine() -> str:

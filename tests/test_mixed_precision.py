@@ -1,7 +1,6 @@
 """06_mixed_precision.py: the loss scaler against torch.amp.GradScaler (1 and 2 ranks), fp32
 master weights against fp32 training, and gradient accumulation against one big batch."""
 
-import dataclasses
 import importlib
 from contextlib import contextmanager
 
@@ -317,27 +316,28 @@ def test_an_overflowing_step_changes_no_parameter(path):
 # ---------------------------------------------------------------------------------------------
 # activation memory: measured == formula
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("recompute", model_lib.RECOMPUTE)
+@pytest.mark.parametrize("recompute", mp.RECOMPUTE)
 @pytest.mark.parametrize(
     "mode", ["fp32", "bf16 autocast", "fp16 autocast + scaler", "fp16 by hand"]
 )
 def test_held_activations_equal_the_formula(mode, recompute):
-    """The bytes the forward leaves alive for the backward, counted by saved_activation_bytes,
-    equal activation_formula to the byte, in all and per layer (3 layers' less 2 layers'), for
+    """The bytes kept for the backward, counted by saved_activation_bytes (autograd's saved
+    tensors and selective recomputation's kept outputs, the parameters left out), equal
+    activation_formula to the byte, in all and per layer (3 layers' less 2 layers'), for
     every precision and recomputation: the tiny GPT at B = 3, T = 32 and a wider one (4 heads,
     C = 64) on a sequence shorter than its context (T = 12 < 16). A term the formula misses or
     miscounts is off by whole multiples of B·T (the GELU output alone is B·T·4C·2 bytes a layer
     in 16 bits), never by rounding: the counts are exact integers. Under full recomputation a
-    layer holds only its input, C fp32 numbers a token; selective keeps the matmuls' outputs."""
+    layer holds only its input, C fp32 numbers a token; selective keeps the matmuls' outputs.
+    Under autocast a layer's 16-bit weight copies (12C² numbers) are saved only without
+    recomputation: a recomputed block casts its weights again in the backward."""
     wider = dict(n_head=4, n_embd=64, block_size=16)
     held = {}
     for name, T, layers in (("tiny", 32, 2), ("wider", 12, 3), ("wider", 12, 2)):
         extra = wider if name == "wider" else {}
-        config = model_lib.GPTConfig.from_preset(
-            "tiny", n_layer=layers, recompute=recompute, **extra
-        )
+        config = model_lib.GPTConfig.from_preset("tiny", n_layer=layers, **extra)
         torch.manual_seed(0)
-        model = model_lib.GPT(config)
+        model = mp.apply_recomputation(model_lib.GPT(config), recompute)
         if mode == "fp16 by hand":
             mp.MasterWeights(model, torch.float16)  # the model itself becomes the fp16 copy
         autocast = {"bf16 autocast": torch.bfloat16, "fp16 autocast + scaler": torch.float16}
@@ -350,13 +350,14 @@ def test_held_activations_equal_the_formula(mode, recompute):
     C, nh, a, r = 64, 4, 4 if mode == "fp32" else 2, 2 if mode == "fp16 by hand" else 4
     per_token = {"none": 2 * (C + 2) * r + 14 * C * a + 4 * nh,  # as 06's table: 64C + 16 + 4nh
                  "selective": C * r + 10 * C * a + 4 * nh, "full": C * r}  # fmt: skip
-    weight_copies = 2 * (12 * C * C + 9 * C) if "autocast" in mode else 0  # a layer's, 16-bit
+    copied = "autocast" in mode and recompute == "none"
+    weight_copies = 2 * 12 * C * C if copied else 0  # a layer's weights, 16-bit
     assert one_layer == 3 * 12 * per_token[recompute] + weight_copies
 
 
-def gradients(config, x, y, seed=0):
+def gradients(config, x, y, seed=0, recompute="none"):
     torch.manual_seed(seed)
-    model = model_lib.GPT(config)
+    model = mp.apply_recomputation(model_lib.GPT(config), recompute)
     torch.manual_seed(seed + 1)  # the dropout masks' stream
     _, loss = model(x, y)
     loss.backward()
@@ -372,9 +373,34 @@ def test_recomputation_gives_the_same_loss_and_gradients_bit_for_bit(recompute):
     config = model_lib.GPTConfig.from_preset("tiny", dropout=0.1, n_layer=3)
     x, y = random_batches(1, B=3, T=32)[0]
     loss, grads = gradients(config, x, y)
-    loss_r, grads_r = gradients(dataclasses.replace(config, recompute=recompute), x, y)
+    loss_r, grads_r = gradients(config, x, y, recompute=recompute)
     assert torch.equal(loss, loss_r)
     assert all(torch.equal(g, h) for g, h in zip(grads, grads_r))
+
+
+def test_apply_recomputation_wraps_blocks_from_outside_and_checks_its_mode():
+    """02's GPT knows nothing of recomputation (no config switch, Block.forward unchanged):
+    apply_recomputation sets each Block's forward from outside, "none" takes it off again,
+    and an unknown mode is refused with the valid ones named. The keep-what policy runs
+    only under "selective": counted here by the ops it was asked about."""
+    assert not hasattr(model_lib.GPTConfig(), "recompute")
+    model = model_lib.GPT(TINY)
+    x, y = random_batches(1, B=2, T=16)[0]
+    asked = []
+    policy = mp._policy
+    mp._policy = lambda *args, **kwargs: asked.append(args[2]) or policy(*args, **kwargs)
+    try:
+        for mode, wrapped, calls in (("full", 2, 0), ("selective", 2, 1), ("none", 0, 0)):
+            mp.apply_recomputation(model, mode)
+            blocks = model.transformer.h
+            assert sum("forward" in vars(b) for b in blocks) == wrapped, mode
+            asked.clear()
+            model(x, y)[1].backward()
+            assert (len(asked) > 0) == bool(calls), (mode, len(asked))
+    finally:
+        mp._policy = policy
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        mp.apply_recomputation(model, "some")
 
 
 def test_selective_keeps_attention_only_when_it_draws_no_random_numbers():
@@ -383,7 +409,7 @@ def test_selective_keeps_attention_only_when_it_draws_no_random_numbers():
     shift every later dropout mask: wrong gradients, silently, and only on a GPU (a CPU with
     dropout runs attention as bmm and bernoulli, so no CPU run reaches this). The policy is
     asked directly, with the CUDA ops' names: kept without dropout, redone with it."""
-    aten, policy = torch.ops.aten, model_lib._policy
+    aten, policy = torch.ops.aten, mp._policy
     keep, redo = (
         torch.utils.checkpoint.CheckpointPolicy.MUST_SAVE,
         torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE,
@@ -538,13 +564,14 @@ def _accumulation_case(rank, world_size, wrapper):
 
 
 def _zero_case(rank, world_size):
-    """03's DataParallel + ZeroOptimizer(AdamW) under fp16 autocast with our scaler. Rank 1
+    """03's DataParallel + 07's ZeroOptimizer(AdamW) under fp16 autocast with our scaler. Rank 1
     alone finds an inf (written into its gradient after the all-reduce). Both ranks must skip:
     a rank that called ZeroOptimizer.step() alone would wait forever in its broadcasts."""
     ddp = importlib.import_module("03_ddp")
     torch.manual_seed(0)
     model = ddp.DataParallel(model_lib.GPT(TINY))
-    optimizer = ddp.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    zero_lib = importlib.import_module("07_zero")
+    optimizer = zero_lib.ZeroOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     scaler, skipped = mp.DynamicLossScaler(init_scale=2.0**10), []
     for step, (x, y) in enumerate(random_batches(4, seed=rank)):
         with torch.autocast("cpu", dtype=torch.float16):
@@ -562,7 +589,7 @@ def _zero_case(rank, world_size):
 
 def _two_rank_world(rank, world_size):
     ddp = importlib.import_module("03_ddp")
-    has_ours = hasattr(ddp, "DataParallel") and hasattr(ddp, "ZeroOptimizer")
+    has_ours = hasattr(ddp, "DataParallel")  # (ZeroOptimizer: 07_zero.py)
     wrappers = ["torch DDP"] + (["ours", "naive"] if has_ours else [])
     out = {"scaler": _scaler_cases(rank, world_size), "has_ours": has_ours}
     out.update({w: _accumulation_case(rank, world_size, w) for w in wrappers})

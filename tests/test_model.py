@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 model_lib = importlib.import_module("02_model")
-to_hf_state_dict = importlib.import_module("bench.sampling").to_hf_state_dict
+to_hf_state_dict = importlib.import_module("support.export").to_hf_state_dict
 GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
 
 
@@ -178,9 +178,9 @@ def test_recomputed_flops_hand_count():
     about a third of the blocks' 6N; selective redoes no weight's matmul: 0; none: 0."""
     gpus = importlib.import_module("support.gpus")
     for mode, extra in (("none", 0), ("selective", 0), ("full", 57_344)):
-        assert gpus.recompute_flops_per_token(tiny(recompute=mode), 32) == extra, mode
+        assert gpus.recompute_flops_per_token(tiny(), 32, mode) == extra, mode
     # with dropout, selective redoes attention (no kept output may skip a random draw): 2 x 4,096
-    assert gpus.recompute_flops_per_token(tiny(recompute="selective", dropout=0.1), 32) == 8_192
+    assert gpus.recompute_flops_per_token(tiny(dropout=0.1), 32, "selective") == 8_192
 
 
 def test_peak_flops_and_mfu():
@@ -207,13 +207,15 @@ def test_peak_flops_and_mfu():
 # --------------------------------------------------------------------------- training
 
 
-def test_byte_batches_are_shifted_windows_of_the_source():
+def test_byte_batches_are_shifted_windows_of_the_frozen_corpus():
     """byte_batches(T=16, B=3, steps=2): two (x, y) pairs of (3, 16) int64 byte values, y = x
-    moved one byte on (so x[:, 1:] == y[:, :-1]), each row a window of 02_model.py's own bytes.
+    moved one byte on (so x[:, 1:] == y[:, :-1]), each row a window of support/demo_corpus.txt,
+    a frozen text: editing a lesson (02 itself included) never changes the demos' batches.
     Every tensor has its own storage of exactly B*T*8 bytes, even at B = 1 (where a slice of
     the rows would have been contiguous already); the same seed gives the same batches."""
     batches = model_lib.byte_batches(16, 3, steps=2, seed=5)
-    source = open(model_lib.__file__, "rb").read()
+    source = model_lib.DEMO_CORPUS.read_bytes()
+    assert model_lib.DEMO_CORPUS.parent.name == "support"
     assert len(batches) == 2
     for x, y in batches:
         assert x.shape == y.shape == (3, 16) and x.dtype == y.dtype == torch.long
@@ -226,6 +228,9 @@ def test_byte_batches_are_shifted_windows_of_the_source():
     one = model_lib.byte_batches(16, 1, steps=2)
     storages = {t.untyped_storage().data_ptr() for pair in one for t in pair}
     assert len(storages) == 4 and all(t.untyped_storage().nbytes() == 16 * 8 for t in one[0])
+    # the lesson's own bytes are not the source any more: a window of 02_model.py is absent
+    lesson = open(model_lib.__file__, "rb").read()
+    assert not any(bytes(x[0].tolist()) in lesson for x, _ in batches)
 
 
 def test_tiny_model_overfits_one_batch():
@@ -493,8 +498,6 @@ def test_config_validation_and_presets():
         GPTConfig(n_layer=0)
     with pytest.raises(ValueError, match="dropout"):
         GPTConfig(dropout=1.0)
-    with pytest.raises(ValueError, match="recompute must be one of"):
-        GPTConfig(recompute="some")
     with pytest.raises(
         ValueError, match=r"unknown preset 'gpt3'; valid presets: tiny, small, gpt2"
     ):
