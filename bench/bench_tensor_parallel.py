@@ -1,15 +1,18 @@
-"""bench/bench_tensor_parallel.py: what tensor parallelism costs, measured next to its formula.
+"""bench/bench_tensor_parallel.py: what tensor parallelism costs, next to its formula.
 
-04_tensor_parallel.py's demo GPT (02's "small" preset, V = 256 bytes) and one batch, on tp ranks:
-- communication: every collective of one training step (forward + backward), counted by wrapping
-  torch.distributed's all_reduce, all_gather and reduce_scatter, next to comm_formula (derived in
-  04's docstring) and the bytes a ring algorithm sends per rank;
-- memory: parameters and activations saved for backward (06's saved_activation_bytes) per rank,
-  as a share of the whole model's;
-- time: the median forward + backward step of the whole model (rank 0 alone), TP, and TP + SP.
-tests/test_tensor_parallel.py checks count_comm and comm_formula against a count derived by hand.
+04_tensor_parallel.py's demo GPT (02's "small" preset, V = 256 bytes) and one batch, on
+tp ranks:
+- communication: every collective of one training step (forward + backward), counted by
+  wrapping torch.distributed's all_reduce, all_gather and reduce_scatter, next to
+  comm_formula (derived in 04's docstring) and the bytes a ring algorithm sends per rank;
+- memory: parameters and activations saved for backward (06's saved_activation_bytes)
+  per rank, as a share of the whole model's;
+- time: the median forward + backward step of the whole model (rank 0 alone), of TP, and
+  of TP + SP.
+tests/test_tensor_parallel.py checks count_comm and comm_formula against a count derived
+by hand.
 
-Run:  python bench/bench_tensor_parallel.py [--ranks 2]      (starts torchrun for you; ~30 s)
+Run:  python bench/bench_tensor_parallel.py [--ranks 2]   (starts torchrun for you; ~30 s)
       torchrun --standalone --nproc_per_node=4 bench/bench_tensor_parallel.py
 """
 
@@ -28,29 +31,36 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
+# The repo root, where the numbered files are.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from support import distributed
 
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
 mp_lib = importlib.import_module("06_mixed_precision")  # saved_activation_bytes
 
-# collective -> the argument holding its payload S. A ring all-reduce sends 2(tp-1)/tp * S per
-# rank; all-gather (S: the gathered list) and reduce-scatter (S: the input list) (tp-1)/tp * S.
-PAYLOAD = {"all_reduce": "tensor", "all_gather": "tensor_list", "reduce_scatter": "input_list"}
-RING = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (tp-1)/tp of the payload
+# A collective -> the argument that holds its payload S. A ring all-reduce sends
+# 2(tp-1)/tp * S per rank; all-gather (S: the gathered list) and reduce-scatter (S: the
+# input list) send (tp-1)/tp * S. RING holds those factors of (tp-1)/tp * S.
+PAYLOAD = dict(
+    all_reduce="tensor", all_gather="tensor_list", reduce_scatter="input_list"
+)
+RING = dict(all_reduce=2, all_gather=1, reduce_scatter=1)
 
 
 @contextlib.contextmanager
 def count_comm():
-    """`with count_comm() as log: step()` records (op, payload bytes) of every all_reduce,
-    all_gather and reduce_scatter called through torch.distributed meanwhile (04 calls them
-    as dist.<op>, so the wrappers see every one; the collectives still run)."""
-    log, saved = [], {op: getattr(dist, op) for op in PAYLOAD}
+    """`with count_comm() as log: step()` records (op, payload bytes) of every
+    all_reduce, all_gather and reduce_scatter called through torch.distributed meanwhile
+    (04 and support/sharding.py call them as dist.<op>, so the wrappers see every one;
+    the collectives still run)."""
+    log = []
+    saved = {op: getattr(dist, op) for op in PAYLOAD}
 
     def counting(op):
         def collective(*args, **kwargs):
-            payload = inspect.signature(saved[op]).bind(*args, **kwargs).arguments[PAYLOAD[op]]
+            bound = inspect.signature(saved[op]).bind(*args, **kwargs)
+            payload = bound.arguments[PAYLOAD[op]]
             tensors = payload if isinstance(payload, list) else [payload]
             log.append((op, sum(t.numel() * t.element_size() for t in tensors)))
             return saved[op](*args, **kwargs)
@@ -67,16 +77,19 @@ def count_comm():
 
 
 def comm_formula(config, B: int, T: int, sp: bool) -> dict:
-    """Payload bytes per forward + backward step, by collective (fp32), from 04's counting."""
-    C, L, b = config.n_embd, config.n_layer, int(config.bias)
-    E, loss = 4 * B * T * C, 3 * 4 * B * T  # the loss: max, sum of exp, target logit
+    """Payload bytes per forward + backward step, by collective (fp32), as 04 counts."""
+    C = config.n_embd
+    L = config.n_layer
+    b = int(config.bias)
+    E = 4 * B * T * C
+    loss = 3 * 4 * B * T  # the loss: max, sum of exp, target logit
     if not sp:  # embedding g, per layer 2 g + 2 f, head f
         return {"all_reduce": (4 * L + 2) * E + loss}
-    # f on replicated gradients: wpe (T, C); per layer 2 LayerNorms (+ biases), 2 row biases; ln_f
+    # f on the replicated gradients: wpe (T, C); per layer 2 LayerNorms (and biases) and 2
+    # row biases; ln_f.
     params = 4 * (T * C + L * (2 * C + b * 4 * C) + (1 + b) * C)
-    return dict(
-        all_gather=(4 * L + 2) * E, reduce_scatter=(4 * L + 2) * E, all_reduce=loss + params
-    )
+    gathered = (4 * L + 2) * E
+    return dict(all_gather=gathered, reduce_scatter=gathered, all_reduce=loss + params)
 
 
 def param_bytes(model) -> int:
@@ -99,30 +112,34 @@ def ms_per_step(model, x, y, args) -> float:
 
 
 def bench(args, group, device):
-    tp, print0, MB = dist.get_world_size(group), distributed.print0, 2**20
+    tp = dist.get_world_size(group)
+    print0 = distributed.print0
+    MB = 2**20
     config = model_lib.GPTConfig.from_preset(
         args.preset, vocab_size=256, pad_vocab_multiple=math.lcm(64, tp), dropout=0.0
     )
-    torch.manual_seed(args.seed)  # the same whole model on every rank, sliced afterwards
+    torch.manual_seed(args.seed)  # the same whole model on every rank, sliced after
     full = model_lib.GPT(config).to(device)
     [(x, y)] = model_lib.byte_batches(
         config.block_size, args.batch_size, seed=args.seed, device=device
     )
     B, T = x.shape
-    variants = {
-        sp: tp_lib.apply_tensor_parallel(copy.deepcopy(full), group, sp) for sp in (False, True)
-    }
+    variants = {}
+    for sp in (False, True):
+        variants[sp] = tp_lib.apply_tensor_parallel(copy.deepcopy(full), group, sp)
     p_full = param_bytes(full)
     _, act_full = mp_lib.saved_activation_bytes(lambda: full(x, y))
     ms_full = ms_per_step(full, x, y, args) if dist.get_rank(group) == 0 else 0.0
     dist.barrier(group)  # the others wait while rank 0 times the whole model alone
+    shape = f"L={config.n_layer} nh={config.n_head} C={config.n_embd}"
+    backend = dist.get_backend(group)
+    threads = torch.get_num_threads()
     print0(
-        f"GPT '{args.preset}' L={config.n_layer} nh={config.n_head} C={config.n_embd} "
-        f"V={config.padded_vocab_size}, (B, T) = ({B}, {T}), fp32, {dist.get_backend(group)} "
-        f"on {device.type}, {torch.get_num_threads()} thread(s) per rank, median of "
+        f"GPT '{args.preset}' {shape} V={config.padded_vocab_size}, (B, T) = ({B}, {T}), "
+        f"fp32, {backend} on {device.type}, {threads} thread(s) per rank, median of "
         f"{args.steps} steps\ntp=1, one process, the whole model: parameters "
-        f"{p_full / MB:.3f} MB, activations (saved for backward) {act_full / MB:.2f} MB, "
-        f"{ms_full:.1f} ms per step (fwd+bwd)"
+        f"{p_full / MB:.3f} MB, activations (saved for backward) "
+        f"{act_full / MB:.2f} MB, {ms_full:.1f} ms per step (fwd+bwd)"
     )
     for sp, model in variants.items():
         p = param_bytes(model)
@@ -131,7 +148,8 @@ def bench(args, group, device):
             _, loss = model(x, y)
             loss.backward()
         ms = torch.tensor(ms_per_step(model, x, y, args))
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
+        # The slowest rank sets the pace.
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
         print0(
             f"\ntp={tp}{' + sequence parallel' if sp else ''}, per rank: parameters "
             f"{p / MB:.3f} MB ({p / p_full:.0%} of the whole; 1/tp = {1 / tp:.0%}), "
@@ -140,36 +158,37 @@ def bench(args, group, device):
         for op, formula in comm_formula(config, B, T, sp).items():
             sizes = [n for o, n in log if o == op]
             ring = RING[op] * (tp - 1) / tp * sum(sizes)
+            payload = (
+                f"payload {sum(sizes) / MB:7.3f} MB (formula {formula / MB:7.3f} MB)"
+            )
             print0(
-                f"  {op:<15}{len(sizes):>3} calls, payload {sum(sizes) / MB:7.3f} MB (formula "
-                f"{formula / MB:7.3f} MB), sent per rank by a ring {ring / MB:7.3f} MB"
+                f"  {op:<15}{len(sizes):>3} calls, {payload}, "
+                f"sent per rank by a ring {ring / MB:7.3f} MB"
             )
     print0(
-        f"\n{tp} ranks share this machine over {dist.get_backend(group)}: on CPU the times "
-        "show the cost of the communication, not a speed-up (that needs one GPU per rank, "
-        "on NVLink)."
+        f"\n{tp} ranks share this machine over {backend}: on CPU the times show the "
+        "cost of the communication, not a speed-up (that needs one GPU per rank, on "
+        "NVLink)."
     )
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument(
-        "--ranks", type=int, default=2, help="ranks to start without torchrun; 2, as 04's demo"
-    )
-    parser.add_argument("--preset", default="small", help="02's GPTConfig preset; 04's demo's")
-    parser.add_argument("--batch-size", type=int, default=8, help="B; 04's demo's batch")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant (median)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant first")
-    parser.add_argument("--seed", type=int, default=1337, help="the model's and the batch's")
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    description = __doc__.split("\n")[0]
+    parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks, as 04's demo")
+    parser.add_argument("--preset", default="small", help="02's preset, as 04's demo")
+    parser.add_argument("--batch-size", type=int, default=8, help="B, as 04's demo")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--seed", type=int, default=1337, help="model and batch")
     args = parser.parse_args(argv)
     if "WORLD_SIZE" not in os.environ:
         return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
     _, _, world_size, device = distributed.init_distributed()
     try:
-        group = dist.new_group(list(range(world_size)))  # here the TP group is the whole world
+        group = dist.new_group(list(range(world_size)))  # the TP group: the whole world
         bench(args, group, device)
         dist.barrier()  # subtle: no rank tears gloo down while a peer still uses it
     finally:
