@@ -55,6 +55,7 @@ ddp_lib = importlib.import_module("03_ddp")
 tp_lib = importlib.import_module("04_tensor_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
+zero_lib = importlib.import_module("07_zero")
 
 # After the warm-up (lr_at); docs/lr_schedules.png draws them.
 LR_SCHEDULES = ("cosine", "wsd", "cyclic", "constant")
@@ -195,16 +196,17 @@ def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device):
     if cfg.zero:  # (dp > 1: checked) One ZeroOptimizer over every chunk's units.
         for c in chunks:  # The replicas made identical, then cut into shards.
             ddp_lib.broadcast_from_first_rank(c, grid.dp_group)
-        units = [u for c in chunks for u in ddp_lib.zero_units(c)]
+        units = [u for c in chunks for u in zero_lib.zero_units(c)]
         kw.update(units=units, stage=cfg.zero)
-        opt = ddp_lib.ZeroOptimizer(groups, AdamW, grid.dp_group, **kw)
+        opt = zero_lib.ZeroOptimizer(groups, AdamW, grid.dp_group, **kw)
         shards = [f.shard for f in opt.flats]  # Their .grad: this rank's gradients.
         scaled = SimpleNamespace(param_groups=[{"params": shards}], step=opt.step)
-        return [ddp_lib.ZeroDataParallel(c, opt) for c in chunks], opt, scaled
+        return [zero_lib.ZeroDataParallel(c, opt) for c in chunks], opt, scaled
     if grid.dp > 1:  # The same PowerSGD seed on every rank: 03's default.
-        how = dict(compression=cfg.grad_compression, powersgd_rank=cfg.powersgd_rank)
-        how.update(powersgd_warmup_steps=cfg.powersgd_warmup_steps)
-        chunks = [ddp_lib.DataParallel(c, group=grid.dp_group, **how) for c in chunks]
+        how = (cfg.grad_compression, cfg.powersgd_rank, cfg.powersgd_warmup_steps)
+        hooks = [ddp_lib.compression_hook(c.parameters(), *how) for c in chunks]
+        wrap = ddp_lib.DataParallel
+        chunks = [wrap(c, group=grid.dp_group, comm_hook=h) for c, h in zip(chunks, hooks)]
     opt = AdamW(groups, **kw)
     return chunks, opt, opt
 

@@ -106,23 +106,19 @@ def quality(args) -> None:
 
 def codec_seconds(model, method: str, world: int, reps: int) -> float:
     """The median time of one step's compression and decompression of model's gradients (random,
-    already in place), without the communication: fp16's cast, / N and copy back; PowerSGD's
-    reduce with an all-reduce that returns at once."""
-    grads = {p: torch.randn_like(p) for p in model.parameters()}
-    flat = torch.cat([g.reshape(-1) for g in grads.values()])
-    instant = SimpleNamespace(world=world, _all_reduce=lambda t: SimpleNamespace(wait=lambda: None))
-    psgd = None
-    if method.startswith("powersgd"):
-        r = int(method.split("=")[1].split(",")[0])
-        psgd = ddp.PowerSGD(list(model.parameters()), r, warmup_steps=0)
-        psgd.reduce(grads, instant)  # the first call draws Q and makes the residuals
+    already in one bucket), without the communication: 03's hook with an all-reduce that returns
+    at once (fp16: cast, / N and copy back; PowerSGD: matmuls, QR and residuals)."""
+    bucket = ddp.make_buckets(list(model.parameters()), None)[0]  # one bucket: every gradient
+    for p, view in zip(bucket.params, bucket.views):
+        view.copy_(torch.randn_like(p))
+    instant = SimpleNamespace(world=world, all_reduce=lambda t: SimpleNamespace(wait=lambda: None))
+    r = int(method.split("=")[1].split(",")[0]) if method.startswith("powersgd") else 4
+    hook = ddp.compression_hook(model.parameters(), method.split()[0], r, 0)
+    hook(instant, bucket).wait()  # PowerSGD's first call draws Q and fills the residuals
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        if psgd is not None:
-            psgd.reduce(grads, instant)
-        elif method in ddp.HALF:
-            flat.copy_(flat.to(ddp.HALF[method]).div_(world))
+        hook(instant, bucket).wait()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 

@@ -1,4 +1,5 @@
-"""bench/bench_ddp.py: 03_ddp.py's data parallelism timed side by side; traffic and memory counted.
+"""bench/bench_ddp.py: 03_ddp.py's data parallelism and 07_zero.py's ZeRO timed side by side;
+traffic and memory counted.
 
 Part 1, all-reduce: naive against bucketed, bucketed against torch's DistributedDataParallel,
 and how much of the all-reduce the buckets hide behind backward. Part 2, ZeRO: step times of
@@ -40,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 from support import distributed
 
 ddp = importlib.import_module("03_ddp")
+zero_lib = importlib.import_module("07_zero")
 model_lib = importlib.import_module("02_model")
 gpus = importlib.import_module("support.gpus")
 GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
@@ -64,7 +66,7 @@ def make_variants(config, device, names, bucket_mb: float = 25.0) -> dict:
         m = GPT(config).to(device)
         if name.startswith("ZeRO-"):
             stage = int(name[-1])
-            out[name] = ddp.zero_data_parallel(m, stage, m.parameters(), AdamW, **kw)
+            out[name] = zero_lib.zero_data_parallel(m, stage, m.parameters(), AdamW, **kw)
             continue
         if name.startswith("FSDP2"):  # torch's ZeRO-3; reshard_after_forward=False: ZeRO-2's
             reshard = name == "FSDP2"
@@ -202,7 +204,7 @@ def time_zero(label, overrides, batch, args, rank, device) -> dict:
 
 
 def zero_traffic(world, device) -> None:
-    """What each stage sent in one step (03's counters) against the formulas: every rank sends
+    """What each stage sent in one step (03's and 07's counters) against the formulas: every rank sends
     (N-1)/N of each collective's buffer; a ring all-reduce is a reduce-scatter + an all-gather."""
     config = GPTConfig.from_preset("small", vocab_size=VOCAB, block_size=64)
     variants = make_variants(config, device, ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"))
@@ -227,7 +229,7 @@ def zero_traffic(world, device) -> None:
 
 
 def zero_memory(world, device) -> None:
-    """Bytes per rank after backward, stages 0-3, measured (03's memory_per_rank) | formula."""
+    """Bytes per rank after backward, stages 0-3, measured (07's memory_per_rank) | formula."""
     config = GPTConfig.from_preset("small", vocab_size=VOCAB, block_size=64)
     variants = make_variants(config, device, ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"))
     data = torch.randint(0, VOCAB, (4, config.block_size + 1)).to(device)
@@ -237,10 +239,10 @@ def zero_memory(world, device) -> None:
         ddp.train_step(model, opt, data[:, :-1], data[:, 1:])  # AdamW's state exists after it
         opt.zero_grad(set_to_none=True)
         model(data[:, :-1], data[:, 1:])[1].backward()  # the gradients, as before the next step
-        m = ddp.memory_per_rank(model.module, opt)
-        formula = ddp.zero_memory_formula(stage, psi, world)
+        m = zero_lib.memory_per_rank(model.module, opt)
+        formula = zero_lib.zero_memory_formula(stage, psi, world)
         distributed.print0(
-            f"  {name:<7} {sum(m.values()) / 1e6:9.3f} MB | {ddp.FORMULAS[name]:<13} = "
+            f"  {name:<7} {sum(m.values()) / 1e6:9.3f} MB | {zero_lib.FORMULAS[name]:<13} = "
             f"{formula / 1e6:9.3f} MB   (weights {m['params'] / 1e6:.3f}, gradients "
             f"{m['grads'] / 1e6:.3f}, AdamW {m['optimizer'] / 1e6:.3f})"
         )
@@ -273,7 +275,7 @@ def gpt2_memory_table() -> None:
         sizes = f"root {4 * root / 1e9:.2f} GB, block {4 * block / 1e9:.3f} GB"
         distributed.print0(f"  {preset} ({psi / 1e6:,.0f}M): {sizes}")
         for world in (2, 4, 8, 64):
-            cells = [ddp.zero_memory_formula(s, psi, world) / 1e9 for s in range(4)]
+            cells = [zero_lib.zero_memory_formula(s, psi, world) / 1e9 for s in range(4)]
             units = 4 * (root + 2 * block) / 1e9
             row = "  ".join(f"{n} {c:6.2f}" for n, c in zip(("DP", "Z1", "Z2", "Z3"), cells))
             distributed.print0(f"    N={world:<3} {row}  (+ {units:.2f} gathered)")

@@ -198,8 +198,8 @@ def load_newest(out_dir, rank: int, world: int, device, restore) -> dict | None:
 
 def powersgd_states(chunks) -> list:
     """The PowerSGD state objects (Q and the residuals) of 03's DataParallel chunks."""
-    states = [getattr(c, "powersgd", None) for c in chunks]
-    return [p for p in states if p is not None]
+    hooks = [getattr(c, "comm_hook", None) for c in chunks]
+    return [h for h in hooks if hasattr(h, "state_dict")]  # PowerSGD: the stateful hook
 
 
 def shard_of(run, step: int) -> dict:

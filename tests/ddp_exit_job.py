@@ -1,6 +1,6 @@
-"""Many short 2-rank jobs of 03_ddp.py's DataParallel, ZeRO-2 and ZeRO-3 (in turn), each rank
-ending the way a torchrun script does: destroy the process group, then let the interpreter exit.
-Used by tests/test_ddp.py.
+"""Many short 2-rank jobs of 03_ddp.py's DataParallel and 07_zero.py's ZeRO-2 and ZeRO-3, in
+turn, each rank ending the way a torchrun script does: destroy the process group, then let the
+interpreter exit. Used by tests/test_ddp.py.
 
     python tests/ddp_exit_job.py JOBS [KINDS]   -> exit 0 if every rank of every job exited with 0
                                                    (KINDS: default "DP,ZeRO-2,DP,ZeRO-3", in turn)
@@ -9,9 +9,11 @@ What it catches: a collective launched inside backward whose last reference a gl
 drops while Python is finalising. That thread must take the GIL to free the Python object the
 collective copied from backward's thread-local state (gloo's AsyncWork keeps a ThreadLocalState);
 a finalising interpreter ends the thread instead, in the middle of a C++ destructor, and the
-process aborts with "terminate called without an active exception" (SIGABRT). So 03_ddp.py keeps
-every handle it launches in backward until its own thread drops it, later: DataParallel's
-all-reduces (a pass), ZeRO's all-gathers and reduce-scatters (to the zero_grad() after next).
+process aborts with "terminate called without an active exception" (SIGABRT). So 03 and 07 hand
+every handle they wait for to support/handles.py's retire(), which drops it only after many later
+ones (or at the exit, from the main thread): DataParallel's all-reduces, ZeRO's all-gathers and
+reduce-scatters. (Before support/handles.py the wrappers kept them themselves, to the pass after
+next, and had to stay alive to the exit; now the wrapper is freed when rank_main returns.)
 Every backward here launches collectives from both places the wrappers launch them: gradient
 hooks (the blocks' and the head's buckets or flats) and the end-of-backward callback (the
 bucket, or the root unit's flat, holding `late`, whose gradient comes from a no_sync() pass).
@@ -43,12 +45,12 @@ from torch.optim import SGD  # noqa: E402
 SGD([torch.zeros(1, requires_grad=True)])  # imports torch._dynamo here, once (see above)
 
 ddp = importlib.import_module("03_ddp")
+zero_lib = importlib.import_module("07_zero")
 SWITCH_S = float(os.environ.get("SWITCH_S", 0.5))  # the amplifier: see rank_main
-ALIVE = []
 
 
 class LateLayer(nn.Module):
-    """Two blocks (ZeRO's units: 03's zero_units finds transformer.h), a head, and `late`:
+    """Two blocks (ZeRO's units: 07's zero_units finds transformer.h), a head, and `late`:
     registered first, so its buckets are the last and it sits in the root unit's flat, and used
     only in no_sync() passes. In a synchronised pass its hooks do not fire, so that bucket (that
     flat) is reduced from the end-of-backward callback with the gradient no_sync() left, after
@@ -87,7 +89,7 @@ def rank_main(rank: int, port: int, kind: str) -> None:
         else:
             module = LateLayer()
             stage = int(kind[-1])
-            model, opt = ddp.zero_data_parallel(module, stage, module.parameters(), SGD, lr=0.1)
+            model, opt = zero_lib.zero_data_parallel(module, stage, module.parameters(), SGD, lr=0.1)
         for _ in range(3):  # later passes (steps) release the earlier ones' handles
             with model.no_sync():
                 model(torch.randn(4, 8), late=True).sum().backward()
@@ -95,10 +97,8 @@ def rank_main(rank: int, port: int, kind: str) -> None:
             if opt is not None:
                 opt.step()
                 opt.zero_grad()
-        # Alive until the interpreter exits, as a model built at a script's top level is (and as
-        # the old wrappers were, kept by their own hooks): then nothing frees the handles before
-        # the exit. A model freed when this function returns hid a wrapper that dropped them.
-        ALIVE.append((model, opt))
+        # The wrapper is freed when this function returns, as 03's and 07's demos free each
+        # wrapper they build: the handles of its last backward must not die with it.
     finally:
         dist.destroy_process_group()
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from tests.distributed import RankError, case_results, run_cases, run_ranks
 
 ddp = importlib.import_module("03_ddp")
+zero_lib = importlib.import_module("07_zero")  # ZeroOptimizer over DataParallel, below
 model_lib = importlib.import_module("02_model")
 
 SEED, STEPS, ROWS, MICRO = 1234, 3, 2, 3  # MICRO: accumulation steps in the no_sync() cases
@@ -107,7 +108,9 @@ def batch(kind: str, step: int, dp_rank: int, micro: int = 0, salt: int = 0):
 
 def make_optimizer(name, params, zero=False, group=None):
     cls, kwargs = OPTIMIZERS[name]
-    return ddp.ZeroOptimizer(params, cls, group=group, **kwargs) if zero else cls(params, **kwargs)
+    if zero:
+        return zero_lib.ZeroOptimizer(params, cls, group=group, **kwargs)
+    return cls(params, **kwargs)
 
 
 def train(model, opt, micro_batches, steps, start=0, schedule=True, set_to_none=True):
@@ -278,7 +281,7 @@ def case_zero(rank, world):
         model = ddp.DataParallel(build("gpt"), bucket_mb=0.02)
         opt = make_optimizer("adamw", model.parameters(), zero=name == "zero")
         train(model, opt, lambda s: [batch("gpt", s, rank)], STEPS)
-        state = ddp.memory_per_rank(model.module, opt)["optimizer"]
+        state = zero_lib.memory_per_rank(model.module, opt)["optimizer"]
         out[name] = {"state": snapshot(model.module), "state_bytes": state}
     return out
 
@@ -339,7 +342,7 @@ def case_lifecycle(rank, world):
     out = {"freed": first_ref() is None, "rewrap": rewrap, "close": close}
     toy = build("toy")
     groups = [{"params": [toy.emb.weight]}, {"params": [toy.hidden.weight], "lr": 0.0}]
-    opt = ddp.ZeroOptimizer(groups, torch.optim.SGD, lr=0.1)  # groups given up front: fine
+    opt = zero_lib.ZeroOptimizer(groups, torch.optim.SGD, lr=0.1)  # groups up front: fine
     try:
         opt.add_param_group({"params": [toy.norm.weight]})
         out["add_param_group"] = None
@@ -570,30 +573,39 @@ def test_zero_refuses_add_param_group_after_construction(world):
 
 
 def test_the_demo_runs_as_a_script_and_prints_its_headline(tmp_path):
-    """`python 03_ddp.py` relaunches itself under torchrun (2 ranks) and prints its two headlines
-    with numbers that hold: every variant's losses and weights within fp32 rounding of one
-    process's after 3 AdamW steps (a rank's data missing moves the weights by ~lr = 1e-3), and
-    the bytes per rank after backward of stages 0-3 within a few bytes of their formulas: the
-    padding of the flat buffers (< N elements each) and AdamW's 4-byte step counters."""
+    """`python 03_ddp.py` relaunches itself under torchrun (2 ranks) and prints its
+    headlines with numbers that hold: both wrappers' losses and weights within fp32
+    rounding of one process's after 3 AdamW steps (a rank's data missing moves the
+    weights by ~lr = 1e-3); the naive wrapper's all-reduces one per gradient tensor, the
+    bucketed one's one per 1 MB bucket, both reducing 4Ψ bytes, as the formula's row; and
+    every hook's bytes: half with fp16 and bf16, a small fraction with PowerSGD."""
     script = Path(__file__).parents[1] / "03_ddp.py"
     run = [sys.executable, str(script)]
     proc = subprocess.run(run, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     assert "running: torchrun --standalone --nproc_per_node=2" in out, out
-    assert "every variant == one process" in out, out
+    assert "both wrappers == one process" in out, out
     table = out.split("(max |Δ|)")[1].split("fp32 rounding")[0].strip().splitlines()[1:]
-    names = [row.split()[0] for row in table]
-    assert names == ["naive", "DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"], out
-    for row in table:  # AdamW's first steps move a weight whose gradient is ~0 by up to ~lr
+    assert [row.split()[0] for row in table] == ["naive", "bucketed"], out
+    for row in table:  # AdamW's first steps move a weight whose gradient is ~0 by ~lr
         loss_error, weight_error = (float(v) for v in row.split()[1:])
         assert loss_error < 1e-5 and weight_error < 1e-4, row
-    rows = [line for line in out.splitlines() if " | " in line and "weights" in line]
-    assert [r.split()[0] for r in rows] == ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"], out
-    for row in rows:
-        measured = int(row.split("|")[0].split()[-1].replace(",", ""))
-        formula = int(row.split()[-1].replace(",", ""))
-        assert 0 <= measured - formula < 1e-3 * formula, row  # here ~200 B of ~7-13 MB
+    rows = [line.split() for line in out.splitlines() if "bytes reduced" in line]
+    assert [r[0] for r in rows] == ["naive", "bucketed", "formula"], out
+    psi = int(out.split("Ψ = ")[1].split()[0].replace(",", ""))
+    n_tensors = len(list(model_lib.GPT(model_lib.GPTConfig.from_preset("small")).parameters()))
+    assert int(rows[0][1]) == n_tensors, rows  # naive: one all-reduce per gradient tensor
+    assert int(rows[1][1]) == 4, rows  # bucketed: 4 buckets of at most 1 MB
+    for r in rows:
+        assert int(r[3].replace(",", "")) == 4 * psi, r  # each gradient once, in fp32
+    sent = {}
+    for line in out.splitlines():
+        if "held-out" in line:  # "   fp16     1,668,608 bytes     1/2   held-out ..."
+            name, size = line.split("bytes")[0].rsplit(None, 1)
+            sent[name.strip()] = int(size.replace(",", ""))
+    assert sent["none"] == 4 * psi and sent["fp16"] == sent["bf16"] == 2 * psi, sent
+    assert 0 < sent["powersgd r=1"] < sent["powersgd r=4"] < sent["none"] / 10, sent
 
 
 def test_the_demo_refuses_bad_flags_in_one_line(capsys):

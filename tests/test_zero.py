@@ -1,4 +1,4 @@
-"""03_ddp.py: ZeRO stages 1, 2 and 3 proven equal to one process, to PyTorch's own versions, and
+"""07_zero.py: ZeRO stages 1, 2 and 3 proven equal to one process, to PyTorch's own versions, and
 counted against the paper's formulas (Rajbhandari et al. 2019, arXiv 1910.02054).
 
 The worked example: N ranks each take ROWS sequences per step of a 2-block GPT whose sizes are
@@ -20,6 +20,9 @@ import importlib
 import io
 import math
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +30,7 @@ import torch.distributed as dist
 
 from tests.distributed import case_results, run_cases, run_ranks
 
-ddp = importlib.import_module("03_ddp")
+zero_lib = importlib.import_module("07_zero")
 model_lib = importlib.import_module("02_model")
 
 SEED, STEPS, ROWS, T, LR, MICRO = 1234, 3, 2, 16, 1e-3, 2
@@ -86,7 +89,7 @@ def full_weights(model, wrapper) -> dict:
 
 def make(stage: int, seed: int = SEED):
     model = build(seed)
-    wrapper, opt = ddp.zero_data_parallel(
+    wrapper, opt = zero_lib.zero_data_parallel(
         model, stage, param_groups(model), torch.optim.AdamW, lr=LR
     )
     return model, wrapper, opt
@@ -97,7 +100,7 @@ def grad_pieces(model, opt) -> list:
     view(-1)[offset : offset + len(piece)], from ZeroOptimizer.grad_pieces() (ZeRO-1 reduces
     there); stage 0: every whole p.grad. Cloned: the pieces are views the next step overwrites."""
     n = names(model)
-    if not isinstance(opt, ddp.ZeroOptimizer):
+    if not isinstance(opt, zero_lib.ZeroOptimizer):
         return [(n[p], 0, p.grad.reshape(-1).clone()) for p in model.parameters()]
     return [(n[p], offset, piece.clone()) for p, offset, piece in opt.grad_pieces()]
 
@@ -141,7 +144,7 @@ class CollectiveLog:
             real = self.real[op] = getattr(dist, op)
 
             def fake(*args, _real=real, _op=op, _arg=arg, **kwargs):
-                self.log.append((_op, ddp.nbytes(args[_arg])))
+                self.log.append((_op, zero_lib.nbytes(args[_arg])))
                 return _real(*args, **kwargs)
 
             setattr(dist, op, fake)
@@ -160,7 +163,7 @@ def case_stages(rank, world):
     for stage in STAGES:
         res = {"loss": [], "pieces": [], "log_backward": [], "log_step": []}
         model, wrapper, opt = make(stage)
-        # the collectives NCCL gets: on gloo 03 all-reduces in place instead of reduce-scattering
+        # the collectives NCCL gets: on gloo 07 all-reduces in place instead of reduce-scattering
         # (it says why; train.py's tests prove that path equal to one process)
         opt.backend = "nccl"
         for step in range(STEPS):
@@ -185,7 +188,7 @@ def case_stages(rank, world):
 
 
 def live_bytes() -> int:
-    """Bytes of every tensor storage alive in this process, each once, found by gc (not by 03),
+    """Bytes of every tensor storage alive in this process, each once, found by gc (not by 07),
     and the gradients of those tensors (autograd's p.grad has no Python object until read)."""
     gc.collect()
     tensors = [t for t in gc.get_objects() if issubclass(type(t), torch.Tensor)]
@@ -198,7 +201,7 @@ def live_bytes() -> int:
 def case_memory(rank, world):
     """Every stage: the bytes of the tensors alive after the second backward (AdamW's state
     exists since the first step), the batch and the loss gone, less those alive before the
-    model was built. And 03's own memory_per_rank at that moment."""
+    model was built. And 07's own memory_per_rank at that moment."""
     out = {}
     for stage in STAGES:
         before = live_bytes()
@@ -210,7 +213,7 @@ def case_memory(rank, world):
             if step == 0:
                 opt.step()
         del loss
-        out[stage] = {"alive": live_bytes() - before, "measured": ddp.memory_per_rank(model, opt)}
+        out[stage] = {"alive": live_bytes() - before, "measured": zero_lib.memory_per_rank(model, opt)}
         del model, wrapper, opt
     return out
 
@@ -372,10 +375,10 @@ def case_pipeline_chunks(rank, world):
     for stage in (2, 3):
         chunks = [build(), build()]
         params = [p for c in chunks for p in c.parameters()]
-        units = [u for c in chunks for u in ddp.zero_units(c)]
-        opt = ddp.ZeroOptimizer(params, torch.optim.AdamW, units=units, stage=stage, lr=LR)
+        units = [u for c in chunks for u in zero_lib.zero_units(c)]
+        opt = zero_lib.ZeroOptimizer(params, torch.optim.AdamW, units=units, stage=stage, lr=LR)
         try:
-            wrappers = [ddp.ZeroDataParallel(c, opt) for c in chunks]
+            wrappers = [zero_lib.ZeroDataParallel(c, opt) for c in chunks]
             out[stage] = [len(w.flats) for w in wrappers]
         except ValueError as e:
             out[stage] = str(e)
@@ -500,7 +503,7 @@ def _kept_handles_hold_no_memory(rank, world):
     scaler does on an overflow) and 2 full ones, above the memory before the first backward."""
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False))  # 16M weights: 64 MB
-    model, opt = ddp.zero_data_parallel(module, 2, module.parameters(), torch.optim.SGD, lr=0.0)
+    model, opt = zero_lib.zero_data_parallel(module, 2, module.parameters(), torch.optim.SGD, lr=0.0)
     x = torch.randn(4, 4096)
     with torch.no_grad():
         model(x)
@@ -519,9 +522,10 @@ def _kept_handles_hold_no_memory(rank, world):
 
 
 def test_kept_collective_handles_hold_no_memory():
-    """03 keeps every handle a step (exits abort otherwise, tests/ddp_exit_job.py). A kept
-    handle must not keep its buffers: on gloo a reduce-scatter's handle holds a copy of the
-    whole flat gradient (64 MB here), so 03 all-reduces in place there and empties what it
+    """07 retires every waited handle to support/handles.py, which drops it only later
+    (exits abort otherwise, tests/ddp_exit_job.py). A kept handle must not keep its
+    buffers: on gloo a reduce-scatter's handle holds a copy of the whole flat gradient
+    (64 MB here), so 07 all-reduces in place there and empties what it
     hands over. Then each rank holds its 32 MB gradient shard above the memory before the
     first backward, and nothing more (16 MB of slack): kept reduce-scatter handles held 64 MB
     each, two steps' worth (+128 MB), and, rotated in step(), grew 64 MB a skipped step."""
@@ -532,7 +536,7 @@ def test_kept_collective_handles_hold_no_memory():
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_collectives_per_step_match_the_formula(world, stage):
-    """Recorded on every rank, not taken from 03's counters: the same (op, bytes) sequence on
+    """Recorded on every rank, not taken from 07's counters: the same (op, bytes) sequence on
     every rank (NCCL's rule); reduce-scatters in the fixed flat order; and the bytes.
     Per step: a reduce-scatter of every flat gradient and an all-gather of every flat weight
     buffer: each rank sends (N-1)/N of each, 2(N-1)/N·Ψ_pad words, Ψ_pad = Ψ + padding (< N
@@ -571,7 +575,7 @@ def test_collectives_per_step_match_the_formula(world, stage):
                 root = psi_pad - sum(blocks) / 4
                 words = (world - 1) / world * (sum(rs) + sum(ag)) / 4
                 assert words == pytest.approx((world - 1) / world * (3 * psi_pad - root))
-        logs = res["log_backward"] + res["log_step"]  # and 03's own counters agree with them
+        logs = res["log_backward"] + res["log_step"]  # and 07's own counters agree with them
         recorded = [b for log in logs for op, b in log if op == "reduce_scatter_single"]
         assert res["stats"]["reduce_scatter_bytes"] == sum(recorded)
 
@@ -582,12 +586,12 @@ def test_memory_per_rank_matches_the_formula(world, stage):
     """After backward (AdamW's state exists: second step), the bytes of every tensor alive in
     the rank (found by gc), against the formula for Ψ_pad parameters (the flat buffers' padding
     included; DP has none) plus AdamW's 4-byte step per tensor it steps (ZeRO: one per flat
-    shard). ZeRO-1's full gradients are autograd's p.grad, unpadded. And 03's memory_per_rank
+    shard). ZeRO-1's full gradients are autograd's p.grad, unpadded. And 07's memory_per_rank
     splits the same bytes into weights, gradients and state."""
     sizes = flat_sizes(world)
     psi = PSI if stage == 0 else sum(pad for _, _, pad in sizes)
     n_tensors = len(list(build().parameters())) if stage == 0 else len(sizes)
-    formula = ddp.zero_memory_formula(stage, psi, world) + 4 * n_tensors
+    formula = zero_lib.zero_memory_formula(stage, psi, world) + 4 * n_tensors
     weights = 4 * psi / world if stage == 3 else 4 * psi
     grads = {0: 4 * psi, 1: 4 * psi, 2: 4 * psi / world, 3: 4 * psi / world}[stage]
     state = 8 * psi / (1 if stage == 0 else world) + 4 * n_tensors
@@ -687,7 +691,7 @@ def test_zero3_refuses_several_pipeline_chunks_per_rank(world):
 
 def test_collective_names_fall_back_to_older_torch(monkeypatch, tmp_path):
     """torch 2.13 renamed the one-tensor collectives; the GPU image's torch 2.11 has only the
-    old ones, and 03's ZeRO died there on reduce_scatter_single. support.distributed calls the
+    old ones, and ZeRO (then in 03) died there on reduce_scatter_single. support.distributed calls the
     new name where it exists, else the old one: both give the same sums, here on a world of 1
     with each name removed in turn. No lesson names either collective itself."""
     from support import distributed
@@ -709,7 +713,42 @@ def test_collective_names_fall_back_to_older_torch(monkeypatch, tmp_path):
                 assert out.equal(x)
     finally:
         dist.destroy_process_group()
-    for lesson in ("03_ddp.py", "04_tensor_parallel.py", "05_pipeline.py"):
+    for lesson in ("03_ddp.py", "04_tensor_parallel.py", "05_pipeline.py", "07_zero.py"):
         source = open(lesson).read()
         assert "dist.reduce_scatter_single(" not in source, lesson
         assert "dist.all_gather_single(" not in source, lesson
+
+
+def test_the_demo_runs_as_a_script_and_prints_its_headline(tmp_path):
+    """`python 07_zero.py` relaunches itself under torchrun (2 ranks) and prints its two
+    headlines with numbers that hold: every stage's losses and weights within fp32 rounding
+    of one process's after 3 AdamW steps (a rank's data missing moves the weights by ~lr =
+    1e-3), and the bytes per rank after backward of stages 0-3 within a few bytes of their
+    formulas: the padding of the flat buffers (< N elements each) and AdamW's 4-byte step
+    counters."""
+    script = Path(__file__).parents[1] / "07_zero.py"
+    run = [sys.executable, str(script)]
+    proc = subprocess.run(run, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert "running: torchrun --standalone --nproc_per_node=2" in out, out
+    assert "every stage == one process" in out, out
+    table = out.split("(max |Δ|)")[1].split("fp32 rounding")[0].strip().splitlines()[1:]
+    names = [row.split()[0] for row in table]
+    assert names == ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"], out
+    for row in table:  # AdamW's first steps move a weight whose gradient is ~0 by up to ~lr
+        loss_error, weight_error = (float(v) for v in row.split()[1:])
+        assert loss_error < 1e-5 and weight_error < 1e-4, row
+    rows = [line for line in out.splitlines() if " | " in line and "weights" in line]
+    assert [r.split()[0] for r in rows] == ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"], out
+    for row in rows:
+        measured = int(row.split("|")[0].split()[-1].replace(",", ""))
+        formula = int(row.split()[-1].replace(",", ""))
+        assert 0 <= measured - formula < 1e-3 * formula, row  # here ~200 B of ~7-13 MB
+
+
+def test_the_demo_refuses_bad_flags_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        zero_lib.main(["--ranks", "0"])
+    assert exit_info.value.code == 2
+    assert "error: --ranks must be >= 1" in capsys.readouterr().err
