@@ -1,11 +1,11 @@
-"""04_tensor_parallel.py: each layer, and the whole GPT, sharded over tp = 2 and 4 gloo ranks, must
-compute what the unsharded layer or model computes: outputs, loss, and every gradient, each shard
-against the matching slice of the full gradient.
+"""04_tensor_parallel.py: each layer, and the whole GPT, sharded over tp = 2 and 4 gloo
+ranks, must compute what the unsharded layer or model computes: outputs, loss, and every
+gradient, each shard against the matching slice of the full gradient.
 
-Starting a rank costs a second or two, so one world per world size runs every case (`CASES`,
-in order) and the tests below read its per-case verdicts. Shapes are tiny: L=2, nh=4, C=32,
-T=16, vocab 100 padded to 128 (so padding rows exist and split evenly over 2 and 4 ranks).
-"""
+Starting a rank costs a second or two, so one world per world size runs every case
+(`CASES`, in order) and the tests below read its per-case verdicts. Shapes are tiny:
+L=2, nh=4, C=32, T=16, vocab 100 padded to 128 (so padding rows exist and split evenly
+over 2 and 4 ranks)."""
 
 import copy
 import importlib
@@ -21,44 +21,68 @@ from tests.distributed import run_ranks
 
 tp_lib = importlib.import_module("04_tensor_parallel")
 model_lib = importlib.import_module("02_model")
-bench_lib = importlib.import_module("bench.bench_tensor_parallel")  # count_comm, comm_formula
-GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
+# count_comm and comm_formula
+bench_lib = importlib.import_module("bench.bench_tensor_parallel")
+GPT = model_lib.GPT
+GPTConfig = model_lib.GPTConfig
 
-B, T = 2, 16
+B = 2
+T = 16
 WORLD_SIZES = [2, 4]
 
 
 def tiny(**overrides):
-    base = dict(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=100, pad_vocab_multiple=64)
+    base = dict(
+        n_layer=2,
+        n_head=4,
+        n_embd=32,
+        block_size=T,
+        vocab_size=100,
+        pad_vocab_multiple=64,
+    )
     return GPTConfig(**{**base, **overrides})
 
 
 def close(actual, expected, what):
-    """fp32, same math, different summation order: the sharded model adds per-rank partial sums
-    (then all-reduces them) where the full model adds in one kernel, so results differ by
-    rounding, ~1e-7 relative per addition and a few additions deep (observed: <= ~1e-6 of the
-    tensor's scale). atol is 1e-5 of the tensor's largest entry and rtol 1e-4: well above that
-    rounding, and far below any real bug (a wrong slice, a missing or doubled reduction), which
-    is an error of the order of the values themselves."""
+    """fp32, same math, different summation order: the sharded model adds per-rank partial
+    sums (then all-reduces them) where the full model adds in one kernel, so results
+    differ by rounding, ~1e-7 relative per addition and a few additions deep (observed:
+    <= ~1e-6 of the tensor's scale). atol is 1e-5 of the tensor's largest entry and rtol
+    1e-4: well above that rounding, and far below any real bug (a wrong slice, a missing
+    or doubled reduction), which is an error of the order of the values themselves."""
     scale = expected.detach().abs().max().item()
     torch.testing.assert_close(
-        actual, expected, rtol=1e-4, atol=1e-5 * max(scale, 1e-12), msg=lambda m: f"{what}: {m}"
+        actual,
+        expected,
+        rtol=1e-4,
+        atol=1e-5 * max(scale, 1e-12),
+        msg=lambda m: f"{what}: {m}",
     )
 
 
-SHARDED = ("c_attn.weight", "c_attn.bias", "c_fc.weight", "c_fc.bias", "c_proj.weight",
-           "wte.weight", "lm_head.weight")  # fmt: skip
+# The parameters apply_tensor_parallel slices (the others are copies).
+SHARDED = (
+    "c_attn.weight",
+    "c_attn.bias",
+    "c_fc.weight",
+    "c_fc.bias",
+    "c_proj.weight",
+    "wte.weight",
+    "lm_head.weight",
+)
 
 
 def shard_of(name, full, rank, tp):
-    """The slice of a full tensor that `rank` should hold, written out here independently of
-    04's own table: [q|k|v] rows cut per part (whole heads), output features and vocabulary rows
-    cut by rows, row-parallel weights cut by input columns, everything else replicated."""
+    """The slice of a full tensor that `rank` should hold, written out here independently
+    of 04's own table: [q|k|v] rows cut per part (whole heads), output features and
+    vocabulary rows cut by rows, row-parallel weights cut by input columns, everything
+    else replicated."""
     if name.endswith("c_attn.lora_B"):  # LoRA (02): B cut as its weight's rows, A whole
         return torch.cat([part.chunk(tp, 0)[rank] for part in full.chunk(3, 0)])
     if name.endswith("c_fc.lora_B"):
         return full.chunk(tp, 0)[rank]
-    if name.endswith("c_proj.lora_A"):  # row-parallel: A cut as its weight's columns, B whole
+    # row-parallel: A cut as its weight's columns, B whole
+    if name.endswith("c_proj.lora_A"):
         return full.chunk(tp, 1)[rank]
     if name.endswith(("c_attn.weight", "c_attn.bias")):
         return torch.cat([part.chunk(tp, 0)[rank] for part in full.chunk(3, 0)])
@@ -70,13 +94,16 @@ def shard_of(name, full, rank, tp):
 
 
 def compare_grads(full_model, tp_model, rank, tp, what):
-    """Every parameter's gradient: the shard against the matching slice of the full gradient."""
+    """Every parameter's gradient: the shard against the matching slice of the full
+    gradient."""
     full = dict(full_model.named_parameters())
     names = [name for name, _ in tp_model.named_parameters()]
     assert sorted(names) == sorted(full), f"{what}: parameter names changed"
     for name, p in tp_model.named_parameters():
         assert p.grad is not None, f"{what}: {name} got no gradient"
-        close(p.grad, shard_of(name, full[name].grad, rank, tp), f"{what}: grad of {name}")
+        close(
+            p.grad, shard_of(name, full[name].grad, rank, tp), f"{what}: grad of {name}"
+        )
 
 
 def batch(seed, vocab=100, t=T):
@@ -88,10 +115,13 @@ def batch(seed, vocab=100, t=T):
 
 
 def gpt_pair(group, sp, tied=True, dropout=0.0, seed=0):
-    """The same GPT twice: whole, and sharded by apply_tensor_parallel (built identically first)."""
+    """The same GPT twice: whole, and sharded by apply_tensor_parallel (built identically
+    first)."""
     torch.manual_seed(seed)
     full = GPT(tiny(tie_embeddings=tied, dropout=dropout))
-    return full, tp_lib.apply_tensor_parallel(copy.deepcopy(full), group, sequence_parallel=sp)
+    return full, tp_lib.apply_tensor_parallel(
+        copy.deepcopy(full), group, sequence_parallel=sp
+    )
 
 
 def seq(t, rank, tp, sp):
@@ -106,22 +136,25 @@ def gather(t, group):
 
 
 def merge_shards(state_dicts):
-    """train.py's export: the TP ranks' state dicts, in tp_rank order -> 02's full state dict."""
-    return importlib.import_module("bench.sampling").merge_shards(state_dicts)
+    """train.py's export: the TP ranks' state dicts, in tp_rank order -> 02's full state
+    dict."""
+    export = importlib.import_module("support.export")
+    return export.merge_shards(state_dicts, tp_lib.tp_layout, tp_lib.merge_tensors)
 
 
 def consolidate_state_dict(model, group) -> dict:
-    """The full state dict of a TP model on every rank: every rank's state dict, gathered on the
-    CPU, merged as train.py's export merges saved ones. Loads into GPT(config), strict=True."""
+    """The full state dict of a TP model on every rank: every rank's state dict, gathered
+    on the CPU, merged as train.py's export merges saved ones. Loads into GPT(config),
+    strict=True."""
     mine = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     state_dicts = [None] * dist.get_world_size(group)
     dist.all_gather_object(state_dicts, mine, group=group)
     return merge_shards(state_dicts)
 
 
-# ---------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # the cases, run inside each world
-# ---------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def case_mlp(rank, tp, group):
     """The simple version, 02's MLP with f and g written out: output, dX and every
     gradient equal the whole MLP's (each shard against its slice), with exactly one
@@ -144,7 +177,11 @@ def case_mlp(rank, tp, group):
     close(x_tp.grad, x.grad, "MLP: input grad")
     close(mlp.fc_weight.grad, full.c_fc.weight.grad.chunk(tp, 0)[rank], "MLP: c_fc dW")
     close(mlp.fc_bias.grad, full.c_fc.bias.grad.chunk(tp, 0)[rank], "MLP: c_fc db")
-    close(mlp.proj_weight.grad, full.c_proj.weight.grad.chunk(tp, 1)[rank], "MLP: c_proj dW")
+    close(
+        mlp.proj_weight.grad,
+        full.c_proj.weight.grad.chunk(tp, 1)[rank],
+        "MLP: c_proj dW",
+    )
     close(mlp.proj_bias.grad, full.c_proj.bias.grad, "MLP: c_proj db (replicated)")
 
 
@@ -154,7 +191,7 @@ def case_column_linear(rank, tp, group):
         torch.manual_seed(1)
         full = nn.Linear(8, 4 * tp)
         x = torch.randn(B, 2 * tp, 8, requires_grad=True)
-        upstream = torch.randn(B, 2 * tp, 4 * tp)  # a fixed dL/dY: L = sum(Y * upstream)
+        upstream = torch.randn(B, 2 * tp, 4 * tp)  # a fixed dL/dY: L = sum(Y * dY)
         (full(x) * upstream).sum().backward()
         col = tp_lib.ColumnParallelLinear(full, group, sequence_parallel=sp)
         x_local = seq(x.detach(), rank, tp, sp).clone().requires_grad_()
@@ -162,9 +199,15 @@ def case_column_linear(rank, tp, group):
         close(y, full(x).detach().chunk(tp, -1)[rank], f"column sp={sp}: output")
         (y * upstream.chunk(tp, -1)[rank]).sum().backward()
         close(x_local.grad, seq(x.grad, rank, tp, sp), f"column sp={sp}: input grad")
-        close(col.weight.grad, full.weight.grad.chunk(tp, 0)[rank], f"column sp={sp}: dW")
+        close(
+            col.weight.grad, full.weight.grad.chunk(tp, 0)[rank], f"column sp={sp}: dW"
+        )
         close(col.bias.grad, full.bias.grad.chunk(tp, 0)[rank], f"column sp={sp}: db")
-        close(tp_lib.gather_logits(y, group), full(x).detach(), f"column sp={sp}: all of Y")
+        close(
+            tp_lib.gather_logits(y, group),
+            full(x).detach(),
+            f"column sp={sp}: all of Y",
+        )
 
 
 def case_row_linear(rank, tp, group):
@@ -180,7 +223,8 @@ def case_row_linear(rank, tp, group):
         z = row(x_in.chunk(tp, -1)[rank])  # (B, T, in/tp): this rank's input columns
         close(z, seq(full(x).detach(), rank, tp, sp), f"row sp={sp}: output")
         (z * seq(upstream, rank, tp, sp)).sum().backward()
-        x_grad = torch.cat(gather(x_in.grad.chunk(tp, -1)[rank], group), -1)  # every rank's slice
+        # every rank's slice
+        x_grad = torch.cat(gather(x_in.grad.chunk(tp, -1)[rank], group), -1)
         close(x_grad, x.grad, f"row sp={sp}: input grad")
         close(row.weight.grad, full.weight.grad.chunk(tp, 1)[rank], f"row sp={sp}: dW")
         close(row.bias.grad, full.bias.grad, f"row sp={sp}: db (replicated)")
@@ -198,12 +242,17 @@ def case_vocab_embedding(rank, tp, group):
         out = emb(idx)
         close(out, seq(full(idx).detach(), rank, tp, sp), f"embedding sp={sp}: output")
         (out * seq(upstream, rank, tp, sp)).sum().backward()
-        close(emb.weight.grad, full.weight.grad.chunk(tp, 0)[rank], f"embedding sp={sp}: dW")
+        close(
+            emb.weight.grad,
+            full.weight.grad.chunk(tp, 0)[rank],
+            f"embedding sp={sp}: dW",
+        )
 
 
 def case_cross_entropy(rank, tp, group):
-    """Three all-reduces give F.cross_entropy's loss and gradient, from vocabulary shards, also
-    with a logit of 200 (exp overflows fp32 without the max) and ignored targets."""
+    """Three all-reduces give F.cross_entropy's loss and gradient, from vocabulary shards,
+    also with a logit of 200 (exp overflows fp32 without the max) and ignored targets.
+    """
     torch.manual_seed(4)
     V = 16 * tp
     logits = torch.randn(B, T, V) * 3
@@ -212,19 +261,32 @@ def case_cross_entropy(rank, tp, group):
     targets[0, :4] = -1
     for reduction in ("mean", "sum"):
         full = logits.clone().requires_grad_()
-        flat, flat_targets = full.view(-1, V), targets.view(-1)
-        expected = F.cross_entropy(flat, flat_targets, ignore_index=-1, reduction=reduction)
+        flat = full.view(-1, V)
+        flat_targets = targets.view(-1)
+        expected = F.cross_entropy(
+            flat, flat_targets, ignore_index=-1, reduction=reduction
+        )
         expected.backward()
         local = logits.chunk(tp, -1)[rank].clone().requires_grad_()
-        loss = tp_lib.vocab_parallel_cross_entropy(local, targets, reduction, group=group)
+        loss = tp_lib.vocab_parallel_cross_entropy(
+            local, targets, reduction, group=group
+        )
         close(loss, expected.detach(), f"cross-entropy {reduction}: loss")
         loss.backward()
-        close(local.grad, full.grad.chunk(tp, -1)[rank], f"cross-entropy {reduction}: grad")
-    # the last 5 columns padding (the last rank's), rigged to win: 02's masked loss, and no
-    # gradient there (so the vocab-parallel loss masks the same global columns 02 does)
+        close(
+            local.grad,
+            full.grad.chunk(tp, -1)[rank],
+            f"cross-entropy {reduction}: grad",
+        )
+    # the last 5 columns padding (the last rank's), rigged to win: 02's masked loss, and
+    # no gradient there (so the vocab-parallel loss masks the same global columns 02
+    # does)
     logits[..., V - 5 :] = 50.0
-    full, local = logits.clone().requires_grad_(), logits.chunk(tp, -1)[rank].clone()
-    expected = model_lib.cross_entropy_loss(full, targets.clamp(max=V - 6), vocab_size=V - 5)
+    full = logits.clone().requires_grad_()
+    local = logits.chunk(tp, -1)[rank].clone()
+    expected = model_lib.cross_entropy_loss(
+        full, targets.clamp(max=V - 6), vocab_size=V - 5
+    )
     local.requires_grad_()
     loss = tp_lib.vocab_parallel_cross_entropy(
         local, targets.clamp(max=V - 6), group=group, vocab_size=V - 5
@@ -234,17 +296,24 @@ def case_cross_entropy(rank, tp, group):
     loss.backward()
     close(local.grad, full.grad.chunk(tp, -1)[rank], "cross-entropy with padding: grad")
     assert full.grad[..., V - 5 :].abs().max() == 0, "padding columns got a gradient"
-    # the last rank's columns all padding (a tp that splits a small vocabulary finely): 0 * -inf
-    # there must not turn the target logit into NaN
+    # the last rank's columns all padding (a tp that splits a small vocabulary finely):
+    # 0 * -inf there must not turn the target logit into NaN
     real = 16 * (tp - 1) if tp > 1 else 10
-    full, local = logits.clone().requires_grad_(), logits.chunk(tp, -1)[rank].clone()
+    full = logits.clone().requires_grad_()
+    local = logits.chunk(tp, -1)[rank].clone()
     expected = model_lib.cross_entropy_loss(full, targets % real, vocab_size=real)
     local.requires_grad_()
-    loss = tp_lib.vocab_parallel_cross_entropy(local, targets % real, group=group, vocab_size=real)
+    loss = tp_lib.vocab_parallel_cross_entropy(
+        local, targets % real, group=group, vocab_size=real
+    )
     close(loss, expected.detach(), "cross-entropy, a rank of padding only: loss")
     expected.backward()
     loss.backward()
-    close(local.grad, full.grad.chunk(tp, -1)[rank], "cross-entropy, a rank of padding only: grad")
+    close(
+        local.grad,
+        full.grad.chunk(tp, -1)[rank],
+        "cross-entropy, a rank of padding only: grad",
+    )
 
 
 def case_attention(rank, tp, group):
@@ -273,7 +342,9 @@ def _check_gpt(rank, tp, group, sp, tied, seed=0):
     logits, loss = tpm(idx, targets)
     loss.backward()
     what = f"GPT tp={tp} sp={sp} tied={tied}"
-    assert logits.shape == (B, T, 128 // tp), f"{what}: logits are this rank's vocab shard"
+    assert logits.shape == (B, T, 128 // tp), (
+        f"{what}: logits are this rank's vocab shard"
+    )
     close(tp_lib.gather_logits(logits, group), logits_full.detach(), f"{what}: logits")
     close(loss, loss_full.detach(), f"{what}: loss")
     compare_grads(full, tpm, rank, tp, what)
@@ -281,8 +352,9 @@ def _check_gpt(rank, tp, group, sp, tied, seed=0):
 
 
 def case_gpt(rank, tp, group):
-    """The whole GPT, with and without SP, tied and untied; the pieces a pipeline stage calls
-    (embed, blocks, head, loss_fn) pass (B, T/tp, C) with SP; export rebuilds the full weights."""
+    """The whole GPT, with and without SP, tied and untied; the pieces a pipeline stage
+    calls (embed, blocks, head, loss_fn) pass (B, T/tp, C) with SP; export rebuilds the
+    full weights."""
     shards = None
     for sp in (False, True):
         for tied in (True, False):
@@ -290,10 +362,13 @@ def case_gpt(rank, tp, group):
             assert type(tpm.transformer.h[0].mlp.c_fc) is tp_lib.ColumnParallelLinear
             x = tpm.embed(idx)
             for block in tpm.transformer.h:
-                assert x.shape == (B, T // tp if sp else T, 32), f"sp={sp}: stage shape {x.shape}"
+                assert x.shape == (B, T // tp if sp else T, 32), (
+                    f"sp={sp}: stage shape {x.shape}"
+                )
                 x = block(x)
             again = tpm.loss_fn(tpm.head(x), targets, "mean")
-            torch.testing.assert_close(again, loss, rtol=0, atol=0)  # the same ops, in order
+            # the same ops, in order
+            torch.testing.assert_close(again, loss, rtol=0, atol=0)
             if sp == tied:  # two of the four variants suffice for the all-gather export
                 continue
             sd = consolidate_state_dict(tpm, group)
@@ -308,9 +383,10 @@ def case_gpt(rank, tp, group):
 
 def case_lora(rank, tp, group):
     """LoRA's factors split with their base weights (column-parallel: A whole, B by rows;
-    row-parallel: A by columns, B whole), with and without SP: the logits, the loss and every
-    factor's gradient equal one process's; the frozen weights get none. B starts non-zero here,
-    so that A's gradient is not 0 (at B = 0 it is, which would hide a missing f on A)."""
+    row-parallel: A by columns, B whole), with and without SP: the logits, the loss and
+    every factor's gradient equal one process's; the frozen weights get none. B starts
+    non-zero here, so that A's gradient is not 0 (at B = 0 it is, which would hide a
+    missing f on A)."""
     for sp in (False, True):
         torch.manual_seed(0)
         full = model_lib.apply_lora(GPT(tiny()), rank=4, alpha=8.0)
@@ -318,8 +394,11 @@ def case_lora(rank, tp, group):
             for name, p in full.named_parameters():
                 if name.endswith("lora_B"):
                     p.normal_(std=0.05)
-        tpm = tp_lib.apply_tensor_parallel(copy.deepcopy(full), group, sequence_parallel=sp)
-        block = tpm.transformer.h[0]  # LoRA's own sharded wrappers; the head stays plain
+        tpm = tp_lib.apply_tensor_parallel(
+            copy.deepcopy(full), group, sequence_parallel=sp
+        )
+        # LoRA's own sharded wrappers; the head stays plain
+        block = tpm.transformer.h[0]
         assert type(block.attn.c_attn) is tp_lib.ColumnParallelLoRA
         assert type(block.mlp.c_proj) is tp_lib.RowParallelLoRA
         assert type(tpm.lm_head) is tp_lib.ColumnParallelLinear
@@ -329,31 +408,40 @@ def case_lora(rank, tp, group):
         logits, loss = tpm(idx, targets)
         loss.backward()
         what = f"LoRA tp={tp} sp={sp}"
-        close(tp_lib.gather_logits(logits, group), logits_full.detach(), f"{what}: logits")
+        close(
+            tp_lib.gather_logits(logits, group), logits_full.detach(), f"{what}: logits"
+        )
         close(loss, loss_full.detach(), f"{what}: loss")
-        full_params, trained = dict(full.named_parameters()), []
+        full_params = dict(full.named_parameters())
+        trained = []
         for name, p in tpm.named_parameters():
             if not p.requires_grad:
                 assert p.grad is None, f"{what}: frozen {name} got a gradient"
                 continue
             trained.append(name)
-            close(p.grad, shard_of(name, full_params[name].grad, rank, tp), f"{what}: {name}")
+            close(
+                p.grad,
+                shard_of(name, full_params[name].grad, rank, tp),
+                f"{what}: {name}",
+            )
         assert len(trained) == 4 * 2 * 2 and all("lora_" in n for n in trained), trained
 
 
 def case_gpt_in_subgroups(rank, world, group):
     """TP inside a bigger world: two TP groups of world/2 ranks side by side (as under DP),
-    each with its own batch. Anything using the world's rank or size instead of the group's
-    would slice or reduce wrongly here."""
+    each with its own batch. Anything using the world's rank or size instead of the
+    group's would slice or reduce wrongly here."""
     half = world // 2
-    groups = [dist.new_group(list(range(s, s + half))) for s in (0, half)]  # every rank calls both
+    # every rank calls both
+    groups = [dist.new_group(list(range(s, s + half))) for s in (0, half)]
     sub = groups[rank // half]
     for sp in (False, True):
         _check_gpt(rank % half, half, sub, sp, tied=True, seed=10 + rank // half)
 
 
 def case_training(rank, tp, group):
-    """Four AdamW steps: the sharded run's loss curve and final weights equal one process's."""
+    """Four AdamW steps: the sharded run's loss curve and final weights equal one
+    process's."""
     for sp in (False, True):
         full, tpm = gpt_pair(group, sp)
         curves = []
@@ -371,23 +459,27 @@ def case_training(rank, tp, group):
         trained = consolidate_state_dict(tpm, group)
         for k, v in full.state_dict().items():
             got = trained[k]
-            if k.endswith("c_attn.bias"):  # q and v thirds only: the key bias, see below
-                got, v = torch.cat([got[:32], got[64:]]), torch.cat([v[:32], v[64:]])
-            # AdamW moves a weight by ~lr = 1e-2 per step whatever its gradient's size (m/sqrt(v)
-            # is scale-free), so rounding in a near-zero gradient can become ~1e-4 of a step
-            # (observed: 4.5e-6 after 4 steps). atol 4e-5 = 1e-3 of lr per step: ~10x that, and
-            # 250x below one step's move, which any wrong gradient would show. The key bias is
-            # left out: its true gradient is exactly 0 (q.b_k is the same for every key and
-            # softmax ignores constants), so both runs only see rounding noise there, and Adam
-            # turns noise into lr-sized steps.
+            # q and v thirds only: the key bias, see below
+            if k.endswith("c_attn.bias"):
+                got = torch.cat([got[:32], got[64:]])
+                v = torch.cat([v[:32], v[64:]])
+            # AdamW moves a weight by ~lr = 1e-2 per step whatever its gradient's size
+            # (m/sqrt(v) is scale-free), so rounding in a near-zero gradient can become
+            # ~1e-4 of a step (observed: 4.5e-6 after 4 steps). atol 4e-5 = 1e-3 of lr
+            # per step: ~10x that, and 250x below one step's move, which any wrong
+            # gradient would show. The key bias is left out: its true gradient is
+            # exactly 0 (q.b_k is the same for every key and softmax ignores constants),
+            # so both runs only see rounding noise there, and Adam turns noise into
+            # lr-sized steps.
             msg = f"training sp={sp}: {k} after 4 steps"
             torch.testing.assert_close(got, v, rtol=0, atol=4e-5, msg=msg)
 
 
 def case_replicated_grads_identical(rank, tp, group):
-    """Replicated parameters (LayerNorms, wpe, row biases) end backward with the same gradient,
-    bit for bit, on every TP rank, also with SP (each rank saw only its tokens, so only the
-    reduction by f makes them equal) and with dropout. Exactly the sharded ones are flagged."""
+    """Replicated parameters (LayerNorms, wpe, row biases) end backward with the same
+    gradient, bit for bit, on every TP rank, also with SP (each rank saw only its
+    tokens, so only the reduction by f makes them equal) and with dropout. Exactly the
+    sharded ones are flagged."""
     for sp in (False, True):
         _, tpm = gpt_pair(group, sp, dropout=0.1)
         torch.manual_seed(7)
@@ -396,15 +488,20 @@ def case_replicated_grads_identical(rank, tp, group):
         loss.backward()
         for name, p in tpm.named_parameters():
             flagged = getattr(p, "tensor_parallel", False)
-            assert flagged == name.endswith(SHARDED), f"{name}: tensor_parallel={flagged}"
+            assert flagged == name.endswith(SHARDED), (
+                f"{name}: tensor_parallel={flagged}"
+            )
             if not flagged:
                 grads = gather(p.grad, group)
-                assert all(torch.equal(grads[0], gr) for gr in grads), f"sp={sp}: {name} differs"
+                assert all(torch.equal(grads[0], gr) for gr in grads), (
+                    f"sp={sp}: {name} differs"
+                )
 
 
 def case_dropout(rank, tp, group):
-    """With dropout on, replicated activations (embedding output, every block's residual stream)
-    are identical across TP ranks; the per-rank stream for sharded regions differs by rank."""
+    """With dropout on, replicated activations (embedding output, every block's residual
+    stream) are identical across TP ranks; the per-rank stream for sharded regions
+    differs by rank."""
     _, tpm = gpt_pair(group, sp=False, dropout=0.1)
     seen = []
     for module in [tpm.transformer.drop, *tpm.transformer.h]:
@@ -416,27 +513,42 @@ def case_dropout(rank, tp, group):
     train_out = seen[-1]
     for i, act in enumerate(seen):
         parts = gather(act, group)
-        assert all(torch.equal(parts[0], a) for a in parts), f"activation {i} differs across ranks"
+        assert all(torch.equal(parts[0], a) for a in parts), (
+            f"activation {i} differs across ranks"
+        )
     tpm.eval()
     tpm(idx)
     assert not torch.allclose(seen[-1], train_out), "dropout did nothing in train mode"
     with tpm.tp_rng.fork():
         mine = torch.rand(16)
     default = torch.rand(16)
-    mine_all, default_all = gather(mine, group), gather(default, group)
-    assert all(torch.equal(default_all[0], d) for d in default_all), "default stream differs"
-    assert len({tuple(m.tolist()) for m in mine_all}) == tp, "TP streams must differ by rank"
-    draws, sdpa = [], F.scaled_dot_product_attention  # attention dropout: inside fork()?
-    F.scaled_dot_product_attention = lambda *a, **k: (draws.append(torch.rand(8)), sdpa(*a, **k))[1]
+    mine_all = gather(mine, group)
+    default_all = gather(default, group)
+    assert all(torch.equal(default_all[0], d) for d in default_all), (
+        "default stream differs"
+    )
+    assert len({tuple(m.tolist()) for m in mine_all}) == tp, (
+        "TP streams must differ by rank"
+    )
+    # attention dropout: inside fork()?
+    draws = []
+    sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = lambda *a, **k: (
+        draws.append(torch.rand(8)),
+        sdpa(*a, **k),
+    )[1]
     try:
         tpm.train()
         tpm(idx)
     finally:
         F.scaled_dot_product_attention = sdpa
     heads_draws = gather(torch.stack(draws), group)  # what SDPA's dropout would draw
-    assert len({tuple(d.flatten().tolist()) for d in heads_draws}) == tp, "heads need own masks"
-    # SP: every dropout on token shards needs its own masks, also in a ParallelSelfAttention
-    # built directly (it once got its per-rank dropout only through apply_tensor_parallel)
+    assert len({tuple(d.flatten().tolist()) for d in heads_draws}) == tp, (
+        "heads need own masks"
+    )
+    # SP: every dropout on token shards needs its own masks, also in a
+    # ParallelSelfAttention built directly (it once got its per-rank dropout only
+    # through apply_tensor_parallel)
     _, tpm_sp = gpt_pair(group, sp=True, dropout=0.5)
     attn = model_lib.CausalSelfAttention(tiny(dropout=0.5))
     rng = tp_lib.RNGStateTracker("cpu", seed=100 + rank)
@@ -446,20 +558,35 @@ def case_dropout(rank, tp, group):
     for i, block in enumerate(tpm_sp.transformer.h):
         drops[f"h.{i}.attn.resid_dropout"] = block.attn.resid_dropout
         drops[f"h.{i}.mlp.dropout"] = block.mlp.dropout
-    torch.manual_seed(9)  # the default stream, alike on every rank: a mask from it would be too
+    # the default stream, alike on every rank: a mask from it would be too
+    torch.manual_seed(9)
     for name, drop in drops.items():
         masks = gather(drop.train()(torch.ones(64)), group)
-        assert len({tuple(m.tolist()) for m in masks}) == tp, f"SP: {name} masks alike on ranks"
+        assert len({tuple(m.tolist()) for m in masks}) == tp, (
+            f"SP: {name} masks alike on ranks"
+        )
 
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier",
-               "all_gather_into_tensor", "reduce_scatter_tensor", "send", "recv")  # fmt: skip
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "send",
+    "recv",
+)
 
 
 def case_bad_config(rank, tp, group):
-    """Bad configurations fail with a clear message on every rank before any collective runs."""
-    _, sp_model = gpt_pair(group, sp=True)  # built before the trap: apply runs a checksum
-    ran, saved = [], {name: getattr(dist, name) for name in COLLECTIVES}
+    """Bad configurations fail with a clear message on every rank before any collective
+    runs."""
+    # built before the trap: apply runs a checksum
+    _, sp_model = gpt_pair(group, sp=True)
+    ran = []
+    saved = {name: getattr(dist, name) for name in COLLECTIVES}
 
     def trap(name):
         def collective(*args, **kwargs):
@@ -492,19 +619,25 @@ def case_bad_config(rank, tp, group):
 
 
 def case_comm_volume(rank, tp, group):
-    """The collectives of one training step, counted (bench's count_comm wraps torch.distributed's
-    functions), against the lesson's formula (bench's comm_formula), derived here:
-    E = B*T*C fp32 elements. Without SP: the embedding's g, per layer 2 g (forward) + 2 f
-    (backward), the head's f = 4L+2 all-reduces of E, plus the loss's 3 of B*T. With SP each of
-    those becomes an all-gather and a reduce-scatter of E, and f sums the replicated gradients:
-    wpe (T*C), per layer 2 LayerNorms x (weight, bias) + 2 row biases (6C), ln_f (2C)."""
-    L, C, E = 2, 32, B * T * 32 * 4
+    """The collectives of one training step, counted (bench's count_comm wraps
+    torch.distributed's functions), against the lesson's formula (bench's comm_formula),
+    derived here: E = B*T*C fp32 elements. Without SP: the embedding's g, per layer 2 g
+    (forward) + 2 f (backward), the head's f = 4L+2 all-reduces of E, plus the loss's 3
+    of B*T. With SP each of those becomes an all-gather and a reduce-scatter of E, and f
+    sums the replicated gradients: wpe (T*C), per layer 2 LayerNorms x (weight, bias) +
+    2 row biases (6C), ln_f (2C)."""
+    L = 2
+    C = 32
+    E = B * T * C * 4
     expected = {
         False: {"all_reduce": (4 * L + 2 + 3, (4 * L + 2) * E + 3 * B * T * 4)},
         True: {
             "all_gather": (4 * L + 2, (4 * L + 2) * E),
             "reduce_scatter": (4 * L + 2, (4 * L + 2) * E),
-            "all_reduce": (3 + 1 + 6 * L + 2, 4 * (3 * B * T + T * C + 6 * L * C + 2 * C)),
+            "all_reduce": (
+                3 + 1 + 6 * L + 2,
+                4 * (3 * B * T + T * C + 6 * L * C + 2 * C),
+            ),
         },
     }
     for sp in (False, True):
@@ -512,11 +645,17 @@ def case_comm_volume(rank, tp, group):
         with bench_lib.count_comm() as log:
             _, loss = tpm(*batch(3))
             loss.backward()
-        counted = {op: (sum(1 for o, _ in log if o == op), sum(n for o, n in log if o == op))
-                   for op in {o for o, _ in log}}  # fmt: skip
-        assert counted == expected[sp], f"sp={sp}: counted {counted}, expected {expected[sp]}"
+        counted = {}  # collective -> (calls, payload bytes)
+        for op, n in log:
+            calls, size = counted.get(op, (0, 0))
+            counted[op] = (calls + 1, size + n)
+        assert counted == expected[sp], (
+            f"sp={sp}: counted {counted}, expected {expected[sp]}"
+        )
         formula = bench_lib.comm_formula(tpm.config, B, T, sp)
-        assert formula == {op: n for op, (_, n) in expected[sp].items()}, "the bench's formula"
+        assert formula == {op: n for op, (_, n) in expected[sp].items()}, (
+            "the bench's formula"
+        )
 
 
 def case_grad_norm(rank, tp, group):
@@ -528,7 +667,9 @@ def case_grad_norm(rank, tp, group):
             _, loss = model(*batch(4))
             loss.backward()
         expected = sum(p.grad.pow(2).sum() for p in full.parameters())
-        got = tp_lib.grad_norm_squared([(p, p.grad) for p in tpm.parameters()], group, "cpu")
+        got = tp_lib.grad_norm_squared(
+            [(p, p.grad) for p in tpm.parameters()], group, "cpu"
+        )
         close(got, expected, f"sp={sp}: squared grad norm")
 
 
@@ -552,14 +693,15 @@ CASES = [
 
 
 def run_cases(rank, world_size):
-    """Every case on this rank, in order; stops at the first failure (the other ranks then fail
-    on a collective that never completes, and report it)."""
+    """Every case on this rank, in order; stops at the first failure (the other ranks then
+    fail on a collective that never completes, and report it)."""
     group = dist.new_group(list(range(world_size)))
     results = {}
     for case in CASES:
         try:
             results[case.__name__] = ("ok", case(rank, world_size, group))
-        except (Exception, pytest.fail.Exception):  # reported per case, with the traceback
+        # reported per case, with the traceback
+        except (Exception, pytest.fail.Exception):
             results[case.__name__] = ("failed", traceback.format_exc())
             break
     return results
@@ -573,8 +715,12 @@ def world(request):
 def verdict(world, case):
     tp, per_rank = world
     for rank, results in enumerate(per_rank):
-        status, detail = results.get(case.__name__, ("not run", "an earlier case failed"))
-        assert status == "ok", f"tp={tp} rank {rank}: {case.__name__} {status}:\n{detail}"
+        status, detail = results.get(
+            case.__name__, ("not run", "an earlier case failed")
+        )
+        assert status == "ok", (
+            f"tp={tp} rank {rank}: {case.__name__} {status}:\n{detail}"
+        )
     return [results[case.__name__][1] for results in per_rank]
 
 
@@ -639,7 +785,8 @@ def test_grad_norm_counts_replicated_params_once(world):
 
 
 def test_offline_merge_of_rank_state_dicts(world):
-    """train.py --export: the ranks' saved state dicts, merged in one process, are the model."""
+    """train.py --export: the ranks' saved state dicts, merged in one process, are the
+    model."""
     shards = verdict(world, case_gpt)
     torch.manual_seed(0)
     full = GPT(tiny(tie_embeddings=False))
@@ -649,14 +796,14 @@ def test_offline_merge_of_rank_state_dicts(world):
         torch.testing.assert_close(merged[k], v, rtol=0, atol=0)
 
 
-# ---------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # single process
-# ---------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_qkv_is_sliced_by_whole_heads():
-    """C=4, nh=2 (hs=2), tp=2. c_attn's 12 output rows are [q0 q0 q1 q1 | k0 k0 k1 k1 | v0 ...]
-    (q_h = head h's rows of q). Rank 0 must hold head 0 of q, k and v: rows 0,1 | 4,5 | 8,9;
-    rank 1 rows 2,3 | 6,7 | 10,11. A plain 2-way row split would give rank 0 all of q and half
-    of k instead."""
+    """C=4, nh=2 (hs=2), tp=2. c_attn's 12 output rows are [q0 q0 q1 q1 | k0 k0 k1 k1 | v0
+    ...] (q_h = head h's rows of q). Rank 0 must hold head 0 of q, k and v: rows 0,1 |
+    4,5 | 8,9; rank 1 rows 2,3 | 6,7 | 10,11. A plain 2-way row split would give rank 0
+    all of q and half of k instead."""
     w = torch.arange(12.0).unsqueeze(1)  # row i holds the number i
     shards = [tp_lib.shard_tensor(w, 0, 3, r, 2) for r in (0, 1)]
     assert shards[0].squeeze(1).tolist() == [0, 1, 4, 5, 8, 9]
@@ -668,16 +815,26 @@ def test_layout_table_names_the_gpt_shards():
     assert tp_lib.tp_layout("transformer.h.0.attn.c_attn.weight") == (0, 3)
     assert tp_lib.tp_layout("transformer.h.3.mlp.c_fc.bias") == (0, 1)
     assert tp_lib.tp_layout("transformer.h.0.attn.c_proj.weight") == (1, 1)
-    assert tp_lib.tp_layout("transformer.h.0.mlp.c_proj.bias") is None  # row bias: replicated
+    # row bias: replicated
+    assert tp_lib.tp_layout("transformer.h.0.mlp.c_proj.bias") is None
     assert tp_lib.tp_layout("transformer.wte.weight") == (0, 1)
     assert tp_lib.tp_layout("lm_head.weight") == (0, 1)
-    for replicated in ("transformer.wpe.weight", "transformer.ln_f.bias", "h.1.ln_2.weight"):
+    for replicated in (
+        "transformer.wpe.weight",
+        "transformer.ln_f.bias",
+        "h.1.ln_2.weight",
+    ):
         assert tp_lib.tp_layout(replicated) is None
-    # LoRA (02): B with its column-parallel weight (per q/k/v part), A with its row-parallel one
+    # LoRA (02): B with its column-parallel weight (per q/k/v part), A with its
+    # row-parallel one
     assert tp_lib.tp_layout("transformer.h.0.attn.c_attn.lora_B") == (0, 3)
     assert tp_lib.tp_layout("transformer.h.0.mlp.c_fc.lora_B") == (0, 1)
     assert tp_lib.tp_layout("transformer.h.0.mlp.c_proj.lora_A") == (1, 1)
-    for whole in ("h.0.attn.c_attn.lora_A", "h.0.mlp.c_fc.lora_A", "h.0.attn.c_proj.lora_B"):
+    for whole in (
+        "h.0.attn.c_attn.lora_A",
+        "h.0.mlp.c_fc.lora_A",
+        "h.0.attn.c_proj.lora_B",
+    ):
         assert tp_lib.tp_layout(whole) is None
 
 
@@ -692,8 +849,9 @@ def test_config_validation_messages():
 
 
 def test_rng_tracker_forks_without_touching_the_default_stream():
-    """Inside fork() dropout draws from the tracker's own stream, which continues across forks;
-    outside, the default stream is exactly where it would have been without the fork."""
+    """Inside fork() dropout draws from the tracker's own stream, which continues across
+    forks; outside, the default stream is exactly where it would have been without the
+    fork."""
     tracker = tp_lib.RNGStateTracker("cpu", seed=7)
     torch.manual_seed(0)
     with tracker.fork():
@@ -703,7 +861,9 @@ def test_rng_tracker_forks_without_touching_the_default_stream():
         b = torch.rand(3)
     torch.manual_seed(0)
     assert torch.equal(outside, torch.rand(3))
-    assert torch.equal(torch.cat([a, b]), torch.rand(6, generator=torch.Generator().manual_seed(7)))
+    assert torch.equal(
+        torch.cat([a, b]), torch.rand(6, generator=torch.Generator().manual_seed(7))
+    )
     saved = tracker.state_dict()  # a checkpoint: the stream resumes where it was saved
     with tracker.fork():
         c = torch.rand(3)
