@@ -17,8 +17,9 @@ p / cores when p ranks share fewer cores, which stretches every action and disto
 Target: within 10% of the formula for GPipe and 1F1B, and the
 interleaved bubble smaller by about v.
 
---naive adds 05's plain GPipe loop (`gpipe_naive`) as a first row: with it, the demo's table
-(`python 05_pipeline.py`, one step after a warm-up) comes out as medians over --steps steps:
+--naive adds 05's two plain loops as the first rows, the naive GPipe (`gpipe_naive`) and
+the explicit 1F1B (`one_f_one_b`): with it, the demo's table (`python 05_pipeline.py`, one
+step after a warm-up) comes out as medians over --steps steps:
     python bench/bench_pipeline.py --naive --p 4 --m 8 --n-embd 256 --b 4 --steps 3
 
 Besides the table: the simulator's ideal timelines (05's `simulate`, t_f = t_b = 1) as text, and
@@ -26,12 +27,12 @@ for every (p, m) a Gantt PNG (05's `plot_timelines`) and a Chrome trace (`write_
 open it in ui.perfetto.dev) of the median step, under --out-dir.
 
 Run:  python bench/bench_pipeline.py                 (about 8 minutes on 2 CPU cores)
-      python bench/bench_pipeline.py --figure docs/pipeline_p4_m8.png   (the README's figure)
+      python bench/bench_pipeline.py --p 4 --m 8 --figure docs/pipeline_p4_m8.png
+          (the README's measured figure; `python 05_pipeline.py --plot` draws the simulated)
 """
 
 import argparse
 import importlib
-import json
 import os
 import platform
 import statistics
@@ -42,9 +43,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the numbered files, and tests/distributed.py's run_ranks
+sys.path.insert(
+    0, str(ROOT)
+)  # the numbered files, and tests/distributed.py's run_ranks
 pp = importlib.import_module("05_pipeline")
 model_lib = importlib.import_module("02_model")
+from support.gantt import write_chrome_trace  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
 
@@ -56,24 +60,6 @@ def config(args):
     return model_lib.GPTConfig(
         n_layer=8, n_head=4, n_embd=args.n_embd, block_size=args.T, vocab_size=256
     )
-
-
-def write_chrome_trace(timelines: dict, path) -> None:
-    """{name: per-rank Events} -> Chrome-trace JSON (open in ui.perfetto.dev): a process per
-    schedule, a thread per pipeline rank, a slice per forward or backward."""
-    trace = []
-    for pid, (name, timeline) in enumerate(timelines.items()):
-        trace.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
-        for r, events in enumerate(timeline):
-            trace.append(
-                dict(ph="M", name="thread_name", pid=pid, tid=r, args={"name": f"rank {r}"})
-            )
-            for e in events:
-                slice_ = dict(ph="X", name=f"{e.op}{e.mb} chunk {e.chunk}", pid=pid, tid=r)
-                slice_.update(cat="forward" if e.op == "F" else "backward", ts=e.start * 1e6)
-                trace.append({**slice_, "dur": (e.end - e.start) * 1e6})
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
 
 def ascii_timeline(timeline, unit: float = 1.0, chunks: bool = False) -> str:
@@ -100,7 +86,11 @@ def isolated_cost(chunks, rank, p, args, reps=3):
         for _ in range(reps if turn == rank else 0):
             t = time.perf_counter()
             for c in chunks:
-                out = c(ids if c.is_first else torch.randn(args.b, args.T, C, requires_grad=True))
+                out = c(
+                    ids
+                    if c.is_first
+                    else torch.randn(args.b, args.T, C, requires_grad=True)
+                )
                 out.float().pow(2).mean().backward()
             best = min(best, time.perf_counter() - t)
     torch.distributed.barrier()
@@ -108,11 +98,12 @@ def isolated_cost(chunks, rank, p, args, reps=3):
 
 
 NAIVE = "gpipe, naive"  # 05's gpipe_naive: GPipe's order, one blocking call per message
+LOOP = "1f1b, loop"  # 05's one_f_one_b: 1F1B's order, Megatron's paired p2p calls
 
 
 def runs(args):
-    """What is timed: 05's schedules, after the naive GPipe loop with --naive."""
-    return ((NAIVE,) if args.naive else ()) + pp.SCHEDULES
+    """What is timed: 05's schedules, after its two plain loops with --naive."""
+    return ((NAIVE, LOOP) if args.naive else ()) + pp.SCHEDULES
 
 
 def rank_main(rank, p, args):
@@ -132,8 +123,12 @@ def rank_main(rank, p, args):
                 model.zero_grad(set_to_none=True)
                 if schedule == NAIVE:
                     res = pp.gpipe_naive(chunks[0], batch, m, embed_group=embed_group)
+                elif schedule == LOOP:
+                    res = pp.one_f_one_b(chunks[0], batch, m, embed_group=embed_group)
                 else:
-                    res = pp.pipeline_step(chunks, batch, m, schedule, embed_group=embed_group)
+                    res = pp.pipeline_step(
+                        chunks, batch, m, schedule, embed_group=embed_group
+                    )
                 steps.append(res.events)
             out[(schedule, m)] = steps[1:]
     return out
@@ -147,31 +142,45 @@ def measure(p, args):
     rows, timelines = [], {}
     for schedule in runs(args):
         v = 2 if schedule == "interleaved" else 1
-        alone = statistics.mean(r[schedule] for r in per_rank)  # F+B of one microbatch, per rank
+        alone = statistics.mean(
+            r[schedule] for r in per_rank
+        )  # F+B of one microbatch, per rank
         for m in args.m:
             steps = [[r[(schedule, m)][i] for r in per_rank] for i in range(args.steps)]
             bubbles = [pp.bubble_fraction(tl) for tl in steps]
-            i = bubbles.index(statistics.median_low(bubbles))  # the median step, shown as is
+            i = bubbles.index(
+                statistics.median_low(bubbles)
+            )  # the median step, shown as is
             tl = steps[i]
-            span = max(e.end for ev in tl for e in ev) - min(e.start for ev in tl for e in ev)
+            span = max(e.end for ev in tl for e in ev) - min(
+                e.start for ev in tl for e in ev
+            )
             busy = sum(e.end - e.start for ev in tl for e in ev) / p  # per rank
-            ideal = m * alone / (1 - pp.bubble_formula(p, m, v))  # a core per rank, free messages
+            ideal = (
+                m * alone / (1 - pp.bubble_formula(p, m, v))
+            )  # a core per rank, free messages
             timelines[(schedule, m)] = (tl, bubbles[i])
             rows.append((schedule, v, m, span, ideal, busy / (m * alone), bubbles[i]))
     return rows, timelines, (load0, load1, wall)
 
 
 def report(p, rows, load):
-    print(f"\np = {p} ranks (load average {load[0]:.1f} before, {load[1]:.1f} after; "
-          f"{load[2]:.0f} s)")  # fmt: skip
-    print(f"{'schedule':<13}{'v':>2}{'m':>4}{'step ms':>9}{'ideal ms':>9}{'slowdown':>9}"
-          f"{'bubble':>8}{'formula':>9}{'ratio':>7}")  # fmt: skip
+    before = f"load average {load[0]:.1f} before, {load[1]:.1f} after"
+    print(f"\np = {p} ranks ({before}; {load[2]:.0f} s)")
+    head = (
+        f"{'schedule':<13}{'v':>2}{'m':>4}{'step ms':>9}{'ideal ms':>9}{'slowdown':>9}"
+    )
+    print(f"{head}{'bubble':>8}{'formula':>9}{'ratio':>7}")
     for schedule, v, m, span, ideal, slow, bubble in rows:
         f = pp.bubble_formula(p, m, v)
-        print(f"{schedule:<13}{v:>2}{m:>4}{span * 1e3:>9.0f}{ideal * 1e3:>9.0f}{slow:>9.2f}"
-              f"{bubble:>8.1%}{f:>9.1%}{bubble / f:>7.2f}")  # fmt: skip
-    print("formula: (p-1)/(v·m+p-1). ideal: the step with a core per rank, from the isolated F+B")
-    print("cost and the formula. slowdown: busy time per rank / (m x its isolated F+B); 1 = none.")
+        row = f"{schedule:<13}{v:>2}{m:>4}{span * 1e3:>9.0f}{ideal * 1e3:>9.0f}"
+        print(f"{row}{slow:>9.2f}{bubble:>8.1%}{f:>9.1%}{bubble / f:>7.2f}")
+    print(
+        "formula: (p-1)/(v·m+p-1). ideal: the step with a core per rank, from the isolated F+B"
+    )
+    print(
+        "cost and the formula. slowdown: busy time per rank / (m x its isolated F+B); 1 = none."
+    )
 
 
 def print_ideal(p, m):
@@ -188,21 +197,39 @@ def print_ideal(p, m):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--p", type=int, nargs="+", default=[4, 2], help="pipeline sizes to run")
     parser.add_argument(
-        "--m", type=int, nargs="+", default=[4, 8, 16], help="microbatch counts: bubble shrinks"
+        "--p", type=int, nargs="+", default=[4, 2], help="pipeline sizes to run"
     )
-    parser.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up)")
+    parser.add_argument(
+        "--m",
+        type=int,
+        nargs="+",
+        default=[4, 8, 16],
+        help="microbatch counts: bubble shrinks",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=2, help="timed steps (after one warm-up)"
+    )
     parser.add_argument("--b", type=int, default=8, help="sequences per microbatch")
     parser.add_argument("--T", type=int, default=64, help="sequence length")
     parser.add_argument(
-        "--n-embd", type=int, default=512, help="model width C: matmuls outweigh per-action costs"
+        "--n-embd",
+        type=int,
+        default=512,
+        help="model width C: matmuls outweigh per-action costs",
     )
-    parser.add_argument("--naive", action="store_true", help="also time 05's gpipe_naive loop")
-    parser.add_argument("--figure", default="", help="also write the p=4, m=8 Gantt PNG here")
-    parser.add_argument("--out-dir", default="out/bench_pipeline", help="Gantt PNGs, traces")
+    parser.add_argument(
+        "--naive", action="store_true", help="also time 05's two plain loops"
+    )
+    parser.add_argument(
+        "--figure", default="", help="also write the p=4, m=8 Gantt PNG here"
+    )
+    parser.add_argument(
+        "--out-dir", default="out/bench_pipeline", help="Gantt PNGs, traces"
+    )
     args = parser.parse_args(argv)
     if any(m % p for p in args.p for m in args.m):
         parser.error("interleaved needs every --m divisible by every --p")
@@ -218,13 +245,12 @@ def main(argv=None):
         if p > cores:
             print(f"note: {p} ranks on {cores} cores: ranks time-share the CPU")
         for m in args.m:
-            named = {
-                f"{s}: measured bubble {timelines[(s, m)][1]:.1%}, formula "
-                f"{pp.bubble_formula(p, m, 2 if s == 'interleaved' else 1):.1%}": timelines[(s, m)][
-                    0
-                ]
-                for s in runs(args)
-            }
+            named = {}
+            for s in runs(args):
+                timeline, bubble = timelines[(s, m)]
+                f = pp.bubble_formula(p, m, 2 if s == "interleaved" else 1)
+                where = f"measured on {cores} CPU cores"
+                named[f"{s}: {where}, bubble {bubble:.1%} (formula {f:.1%})"] = timeline
             path = Path(args.out_dir) / f"pipeline_p{p}_m{m}"
             pp.plot_timelines(named, path.with_suffix(".png"))
             write_chrome_trace(named, path.with_suffix(".json"))

@@ -28,11 +28,20 @@ def run(schedule: str, steps: int, out: Path) -> dict:
     losses by step and its wall time (None when read)."""
     metrics, start, seconds = out / "metrics.jsonl", time.perf_counter(), None
     rows = (
-        [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+        [json.loads(line) for line in metrics.read_text().splitlines()]
+        if metrics.is_file()
+        else []
     )
     if not any(r["kind"] == "val" and r["step"] == steps - 1 for r in rows):
         shutil.rmtree(out, ignore_errors=True)  # an unfinished run: trained again
-        argv = ["--lr-schedule", schedule, "--max-steps", str(steps), "--out-dir", str(out)]
+        argv = [
+            "--lr-schedule",
+            schedule,
+            "--max-steps",
+            str(steps),
+            "--out-dir",
+            str(out),
+        ]
         train.main(argv + ["--sample-tokens", "0", "--ckpt-interval", "0"])
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
         seconds = time.perf_counter() - start
@@ -50,10 +59,18 @@ def draw(results: dict, steps: int, path: Path) -> None:
     for name in train.LR_SCHEDULES:
         cfg, _ = train.parse_args(["--lr-schedule", name, "--max-steps", str(steps)])
         lr_ax.plot([train.lr_at(cfg, s) for s in range(steps)], label=name)
-        if name in results:  # from the first evaluation after step 0 (8.3 for all: ln V)
-            val_ax.plot(*zip(*sorted(results[name]["val"].items())[1:]), "o-", label=name)
-    lr_ax.set(xlabel="step", ylabel="learning rate", title="--lr-schedule (main job's flags)")
-    val_ax.set(xlabel="step", ylabel="validation loss (nats)", title="the main job, trained")
+        if (
+            name in results
+        ):  # from the first evaluation after step 0 (8.3 for all: ln V)
+            val_ax.plot(
+                *zip(*sorted(results[name]["val"].items())[1:]), "o-", label=name
+            )
+    lr_ax.set(
+        xlabel="step", ylabel="learning rate", title="--lr-schedule (main job's flags)"
+    )
+    val_ax.set(
+        xlabel="step", ylabel="validation loss (nats)", title="the main job, trained"
+    )
     for ax in (lr_ax, val_ax):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -62,10 +79,18 @@ def draw(results: dict, steps: int, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=500, help="--max-steps of every run")
-    parser.add_argument("--out", default="out/schedules", help="a run folder per schedule here")
-    parser.add_argument("--figure", default="docs/lr_schedules.png", help="where the figure goes")
-    parser.add_argument("--no-train", action="store_true", help="only draw the schedules")
+    parser.add_argument(
+        "--steps", type=int, default=500, help="--max-steps of every run"
+    )
+    parser.add_argument(
+        "--out", default="out/schedules", help="a run folder per schedule here"
+    )
+    parser.add_argument(
+        "--figure", default="docs/lr_schedules.png", help="where the figure goes"
+    )
+    parser.add_argument(
+        "--no-train", action="store_true", help="only draw the schedules"
+    )
     args = parser.parse_args()
     results = {}
     for i, name in enumerate([] if args.no_train else train.LR_SCHEDULES):
@@ -77,8 +102,14 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, r in results.items():
         last = max(r["val"])
-        row = f"| {name} | {r['val'].get(100, float('nan')):.3f} | {r['val'][last]:.3f} |"
-        took = "read from --out" if r["seconds"] is None else f"{r['seconds'] / 60:.1f} min"
+        row = (
+            f"| {name} | {r['val'].get(100, float('nan')):.3f} | {r['val'][last]:.3f} |"
+        )
+        took = (
+            "read from --out"
+            if r["seconds"] is None
+            else f"{r['seconds'] / 60:.1f} min"
+        )
         print(f"{row} {took} |")
 
 

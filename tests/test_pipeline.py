@@ -1,5 +1,6 @@
-"""05_pipeline.py: schedules against hand-worked timelines; the naive GPipe loop and every
-schedule, p and m against one process (loss and every gradient); DP x PP composition;
+"""05_pipeline.py: schedules against hand-worked timelines; the naive GPipe loop, the
+explicit 1F1B loop and every schedule, p and m against one process (loss and every
+gradient); the 1F1B loop's order and messages against the plan; DP x PP composition;
 torch.distributed.pipelining; bad configs.
 
 Starting a rank costs 1-2 s, so each world size is spawned ONCE (`_world`) and runs every case;
@@ -10,6 +11,7 @@ import functools
 import importlib
 import json
 import time
+from collections import defaultdict
 
 import pytest
 import torch
@@ -41,7 +43,9 @@ def make_batch(rows: int, seed: int = 0, ignore: bool = False):
     first target (the rest -1, as padding or a masked prompt), so microbatches, and DP replicas,
     hold very different numbers of real tokens: 1 per row against T."""
     g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, CFG["vocab_size"], (rows, CFG["block_size"] + 1), generator=g)
+    data = torch.randint(
+        0, CFG["vocab_size"], (rows, CFG["block_size"] + 1), generator=g
+    )
     x, y = data[:, :-1], data[:, 1:].clone()
     if ignore:
         y[: rows // 2, 1:] = -1
@@ -70,16 +74,22 @@ def cases(p: int):
 # ---------------------------------------------------------------------------------------------
 def _grads(chunks):
     return {
-        n: q.grad.clone() for c in chunks for n, q in getattr(c, "module", c).named_parameters()
+        n: q.grad.clone()
+        for c in chunks
+        for n, q in getattr(c, "module", c).named_parameters()
     }
 
 
-def _step(model, rank, p, schedule, m, v, group, embed_group, batch, wrap=None, **kwargs):
+def _step(
+    model, rank, p, schedule, m, v, group, embed_group, batch, wrap=None, **kwargs
+):
     chunks = pp.split_model(model, rank, p, v)
     if wrap is not None:
         chunks = [wrap(c) for c in chunks]
     model.zero_grad(set_to_none=True)
-    res = pp.pipeline_step(chunks, batch, m, schedule, group, embed_group=embed_group, **kwargs)
+    res = pp.pipeline_step(
+        chunks, batch, m, schedule, group, embed_group=embed_group, **kwargs
+    )
     return chunks, res
 
 
@@ -95,16 +105,69 @@ def _all_schedules(rank, p):
                 model, rank, p, schedule, m, v, None, embed_group, make_batch(MICRO * m)
             )
             out[(schedule, m)] = dict(
-                loss=res.loss, grads=_grads(chunks), peak=res.peak_in_flight, events=res.events
+                loss=res.loss,
+                grads=_grads(chunks),
+                peak=res.peak_in_flight,
+                events=res.events,
             )
         for m in range(1, 9):
             model = make_model()
             (chunk,) = pp.split_model(model, rank, p)
-            res = pp.gpipe_naive(chunk, make_batch(MICRO * m), m, embed_group=embed_group)
+            res = pp.gpipe_naive(
+                chunk, make_batch(MICRO * m), m, embed_group=embed_group
+            )
             out[("naive", m)] = dict(
-                loss=res.loss, grads=_grads([chunk]), peak=res.peak_in_flight, events=res.events
+                loss=res.loss,
+                grads=_grads([chunk]),
+                peak=res.peak_in_flight,
+                events=res.events,
+            )
+        for m in range(1, 9):  # the explicit 1F1B loop, its p2p calls traced
+            model = make_model()
+            (chunk,) = pp.split_model(model, rank, p)
+            batch = make_batch(MICRO * m)
+            res, trace = _traced(
+                pp.one_f_one_b, chunk, batch, m, embed_group=embed_group
+            )
+            out[("loop", m)] = dict(
+                loss=res.loss,
+                grads=_grads([chunk]),
+                peak=res.peak_in_flight,
+                events=res.events,
+                trace=trace,
             )
     return out
+
+
+def _traced(loop, *args, **kwargs):
+    """Run a plain loop and record, in order, each forward ("F"), backward ("B") and p2p
+    group it posts (the peers it sends to, the peers it receives from)."""
+    trace = []
+    real = (pp.blocking_p2p, pp.Microbatches.forward, pp.Microbatches.backward)
+
+    def p2p(ops, group=None):
+        if ops:
+            sends = [q for op, _, q in ops if op is dist.isend]
+            trace.append((sends, [q for op, _, q in ops if op is dist.irecv]))
+        return real[0](ops, group)
+
+    def forward(self, *a, **k):
+        trace.append("F")
+        return real[1](self, *a, **k)
+
+    def backward(self, *a, **k):
+        trace.append("B")
+        return real[2](self, *a, **k)
+
+    pp.blocking_p2p = p2p
+    pp.Microbatches.forward = forward
+    pp.Microbatches.backward = backward
+    try:
+        return loop(*args, **kwargs), trace
+    finally:
+        pp.blocking_p2p = real[0]
+        pp.Microbatches.forward = real[1]
+        pp.Microbatches.backward = real[2]
 
 
 def _ignored_targets(rank, p, m=4):
@@ -143,12 +206,16 @@ def _p2p_blocking(rank, p, wait_s=1.0):
                 ]
             )
             deadline = time.monotonic() + wait_s
-            while not all(w.is_completed() for w in works) and time.monotonic() < deadline:
+            while (
+                not all(w.is_completed() for w in works) and time.monotonic() < deadline
+            ):
                 time.sleep(0.01)
             seen.append((len(works), not all(w.is_completed() for w in works)))
             dist.barrier()
             bufs = [torch.zeros(4), torch.zeros(4)]
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer) for b in bufs]):
+            for w in dist.batch_isend_irecv(
+                [dist.P2POp(dist.irecv, b, peer) for b in bufs]
+            ):
                 w.wait()
             for w in works:
                 w.wait()
@@ -194,7 +261,9 @@ def _torch_pipelining(rank, p, m=4):
             schedule.step(target=y, losses=losses)
         else:
             schedule.step()
-        pp.allreduce_tied_grads([chunk], embed_group)  # torch's stages know nothing of tying
+        pp.allreduce_tied_grads(
+            [chunk], embed_group
+        )  # torch's stages know nothing of tying
         loss = torch.stack(losses).mean().detach() if losses else None
         out[name] = dict(loss=loss, grads=_grads([chunk]))
     return out
@@ -225,8 +294,14 @@ def _bad_configs(rank, p):
             None,
             embed_group=embed_group,
         ),
-        "no_embed_group": lambda: pp.pipeline_step(chunks, make_batch(4), 2, "1f1b", None),
+        "no_embed_group": lambda: pp.pipeline_step(
+            chunks, make_batch(4), 2, "1f1b", None
+        ),
         "naive_no_embed_group": lambda: pp.gpipe_naive(chunks[0], make_batch(4), 2),
+        "loop_no_embed_group": lambda: pp.one_f_one_b(chunks[0], make_batch(4), 2),
+        "loop_batch": lambda: pp.one_f_one_b(
+            chunks[0], make_batch(5), 2, embed_group=embed_group
+        ),
         "wrong_rank": lambda: pp.pipeline_step(
             pp.split_model(model, (rank + 1) % p, p),
             make_batch(4),
@@ -242,7 +317,9 @@ def _bad_configs(rank, p):
             errors[name] = None
         except (ValueError, AssertionError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
-    _, res = _step(model, rank, p, "1f1b", 4, 1, None, embed_group, make_batch(MICRO * 4))
+    _, res = _step(
+        model, rank, p, "1f1b", 4, 1, None, embed_group, make_batch(MICRO * 4)
+    )
     return errors, dict(loss=res.loss, grads=_grads(pp.split_model(model, rank, p)))
 
 
@@ -255,7 +332,9 @@ def _dp_times_pp(rank, world):
     ddp_lib, dp = importlib.import_module("03_ddp"), 2
     pp_rank, dp_rank = rank // dp, rank % dp
     pp_ranks, dp_ranks = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
-    pp_groups = [dist.new_group(r) for r in pp_ranks]  # every rank creates every group, in order
+    pp_groups = [
+        dist.new_group(r) for r in pp_ranks
+    ]  # every rank creates every group, in order
     dp_groups = [dist.new_group(r) for r in dp_ranks]
     embed_group = pp.embedding_group(pp_ranks)
     mp_lib, out = importlib.import_module("06_mixed_precision"), {}
@@ -281,7 +360,9 @@ def _dp_times_pp(rank, world):
             )
         loss = res.loss.clone()
         dist.all_reduce(loss, group=dp_groups[pp_rank])  # SUM of the replicas' shares
-        syncs = [c.stats["syncs"] for c in chunks]  # gradient all-reduce rounds, per chunk
+        syncs = [
+            c.stats["syncs"] for c in chunks
+        ]  # gradient all-reduce rounds, per chunk
         out[schedule] = dict(loss=loss, grads=_grads(chunks), syncs=syncs)
     return out
 
@@ -320,7 +401,9 @@ def _tp_times_pp(rank, world):
 
 def _rank_main(rank, world):
     torch.manual_seed(0)
-    results = dict(all=_all_schedules(rank, world), torch=_torch_pipelining(rank, world))
+    results = dict(
+        all=_all_schedules(rank, world), torch=_torch_pipelining(rank, world)
+    )
     if world == 2:
         results["blocking"] = _p2p_blocking(rank, world)
         results["ignored"] = _ignored_targets(rank, world)
@@ -345,7 +428,9 @@ def _scaled_and_forward_only(rank, p):
     embed_group, batch = pp.embedding_group([list(range(p))]), make_batch(MICRO * 4)
     model = make_model()
     chunks = pp.split_model(model, rank, p)
-    res = pp.pipeline_step(chunks, batch, 4, "1f1b", embed_group=embed_group, loss_scale=1024.0)
+    res = pp.pipeline_step(
+        chunks, batch, 4, "1f1b", embed_group=embed_group, scale=1024.0
+    )
     scaled = dict(loss=res.loss, grads={n: g / 1024 for n, g in _grads(chunks).items()})
     model.zero_grad(set_to_none=True)
     evaluated = pp.pipeline_step(chunks, batch, 4, "1f1b", forward_only=True)
@@ -371,10 +456,15 @@ def assert_matches_reference(per_rank, ref_loss, ref_grads, what):
         for name, grad in r["grads"].items():
             key = name if name in ref_grads else "transformer.wte.weight"
             torch.testing.assert_close(
-                grad, ref_grads[key], **TOL, msg=lambda s, n=name: f"{what} grad {n}: {s}"
+                grad,
+                ref_grads[key],
+                **TOL,
+                msg=lambda s, n=name: f"{what} grad {n}: {s}",
             )
             seen.add(key)
-    assert seen == set(ref_grads), f"{what}: no rank holds {sorted(set(ref_grads) - seen)}"
+    assert seen == set(ref_grads), (
+        f"{what}: no rank holds {sorted(set(ref_grads) - seen)}"
+    )
 
 
 def test_loss_scale_and_forward_only():
@@ -385,7 +475,9 @@ def test_loss_scale_and_forward_only():
     assert_matches_reference(
         [r["scaled"]["scaled"] for r in results], ref_loss, ref_grads, "loss_scale=1024"
     )
-    torch.testing.assert_close(sum(r["scaled"]["eval_loss"] for r in results), ref_loss, **TOL)
+    torch.testing.assert_close(
+        sum(r["scaled"]["eval_loss"] for r in results), ref_loss, **TOL
+    )
     assert all(r["scaled"]["no_grads"] for r in results)
 
 
@@ -396,7 +488,9 @@ def test_every_schedule_equals_one_process(p):
     for schedule, m, _ in cases(p):
         ref_loss, ref_grads = reference(m)
         per_rank = [r["all"][(schedule, m)] for r in results]
-        assert_matches_reference(per_rank, ref_loss, ref_grads, f"{schedule} p={p} m={m}")
+        assert_matches_reference(
+            per_rank, ref_loss, ref_grads, f"{schedule} p={p} m={m}"
+        )
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -407,20 +501,108 @@ def test_naive_gpipe_equals_one_process(p):
     for m in range(1, 9):
         ref_loss, ref_grads = reference(m)
         per_rank = [r["all"][("naive", m)] for r in _world(p)]
-        assert_matches_reference(per_rank, ref_loss, ref_grads, f"naive gpipe p={p} m={m}")
+        assert_matches_reference(
+            per_rank, ref_loss, ref_grads, f"naive gpipe p={p} m={m}"
+        )
         ran = [[pp.Action(*e[:3]) for e in r["events"]] for r in per_rank]
-        assert ran == pp.simulate("gpipe", p, m)[0], f"naive p={p} m={m}: not GPipe's order"
+        assert ran == pp.simulate("gpipe", p, m)[0], (
+            f"naive p={p} m={m}: not GPipe's order"
+        )
         assert [r["peak"] for r in per_rank] == [m] * p
-        for naive, scheduled in zip(per_rank, (r["all"][("gpipe", m)] for r in _world(p))):
+        for naive, scheduled in zip(
+            per_rank, (r["all"][("gpipe", m)] for r in _world(p))
+        ):
             for n, g in naive["grads"].items():
                 torch.testing.assert_close(g, scheduled["grads"][n], **TOL)
+
+
+def loop_plan(traces, events):
+    """A traced plain loop as a comm plan (pp.Tick per p2p group: the actions since the
+    last group, then the group), so the simulator can check it. A send carries the
+    output of the action just before it: (op, microbatch, this stage). A receive from
+    stage r-1 is the next forward in order, from r+1 the next gradient; nccl_timeline
+    checks both guesses, since each link's sends must equal its receives."""
+    plan = []
+    for r, (trace, done) in enumerate(zip(traces, events)):
+        actions = iter(pp.Action(*e[:3]) for e in done)
+        received = {r - 1: 0, r + 1: 0}  # messages from each neighbour so far
+        ticks = []
+        pending = []
+        for item in trace:
+            if item in ("F", "B"):
+                pending.append(next(actions))
+                assert pending[-1].op == item
+                continue
+            sends, recvs = item
+            sent = ()
+            if sends:  # a send follows the action whose output it carries
+                last = pending[-1]
+                assert all((q == r + 1) == (last.op == "F") for q in sends), (r, item)
+                sent = tuple((q, (last.op, last.mb, r)) for q in sends)
+            got = []
+            for q in recvs:
+                got.append((q, ("F" if q == r - 1 else "B", received[q], q)))
+                received[q] += 1
+            ticks.append(pp.Tick(tuple(pending), sent, tuple(got)))
+            pending = []
+        if pending:
+            ticks.append(pp.Tick(tuple(pending), (), ()))
+        plan.append(ticks)
+    return plan
+
+
+def flat(ticks):
+    """A rank's plan as its actions in order, and the messages it sends to and receives
+    from each neighbour, in order per link: what NCCL pairs. (Across its two links a
+    rank may post them in other orders: the loop receives B0 before F2 on stage 2 of 4
+    at m = 3, where the plan has F2 first.)"""
+    actions = [a for t in ticks for a in t.actions]
+    links = defaultdict(list)
+    for t in ticks:
+        for q, msg in t.sends:
+            links[("to", q)].append(msg)
+        for q, msg in t.recvs:
+            links[("from", q)].append(msg)
+    return actions, dict(links)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_1f1b_loop_is_the_plans_1f1b(p):
+    """The explicit loop (warm-up p-r-1 forwards, steady send_forward_recv_backward /
+    send_backward_recv_forward, cool-down), m = 1..8, run under the NCCL emulation: its
+    forwards and backwards run in the plan's order, it sends and receives the plan's
+    messages in the plan's order on each link, its own grouping completes under NCCL's rule with the
+    bubble (p-1)/(m+p-1), at most min(p-r, m) microbatches are alive on stage r, and its
+    loss and gradients equal one process's and the executor's 1F1B."""
+    for m in range(1, 9):
+        per_rank = [r["all"][("loop", m)] for r in _world(p)]
+        ref_loss, ref_grads = reference(m)
+        assert_matches_reference(
+            per_rank, ref_loss, ref_grads, f"1f1b loop p={p} m={m}"
+        )
+        executor = [r["all"][("1f1b", m)] for r in _world(p)]
+        for loop, scheduled in zip(per_rank, executor):
+            for n, g in loop["grads"].items():
+                torch.testing.assert_close(g, scheduled["grads"][n], **TOL)
+        ours = loop_plan(
+            [r["trace"] for r in per_rank], [r["events"] for r in per_rank]
+        )
+        plan = pp.step_plan("1f1b", p, m, 1)
+        for r in range(p):
+            assert flat(ours[r]) == flat(plan[r]), f"1f1b loop p={p} m={m} rank {r}"
+        timeline = pp.nccl_timeline(ours, 1)  # raises if the loop could hang on NCCL
+        assert pp.bubble_fraction(timeline) == pytest.approx(pp.bubble_formula(p, m))
+        assert [r["peak"] for r in per_rank] == [min(p - r, m) for r in range(p)]
 
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_executed_order_is_the_simulators(p):
     for schedule, m, v in cases(p):
         orders, _ = pp.simulate(schedule, p, m, v)
-        ran = [[pp.Action(*e[:3]) for e in r["all"][(schedule, m)]["events"]] for r in _world(p)]
+        ran = [
+            [pp.Action(*e[:3]) for e in r["all"][(schedule, m)]["events"]]
+            for r in _world(p)
+        ]
         assert ran == orders, f"{schedule} p={p} m={m}"
         for r in _world(p):  # real, ordered, non-overlapping measured intervals
             events = r["all"][(schedule, m)]["events"]
@@ -433,7 +615,9 @@ def test_peak_microbatches_in_flight(p):
     """Counted from the real stash of live activations. GPipe: all m on every stage. 1F1B: stage
     r runs p-r-1 warm-up forwards, then one more before its first backward: min(p-r, m) <= p."""
     for m in range(1, 9):
-        peaks = {s: [r["all"][(s, m)]["peak"] for r in _world(p)] for s in ("gpipe", "1f1b")}
+        peaks = {
+            s: [r["all"][(s, m)]["peak"] for r in _world(p)] for s in ("gpipe", "1f1b")
+        }
         assert peaks["gpipe"] == [m] * p
         assert peaks["1f1b"] == [min(p - r, m) for r in range(p)]
         assert max(peaks["1f1b"]) <= p
@@ -462,7 +646,9 @@ def test_optimizer_steps_follow_one_process():
 def test_untied_embeddings():
     ref_loss, ref_grads = reference(4, tie_embeddings=False)
     assert "lm_head.weight" in ref_grads
-    assert_matches_reference([r["untied"] for r in _world(2)], ref_loss, ref_grads, "untied")
+    assert_matches_reference(
+        [r["untied"] for r in _world(2)], ref_loss, ref_grads, "untied"
+    )
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -484,14 +670,23 @@ def test_dp_times_pp_syncs_once_per_step():
     collectively, and 03's DataParallel around each chunk: grads equal one process on the whole
     batch, and DP synchronises once per step and chunk (no_sync() on every earlier backward)."""
     results = _world(4)
-    ref_loss, ref_grads = reference(2 * 2, ignore=True)  # both replicas' halves together
+    ref_loss, ref_grads = reference(
+        2 * 2, ignore=True
+    )  # both replicas' halves together
     for schedule in pp.SCHEDULES:
         per_rank = [r["dp_pp"][schedule] for r in results]
-        for r in per_rank:  # one synchronised backward per chunk: no_sync() on all the others
-            assert r["syncs"] == [1] * (2 if schedule == "interleaved" else 1), (schedule, r)
+        for r in (
+            per_rank
+        ):  # one synchronised backward per chunk: no_sync() on all the others
+            assert r["syncs"] == [1] * (2 if schedule == "interleaved" else 1), (
+                schedule,
+                r,
+            )
         for pipeline in ((0, 2), (1, 3)):  # each pipeline's stages hold the whole model
             stages = [per_rank[i] for i in pipeline]
-            assert_matches_reference(stages, ref_loss, ref_grads, f"dp x pp {schedule} {pipeline}")
+            assert_matches_reference(
+                stages, ref_loss, ref_grads, f"dp x pp {schedule} {pipeline}"
+            )
 
 
 def test_tp_times_pp():
@@ -509,9 +704,13 @@ def test_tp_times_pp():
             if rank >= 2:  # the last stage: the full loss on every TP rank
                 torch.testing.assert_close(case["loss"], ref_loss, **TOL)
             for name, grad in case["grads"].items():
-                full = ref_grads[name if name in ref_grads else "transformer.wte.weight"]
+                full = ref_grads[
+                    name if name in ref_grads else "transformer.wte.weight"
+                ]
                 layout = tp_lib.tp_layout(name)
-                want = tp_lib.shard_tensor(full, *layout, tp_rank, 2) if layout else full
+                want = (
+                    tp_lib.shard_tensor(full, *layout, tp_rank, 2) if layout else full
+                )
                 torch.testing.assert_close(
                     grad, want, **TOL, msg=lambda s, n=name, k=key: f"{k} {n}: {s}"
                 )
@@ -527,13 +726,20 @@ def test_bad_configurations_fail_before_any_send():
         "virtual_1f1b": "needs schedule='interleaved'",
         "no_embed_group": "embed_group",
         "naive_no_embed_group": "embed_group",
+        "loop_no_embed_group": "embed_group",
+        "loop_batch": "does not split into 2 microbatches",
         "wrong_rank": "not split for this rank",
     }
     for errors, _ in (r["bad"] for r in results):
         for name, fragment in expected.items():
-            assert errors[name] is not None and fragment in errors[name], (name, errors[name])
+            assert errors[name] is not None and fragment in errors[name], (
+                name,
+                errors[name],
+            )
     ref_loss, ref_grads = reference(4)
-    assert_matches_reference([r["bad"][1] for r in results], ref_loss, ref_grads, "after errors")
+    assert_matches_reference(
+        [r["bad"][1] for r in results], ref_loss, ref_grads, "after errors"
+    )
 
 
 def test_bad_configurations_in_one_process():
@@ -560,12 +766,16 @@ def test_split_model_layout():
     names = [{n for n, _ in c.named_parameters()} for c in rank0 + rank1]
     assert "transformer.wte.weight" in names[0] and "transformer.wpe.weight" in names[0]
     assert "lm_head.weight" in names[3] and "transformer.ln_f.weight" in names[3]
-    assert not any("wte" in n or "ln_f" in n or "lm_head" in n for n in names[1] | names[2])
+    assert not any(
+        "wte" in n or "ln_f" in n or "lm_head" in n for n in names[1] | names[2]
+    )
     full = dict(model.named_parameters())
     for c in rank0 + rank1:
         for n, q in c.named_parameters():
             assert q is full.get(n, full["transformer.wte.weight"])
-    assert sum(len(n) for n in names) == len(full) + 1  # + lm_head.weight, the tied copy
+    assert (
+        sum(len(n) for n in names) == len(full) + 1
+    )  # + lm_head.weight, the tied copy
 
 
 @pytest.mark.parametrize("schedule", pp.SCHEDULES)
@@ -588,7 +798,10 @@ def test_one_process_pipeline_is_gradient_accumulation(schedule):
 # The simulator against timelines worked out by hand
 # ---------------------------------------------------------------------------------------------
 def timeline(sim_rank):
-    return [(f"{e.op}{e.mb}" + "ab"[e.chunk] * (e.chunk > 0), e.start, e.end) for e in sim_rank]
+    return [
+        (f"{e.op}{e.mb}" + "ab"[e.chunk] * (e.chunk > 0), e.start, e.end)
+        for e in sim_rank
+    ]
 
 
 def test_1f1b_p2_m3_by_hand():
@@ -601,10 +814,22 @@ def test_1f1b_p2_m3_by_hand():
         r0  F0 F1 .  .  B0 B0 F2 B1 B1 .  B2 B2
         r1  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 .  ."""
     _, sim = pp.simulate("1f1b", 2, 3, 1, t_f=1, t_b=2)
-    assert timeline(sim[0]) == [("F0", 0, 1), ("F1", 1, 2), ("B0", 4, 6), ("F2", 6, 7),
-                                ("B1", 7, 9), ("B2", 10, 12)]  # fmt: skip
-    assert timeline(sim[1]) == [("F0", 1, 2), ("B0", 2, 4), ("F1", 4, 5), ("B1", 5, 7),
-                                ("F2", 7, 8), ("B2", 8, 10)]  # fmt: skip
+    assert timeline(sim[0]) == [
+        ("F0", 0, 1),
+        ("F1", 1, 2),
+        ("B0", 4, 6),
+        ("F2", 6, 7),
+        ("B1", 7, 9),
+        ("B2", 10, 12),
+    ]
+    assert timeline(sim[1]) == [
+        ("F0", 1, 2),
+        ("B0", 2, 4),
+        ("F1", 4, 5),
+        ("B1", 5, 7),
+        ("F2", 7, 8),
+        ("B2", 8, 10),
+    ]
     assert pp.bubble_fraction(sim) == pytest.approx(1 / 4)
 
 
@@ -631,10 +856,26 @@ def test_interleaved_p2_m2_v2_by_hand():
     F1b [5,6], B1b [6,7]. r0 B0b needs r1 B0b: [5,6], B1b [7,8]; r1 B0a [7,8], B1a [8,9];
     r0 B0a [8,9], B1a [9,10]. Bubble 2/10 = (p-1)/(v·m+p-1) = 1/5, where 1F1B needs 1/3."""
     _, sim = pp.simulate("interleaved", 2, 2, 2, t_f=2, t_b=2)
-    assert timeline(sim[0]) == [("F0", 0, 1), ("F1", 1, 2), ("F0b", 2, 3), ("F1b", 3, 4),
-                                ("B0b", 5, 6), ("B1b", 7, 8), ("B0", 8, 9), ("B1", 9, 10)]  # fmt: skip
-    assert timeline(sim[1]) == [("F0", 1, 2), ("F1", 2, 3), ("F0b", 3, 4), ("B0b", 4, 5),
-                                ("F1b", 5, 6), ("B1b", 6, 7), ("B0", 7, 8), ("B1", 8, 9)]  # fmt: skip
+    assert timeline(sim[0]) == [
+        ("F0", 0, 1),
+        ("F1", 1, 2),
+        ("F0b", 2, 3),
+        ("F1b", 3, 4),
+        ("B0b", 5, 6),
+        ("B1b", 7, 8),
+        ("B0", 8, 9),
+        ("B1", 9, 10),
+    ]
+    assert timeline(sim[1]) == [
+        ("F0", 1, 2),
+        ("F1", 2, 3),
+        ("F0b", 3, 4),
+        ("B0b", 4, 5),
+        ("F1b", 5, 6),
+        ("B1b", 6, 7),
+        ("B0", 7, 8),
+        ("B1", 8, 9),
+    ]
     assert pp.bubble_fraction(sim) == pytest.approx(1 / 5)
 
 
@@ -673,12 +914,22 @@ def old_grouping(schedule, p, m, v):
         order = [a for step in pp.schedule_steps(schedule, p, m, v, r) for a in step]
         for a in order + [None]:
             dst = prev and pp.consumer_rank(prev, r, p, v)
-            need = a and pp.input_message(a, a.chunk * p + r, p * v)  # made on rank need[2] % p
-            sends = ((dst, (prev.op, prev.mb, prev.chunk * p + r)),) if dst not in (None, r) else ()
-            recvs = ((need[2] % p, need),) if need and need[2] % p != r else ()  # p=1: local
+            need = a and pp.input_message(
+                a, a.chunk * p + r, p * v
+            )  # made on rank need[2] % p
+            sends = (
+                ((dst, (prev.op, prev.mb, prev.chunk * p + r)),)
+                if dst not in (None, r)
+                else ()
+            )
+            recvs = (
+                ((need[2] % p, need),) if need and need[2] % p != r else ()
+            )  # p=1: local
             ticks.append(pp.Tick((prev,) if prev else (), sends, recvs))
             prev = a
-        plan.append(ticks if ticks[0].recvs else ticks[1:])  # rank 0 starts by computing
+        plan.append(
+            ticks if ticks[0].recvs else ticks[1:]
+        )  # rank 0 starts by computing
     return plan
 
 
@@ -696,18 +947,26 @@ def test_the_executors_groups_complete_under_nccls_rule():
                     if schedule == "interleaved" and m % p:
                         continue
                     steps = [pp.schedule_steps(schedule, p, m, v, r) for r in range(p)]
-                    pp.nccl_timeline(pp.comm_plan(steps, p, v), v)  # raises if it would hang
+                    pp.nccl_timeline(
+                        pp.comm_plan(steps, p, v), v
+                    )  # raises if it would hang
                     evaluation = pp.step_plan(schedule, p, m, v, forward_only=True)
-                    ran = pp.nccl_timeline(evaluation, v)  # evaluation's forwards alone, too
+                    ran = pp.nccl_timeline(
+                        evaluation, v
+                    )  # evaluation's forwards alone, too
                     assert all(e.op == "F" for events in ran for e in events)
-                    assert sum(map(len, ran)) == p * m * v  # every (microbatch, stage) once
+                    assert (
+                        sum(map(len, ran)) == p * m * v
+                    )  # every (microbatch, stage) once
                     try:
                         pp.nccl_timeline(old_grouping(schedule, p, m, v), v)
                     except RuntimeError:
                         hung.append((schedule, p, m, v))
     assert ("interleaved", 2, 4, 2) in hung
     assert all(s == "interleaved" and m > p for s, p, m, _ in hung), hung
-    assert len(hung) == sum(1 for v in (2, 3) for p in range(2, 9) for m in range(2 * p, 17, p))
+    assert len(hung) == sum(
+        1 for v in (2, 3) for p in range(2, 9) for m in range(2 * p, 17, p)
+    )
 
 
 def naive_plan(p, m):
@@ -719,7 +978,9 @@ def naive_plan(p, m):
         ticks = []
         for op, src, dst in (("F", r - 1, r + 1), ("B", r + 1, r - 1)):
             for i in range(m):
-                if 0 <= src < p:  # not the first stage's forward, nor the last's backward
+                if (
+                    0 <= src < p
+                ):  # not the first stage's forward, nor the last's backward
                     ticks.append(pp.Tick((), (), ((src, (op, i, src)),)))
                 send = ((dst, (op, i, r)),) if 0 <= dst < p else ()
                 ticks.append(pp.Tick((pp.Action(op, i, 0),), send, ()))
@@ -737,7 +998,9 @@ def test_naive_gpipe_cannot_hang_under_nccls_rule():
             timeline = pp.nccl_timeline(naive_plan(p, m), 1)  # raises if it would hang
             order = [[pp.Action(*e[:3]) for e in events] for events in timeline]
             assert order == pp.simulate("gpipe", p, m)[0], (p, m)
-            assert pp.bubble_fraction(timeline) == pytest.approx(pp.bubble_formula(p, m))
+            assert pp.bubble_fraction(timeline) == pytest.approx(
+                pp.bubble_formula(p, m)
+            )
     plan = naive_plan(2, 3)  # rank 0: F0+send, F1+send, F2+send, receive B0, B0, ...
     plan[0][2], plan[0][3] = plan[0][3], plan[0][2]  # receive B0 before F2 and its send
     with pytest.raises(RuntimeError, match="deadlock under NCCL's rule"):
@@ -768,12 +1031,29 @@ def test_1f1b_p2_m4_groups_pair_like_megatron():
     (send_backward_recv_forward): the groups match one to one."""
     steps = [pp.schedule_steps("1f1b", 2, 4, 1, r) for r in range(2)]
     rank0, rank1 = _groups(pp.comm_plan(steps, 2, 1))
-    assert rank0 == [("F0", ["F0"], []), ("F1", ["F1"], []), ("", [], ["B0"]), ("B0", [], []),
-                     ("F2", ["F2"], ["B1"]), ("B1", [], []), ("F3", ["F3"], ["B2"]),
-                     ("B2", [], []), ("", [], ["B3"]), ("B3", [], [])]  # fmt: skip
-    assert rank1 == [("", [], ["F0"]), ("F0", [], ["F1"]), ("B0", ["B0"], []), ("F1", [], []),
-                     ("B1", ["B1"], ["F2"]), ("F2", [], []), ("B2", ["B2"], ["F3"]),
-                     ("F3", [], []), ("B3", ["B3"], [])]  # fmt: skip
+    assert rank0 == [
+        ("F0", ["F0"], []),
+        ("F1", ["F1"], []),
+        ("", [], ["B0"]),
+        ("B0", [], []),
+        ("F2", ["F2"], ["B1"]),
+        ("B1", [], []),
+        ("F3", ["F3"], ["B2"]),
+        ("B2", [], []),
+        ("", [], ["B3"]),
+        ("B3", [], []),
+    ]
+    assert rank1 == [
+        ("", [], ["F0"]),
+        ("F0", [], ["F1"]),
+        ("B0", ["B0"], []),
+        ("F1", [], []),
+        ("B1", ["B1"], ["F2"]),
+        ("F2", [], []),
+        ("B2", ["B2"], ["F3"]),
+        ("F3", [], []),
+        ("B3", ["B3"], []),
+    ]
 
 
 def test_interleaved_steady_state_exchanges_after_each_forward_backward_pair():
@@ -803,12 +1083,17 @@ def test_ignored_targets_are_normalised_by_the_steps_tokens():
     ref_loss, ref_grads = reference(4, ignore=True)
     for schedule in pp.SCHEDULES:
         per_rank = [r["ignored"][schedule] for r in _world(2)]
-        assert_matches_reference(per_rank, ref_loss, ref_grads, f"{schedule}, ignored targets")
+        assert_matches_reference(
+            per_rank, ref_loss, ref_grads, f"{schedule}, ignored targets"
+        )
 
 
 def test_simulator_catches_a_deadlock():
     """A rank that wants microbatch 0's backward before its forward can never run."""
-    broken = lambda schedule, p, m, v, rank: [(pp.Action("B", 0, 0),), (pp.Action("F", 0, 0),)]  # noqa: E731
+    broken = lambda schedule, p, m, v, rank: [
+        (pp.Action("B", 0, 0),),
+        (pp.Action("F", 0, 0),),
+    ]  # noqa: E731
     original, pp.schedule_steps = pp.schedule_steps, broken
     try:
         with pytest.raises(RuntimeError, match="deadlock"):
@@ -818,14 +1103,16 @@ def test_simulator_catches_a_deadlock():
 
 
 def test_figures_are_written(tmp_path):
-    """The lesson's Gantt PNG, and bench/bench_pipeline.py's Chrome trace (one X slice per
-    action, a thread per rank)."""
-    bench = importlib.import_module("bench.bench_pipeline")
+    """The lesson's Gantt PNG, and the Chrome trace bench/bench_pipeline.py writes (one X
+    slice per action, a thread per rank): both support/gantt.py's."""
+    from support.gantt import write_chrome_trace
+
     timelines = {
-        s: pp.simulate(s, 2, 4, 2 if s == "interleaved" else 1, 0.01, 0.02)[1] for s in pp.SCHEDULES
+        s: pp.simulate(s, 2, 4, 2 if s == "interleaved" else 1, 0.01, 0.02)[1]
+        for s in pp.SCHEDULES
     }
     pp.plot_timelines(timelines, tmp_path / "gantt.png")
-    bench.write_chrome_trace(timelines, tmp_path / "trace.json")
+    write_chrome_trace(timelines, tmp_path / "trace.json")
     assert (tmp_path / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     slices = [e for e in trace if e["ph"] == "X"]
@@ -839,4 +1126,6 @@ def test_demo_refuses_a_bad_configuration_before_launching(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         pp.main(["--microbatches", "6"])
-    assert exit_info.value.code == 2 and "divisible by pp_size" in capsys.readouterr().err
+    assert (
+        exit_info.value.code == 2 and "divisible by pp_size" in capsys.readouterr().err
+    )
