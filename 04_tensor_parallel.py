@@ -213,9 +213,8 @@ def tp_layout(key: str):
             continue
         if kind in LORA_DIM:
             return (dim, chunks) if LORA_DIM[kind] == dim else None
-        if dim == 1 and kind == "bias":
-            return None
-        return (dim, chunks)
+        row_bias = dim == 1 and kind == "bias"  # replicated
+        return None if row_bias else (dim, chunks)
     return None
 
 
@@ -341,6 +340,7 @@ class ParallelSelfAttention(nn.Module):
     def __init__(self, attn, group, sequence_parallel, rng):
         super().__init__()
         sp = sequence_parallel
+        # chunks=3: the fused [q|k|v] is cut per part, so a rank holds whole heads.
         self.c_attn = parallel_linear(ColumnParallelLinear, attn.c_attn, group, sp, 3)
         self.c_proj = parallel_linear(RowParallelLinear, attn.c_proj, group, sp)
         # On copies the default masks are alike; SP's token shards need their own.
@@ -503,22 +503,24 @@ def demo_mlp(args, config, group, device):
     (z_full * dz).sum().backward()
     mlp = TensorParallelMLP(copy.deepcopy(full), group)
     x_tp = x.clone().requires_grad_()
-    z = []
-    n_forward = sharding.count_all_reduces(lambda: z.append(mlp(x_tp)))
-    n_backward = sharding.count_all_reduces(lambda: (z[0] * dz).sum().backward())
-    assert n_forward == 1, f"g all-reduces once forward, not {n_forward} times"
-    assert n_backward == 1, f"f all-reduces once backward, not {n_backward} times"
+    with sharding.count_comm() as forward:  # every collective, with its bytes
+        z = mlp(x_tp)
+    with sharding.count_comm() as backward:
+        (z * dz).sum().backward()
+    once = [("all_reduce", x.numel() * x.element_size())]  # one of (B, T, C)
+    assert forward == once, f"g all-reduces once forward, not {forward}"
+    assert backward == once, f"f all-reduces once backward, not {backward}"
     d_grad = [relative_diff(x_tp.grad, x_full.grad)]
     d_grad.append(relative_diff(mlp.proj_bias.grad, full.c_proj.bias.grad))
     pairs = [(mlp.fc_weight, full.c_fc.weight, 0), (mlp.fc_bias, full.c_fc.bias, 0)]
     pairs.append((mlp.proj_weight, full.c_proj.weight, 1))
     for mine, whole, dim in pairs:  # each shard against its slice of the whole
         d_grad.append(relative_diff(mine.grad, whole.grad.chunk(tp, dim)[rank]))
-    d_out = relative_diff(z[0], z_full)
+    d_out = relative_diff(z, z_full)
     diffs = sharding.max_over_ranks([d_out, max(d_grad)], group)
     assert max(diffs) < 1e-4, f"the TP MLP differs from the unsharded one: {diffs}"
     print0 = distributed.print0
-    print0(f"MLP alone at tp={tp}: {n_forward} all-reduce forward (g), 1 backward (f)")
+    print0(f"MLP alone at tp={tp}: 1 all-reduce forward (g), 1 backward (f)")
     worst = "output {:.1e}, any gradient {:.1e}".format(*diffs)
     print0(f"  equals the unsharded MLP: max relative |diff| {worst}")
 

@@ -9,18 +9,16 @@ tp ranks:
   per rank, as a share of the whole model's;
 - time: the median forward + backward step of the whole model (rank 0 alone), of TP, and
   of TP + SP.
-tests/test_tensor_parallel.py checks count_comm and comm_formula against a count derived
-by hand.
+tests/test_tensor_parallel.py checks support/sharding.py's count_comm and comm_formula
+against a count derived by hand.
 
 Run:  python bench/bench_tensor_parallel.py [--ranks 2]   (starts torchrun for you; ~30 s)
       torchrun --standalone --nproc_per_node=4 bench/bench_tensor_parallel.py
 """
 
 import argparse
-import contextlib
 import copy
 import importlib
-import inspect
 import math
 import os
 import statistics
@@ -33,63 +31,16 @@ import torch.distributed as dist
 
 # The repo root, where the numbered files are.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from support import distributed
+from support import distributed, sharding
 
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
 mp_lib = importlib.import_module("06_mixed_precision")  # saved_activation_bytes
 
-# A collective -> the argument that holds its payload S. A ring all-reduce sends
-# 2(tp-1)/tp * S per rank; all-gather (S: the gathered list) and reduce-scatter (S: the
-# input list) send (tp-1)/tp * S. RING holds those factors of (tp-1)/tp * S.
-PAYLOAD = dict(
-    all_reduce="tensor", all_gather="tensor_list", reduce_scatter="input_list"
-)
+# A ring all-reduce sends 2(tp-1)/tp * S per rank, S being the payload that
+# sharding.count_comm records; all-gather (S: the gathered list) and reduce-scatter (S:
+# the input list) send (tp-1)/tp * S. RING holds those factors of (tp-1)/tp * S.
 RING = dict(all_reduce=2, all_gather=1, reduce_scatter=1)
-
-
-@contextlib.contextmanager
-def count_comm():
-    """`with count_comm() as log: step()` records (op, payload bytes) of every
-    all_reduce, all_gather and reduce_scatter called through torch.distributed meanwhile
-    (04 and support/sharding.py call them as dist.<op>, so the wrappers see every one;
-    the collectives still run)."""
-    log = []
-    saved = {op: getattr(dist, op) for op in PAYLOAD}
-
-    def counting(op):
-        def collective(*args, **kwargs):
-            bound = inspect.signature(saved[op]).bind(*args, **kwargs)
-            payload = bound.arguments[PAYLOAD[op]]
-            tensors = payload if isinstance(payload, list) else [payload]
-            log.append((op, sum(t.numel() * t.element_size() for t in tensors)))
-            return saved[op](*args, **kwargs)
-
-        return collective
-
-    try:
-        for op in PAYLOAD:
-            setattr(dist, op, counting(op))
-        yield log
-    finally:
-        for op, fn in saved.items():
-            setattr(dist, op, fn)
-
-
-def comm_formula(config, B: int, T: int, sp: bool) -> dict:
-    """Payload bytes per forward + backward step, by collective (fp32), as 04 counts."""
-    C = config.n_embd
-    L = config.n_layer
-    b = int(config.bias)
-    E = 4 * B * T * C
-    loss = 3 * 4 * B * T  # the loss: max, sum of exp, target logit
-    if not sp:  # embedding g, per layer 2 g + 2 f, head f
-        return {"all_reduce": (4 * L + 2) * E + loss}
-    # f on the replicated gradients: wpe (T, C); per layer 2 LayerNorms (and biases) and 2
-    # row biases; ln_f.
-    params = 4 * (T * C + L * (2 * C + b * 4 * C) + (1 + b) * C)
-    gathered = (4 * L + 2) * E
-    return dict(all_gather=gathered, reduce_scatter=gathered, all_reduce=loss + params)
 
 
 def param_bytes(model) -> int:
@@ -144,7 +95,7 @@ def bench(args, group, device):
     for sp, model in variants.items():
         p = param_bytes(model)
         _, act = mp_lib.saved_activation_bytes(lambda m=model: m(x, y))
-        with count_comm() as log:
+        with sharding.count_comm() as log:
             _, loss = model(x, y)
             loss.backward()
         ms = torch.tensor(ms_per_step(model, x, y, args))
@@ -155,7 +106,7 @@ def bench(args, group, device):
             f"{p / MB:.3f} MB ({p / p_full:.0%} of the whole; 1/tp = {1 / tp:.0%}), "
             f"activations {act / MB:.2f} MB ({act / act_full:.0%}), {ms:.1f} ms per step"
         )
-        for op, formula in comm_formula(config, B, T, sp).items():
+        for op, formula in sharding.comm_formula(config, B, T, sp).items():
             sizes = [n for o, n in log if o == op]
             ring = RING[op] * (tp - 1) / tp * sum(sizes)
             payload = (

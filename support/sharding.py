@@ -3,11 +3,12 @@
 All-gather and reduce-scatter along one dimension of a tensor, slicing a full tensor
 into a rank's shard and merging the shards back, a check that the ranks hold the same
 weights, a per-rank dropout stream, the squared gradient norm over sharded and
-replicated parameters, and a counter of all-reduces for the demo. 04 re-exports what
-other code calls through it.
+replicated parameters, and the collectives of a step counted beside their formula.
+04 re-exports what other code calls through it.
 """
 
 import contextlib
+import inspect
 import math
 
 import torch
@@ -150,21 +151,54 @@ def grad_norm_squared(grads, group, device) -> torch.Tensor:
     return sharded + replicated
 
 
-def count_all_reduces(fn) -> int:
-    """How many all-reduces fn() runs: dist.all_reduce is wrapped meanwhile."""
-    calls = []
-    real = dist.all_reduce
+# A collective -> the argument that holds its payload (the bytes count_comm records).
+PAYLOAD = dict(
+    all_reduce="tensor", all_gather="tensor_list", reduce_scatter="input_list"
+)
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
 
-    dist.all_reduce = counted
+@contextlib.contextmanager
+def count_comm():
+    """`with count_comm() as log: step()` records (op, payload bytes) of every
+    all_reduce, all_gather and reduce_scatter called through torch.distributed meanwhile
+    (04 and this file call them as dist.<op>, so the wrappers see every one;
+    the collectives still run)."""
+    log = []
+    saved = {op: getattr(dist, op) for op in PAYLOAD}
+
+    def counting(op):
+        def collective(*args, **kwargs):
+            bound = inspect.signature(saved[op]).bind(*args, **kwargs)
+            payload = bound.arguments[PAYLOAD[op]]
+            tensors = payload if isinstance(payload, list) else [payload]
+            log.append((op, sum(t.numel() * t.element_size() for t in tensors)))
+            return saved[op](*args, **kwargs)
+
+        return collective
+
     try:
-        fn()
+        for op in PAYLOAD:
+            setattr(dist, op, counting(op))
+        yield log
     finally:
-        dist.all_reduce = real
-    return len(calls)
+        for op, fn in saved.items():
+            setattr(dist, op, fn)
+
+
+def comm_formula(config, B: int, T: int, sp: bool) -> dict:
+    """Payload bytes per forward + backward step, by collective (fp32), as 04 counts."""
+    C = config.n_embd
+    L = config.n_layer
+    b = int(config.bias)
+    E = 4 * B * T * C
+    loss = 3 * 4 * B * T  # the loss: max, sum of exp, target logit
+    if not sp:  # embedding g, per layer 2 g + 2 f, head f
+        return {"all_reduce": (4 * L + 2) * E + loss}
+    # f on the replicated gradients: wpe (T, C); per layer 2 LayerNorms (and biases) and 2
+    # row biases; ln_f.
+    params = 4 * (T * C + L * (2 * C + b * 4 * C) + (1 + b) * C)
+    gathered = (4 * L + 2) * E
+    return dict(all_gather=gathered, reduce_scatter=gathered, all_reduce=loss + params)
 
 
 def max_over_ranks(values, group) -> list[float]:

@@ -21,8 +21,7 @@ from tests.distributed import run_ranks
 
 tp_lib = importlib.import_module("04_tensor_parallel")
 model_lib = importlib.import_module("02_model")
-# count_comm and comm_formula
-bench_lib = importlib.import_module("bench.bench_tensor_parallel")
+sharding = importlib.import_module("support.sharding")  # count_comm, comm_formula
 GPT = model_lib.GPT
 GPTConfig = model_lib.GPTConfig
 
@@ -166,9 +165,9 @@ def case_mlp(rank, tp, group):
     (full(x) * upstream).sum().backward()
     mlp = tp_lib.TensorParallelMLP(copy.deepcopy(full), group)
     x_tp = x.detach().clone().requires_grad_()
-    with bench_lib.count_comm() as forward:
+    with sharding.count_comm() as forward:
         z = mlp(x_tp)
-    with bench_lib.count_comm() as backward:
+    with sharding.count_comm() as backward:
         (z * upstream).sum().backward()
     E = B * T * 32 * 4  # bytes of one fp32 (B, T, C)
     assert forward == [("all_reduce", E)], f"forward: g once, got {forward}"
@@ -619,8 +618,8 @@ def case_bad_config(rank, tp, group):
 
 
 def case_comm_volume(rank, tp, group):
-    """The collectives of one training step, counted (bench's count_comm wraps
-    torch.distributed's functions), against the lesson's formula (bench's comm_formula),
+    """The collectives of one training step, counted (support/sharding's count_comm wraps
+    torch.distributed's functions), against the lesson's formula (its comm_formula),
     derived here: E = B*T*C fp32 elements. Without SP: the embedding's g, per layer 2 g
     (forward) + 2 f (backward), the head's f = 4L+2 all-reduces of E, plus the loss's 3
     of B*T. With SP each of those becomes an all-gather and a reduce-scatter of E, and f
@@ -642,7 +641,7 @@ def case_comm_volume(rank, tp, group):
     }
     for sp in (False, True):
         _, tpm = gpt_pair(group, sp)
-        with bench_lib.count_comm() as log:
+        with sharding.count_comm() as log:
             _, loss = tpm(*batch(3))
             loss.backward()
         counted = {}  # collective -> (calls, payload bytes)
@@ -652,9 +651,9 @@ def case_comm_volume(rank, tp, group):
         assert counted == expected[sp], (
             f"sp={sp}: counted {counted}, expected {expected[sp]}"
         )
-        formula = bench_lib.comm_formula(tpm.config, B, T, sp)
+        formula = sharding.comm_formula(tpm.config, B, T, sp)
         assert formula == {op: n for op, (_, n) in expected[sp].items()}, (
-            "the bench's formula"
+            "comm_formula"
         )
 
 
