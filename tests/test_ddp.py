@@ -642,6 +642,11 @@ def test_ranks_exit_cleanly_after_backward():
     0 of 264 (128 DataParallel) before those changes.
     30 DataParallel jobs miss its bug with probability about 0.94^30 = 16%, the 15 ZeRO-3 jobs
     miss its all-gathers' about half the time: a guard over repeated runs, not a one-shot proof.
+    Since 2026-11-27 the lessons hand every waited handle to support/handles.py's retire(),
+    which drops it 256 handles later or at the exit, and the job frees each wrapper when it
+    returns (as the demos do): 0 of 60 jobs aborted; with retire() made a no-op (broken on
+    purpose, every handle dropped once waited) 0 of 40 (20 DataParallel) on that day's loaded
+    2-core machine: this torch may lose the race less often, or not at all.
     """
     helper = Path(__file__).with_name("ddp_exit_job.py")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
