@@ -1,18 +1,20 @@
 """bench/bench_pipeline.py: the pipeline bubble as measured, next to (p-1)/(v·m+p-1).
 
-For each pipeline size p (default 4, then 2) one world of p gloo CPU ranks is spawned. In it,
-every schedule (gpipe, 1f1b, interleaved with v=2) runs at m = 4, 8, 16 microbatches: one warm-up
-step, then --steps timed ones. Each step's timeline is what 05_pipeline.pipeline_step recorded
-(real start and end of every forward and backward on every rank); its bubble is
-05's bubble_fraction: 1 - (mean busy time per rank) / (first start to last end). Anything that is
-not a forward or backward counts as bubble: waiting for a message, the message itself, Python
-between actions, and, when ranks outnumber free cores, time the OS gave to another rank.
-The median over the timed steps is printed with the formula and the ratio of the two.
+For each pipeline size p (default 4, then 2) one world of p gloo CPU ranks is spawned.
+In it, every schedule (gpipe, 1f1b, interleaved with v=2) runs at m = 4, 8, 16
+microbatches: one warm-up step, then --steps timed ones. Each step's timeline is what
+05_pipeline.pipeline_step recorded (real start and end of every forward and backward on
+every rank); its bubble is 05's bubble_fraction: 1 - (mean busy time per rank) / (first
+start to last end). Anything that is not a forward or backward counts as bubble: waiting
+for a message, the message itself, Python between actions, and, when ranks outnumber
+free cores, time the OS gave to another rank. The median over the timed steps is printed
+with the formula and the ratio of the two.
 
-To see how far the machine is from "one core per stage", each rank's forward + backward of one
-microbatch is also timed alone (the others parked in a barrier). "slowdown" is the busy time per
-rank in the pipelined step over m times that: about 1 when ranks run truly in parallel, about
-p / cores when p ranks share fewer cores, which stretches every action and distorts the bubble.
+To see how far the machine is from "one core per stage", each rank's forward + backward
+of one microbatch is also timed alone (the others parked in a barrier). "slowdown" is
+the busy time per rank in the pipelined step over m times that: about 1 when ranks run
+truly in parallel, about p / cores when p ranks share fewer cores, which stretches every
+action and distorts the bubble.
 
 Target: within 10% of the formula for GPipe and 1F1B, and the
 interleaved bubble smaller by about v.
@@ -22,9 +24,9 @@ the explicit 1F1B (`one_f_one_b`): with it, the demo's table (`python 05_pipelin
 step after a warm-up) comes out as medians over --steps steps:
     python bench/bench_pipeline.py --naive --p 4 --m 8 --n-embd 256 --b 4 --steps 3
 
-Besides the table: the simulator's ideal timelines (05's `simulate`, t_f = t_b = 1) as text, and
-for every (p, m) a Gantt PNG (05's `plot_timelines`) and a Chrome trace (`write_chrome_trace`,
-open it in ui.perfetto.dev) of the median step, under --out-dir.
+Besides the table: the simulator's ideal timelines (05's `simulate`, t_f = t_b = 1) as
+text, and for every (p, m) a Gantt PNG and a Chrome trace (open it in ui.perfetto.dev)
+of the median step, under --out-dir (support/gantt.py draws both).
 
 Run:  python bench/bench_pipeline.py                 (about 8 minutes on 2 CPU cores)
       python bench/bench_pipeline.py --p 4 --m 8 --figure docs/pipeline_p4_m8.png
@@ -53,18 +55,19 @@ from tests.distributed import run_ranks  # noqa: E402
 
 
 def config(args):
-    # 8 blocks: two per stage at p=4, one per chunk when interleaved with v=2. C = 512 and
-    # b·T = 512 tokens make one block's forward about 0.1 s of matmuls on one core, so the fixed
-    # cost of each action (a 1 MB message over loopback, waking the rank, Python) is a few
-    # percent of it; at C = 256 the interleaved schedule's 2x more actions visibly eat its gain.
+    # 8 blocks: two per stage at p=4, one per chunk when interleaved with v=2. C = 512
+    # and b·T = 512 tokens make one block's forward about 0.1 s of matmuls on one core,
+    # so the fixed cost of each action (a 1 MB message over loopback, waking the rank,
+    # Python) is a few percent of it; at C = 256 the interleaved schedule's 2x more
+    # actions visibly eat its gain.
     return model_lib.GPTConfig(
         n_layer=8, n_head=4, n_embd=args.n_embd, block_size=args.T, vocab_size=256
     )
 
 
 def ascii_timeline(timeline, unit: float = 1.0, chunks: bool = False) -> str:
-    """One row per rank, one column per `unit` of time: Fi/Bi (+ the chunk's letter), . idle.
-    (How 05_pipeline.py's docstring pictures were drawn.)"""
+    """One row per rank, one column per `unit` of time: Fi/Bi (+ the chunk's letter);
+    a dot is idle. (How 05_pipeline.py's docstring picture was drawn.)"""
     w, lines = 3 if chunks else 2, []
     for r, events in enumerate(timeline):
         row, t = f"r{r} ", 0.0
@@ -77,8 +80,9 @@ def ascii_timeline(timeline, unit: float = 1.0, chunks: bool = False) -> str:
 
 
 def isolated_cost(chunks, rank, p, args, reps=3):
-    """Seconds for one microbatch's forward + backward through this rank's chunks, measured with
-    the other ranks parked in a barrier (one rank at a time): the cost with a core to itself."""
+    """Seconds for one microbatch's forward + backward through this rank's chunks,
+    measured with the other ranks parked in a barrier (one rank at a time): the cost
+    with a core to itself."""
     C, best = chunks[0].config.n_embd, float("inf")
     ((ids, _),) = model_lib.byte_batches(args.T, args.b)  # (b, T)
     for turn in range(p):
@@ -107,8 +111,9 @@ def runs(args):
 
 
 def rank_main(rank, p, args):
-    """Every (schedule, m) on this world: {(schedule, m): [events of each timed step]}, and
-    {schedule: isolated forward + backward seconds of one microbatch on this rank}."""
+    """Every (schedule, m) on this world: {(schedule, m): [events of each timed step]},
+    and {schedule: isolated forward + backward seconds of one microbatch on this
+    rank}."""
     torch.manual_seed(0)
     model = model_lib.GPT(config(args))
     embed_group, out = pp.embedding_group([list(range(p))]), {}
@@ -184,7 +189,8 @@ def report(p, rows, load):
 
 
 def print_ideal(p, m):
-    """The simulator's timelines for this p and m: what the measured ones should look like."""
+    """The simulator's timelines for this p and m: what the measured ones should look
+    like."""
     for schedule in pp.SCHEDULES:
         v = 2 if schedule == "interleaved" else 1
         _, timeline = pp.simulate(schedule, p, m, v, 1.0, 1.0)

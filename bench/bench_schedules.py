@@ -1,13 +1,13 @@
-"""The four learning-rate schedules of train.py (--lr-schedule), drawn, and trained side by side.
+"""train.py's four learning-rate schedules (--lr-schedule), drawn and trained together.
 
     python bench/bench_schedules.py                   # the main job once per schedule (~4 min each)
     python bench/bench_schedules.py --steps 100 --figure /tmp/s.png
 
-Each run is the main job's recipe (`python train.py`: the small GPT, 4,096-token BPE, 500 steps
-of 32 x 128 tokens, lr 3e-3 to 3e-4, 50 warm-up steps) with only --lr-schedule changed, so the
-runs see the same batches from the same initial weights. The figure has the learning rate
-against the step (left, from train.lr_at itself) and the validation loss of each run (right).
-"""
+Each run is the main job's recipe (`python train.py`: the small GPT, 4,096-token BPE,
+500 steps of 32 x 128 tokens, lr 3e-3 to 3e-4, 50 warm-up steps) with only --lr-schedule
+changed, so the runs see the same batches from the same initial weights. The figure has
+the learning rate against the step (left, from train.lr_at itself) and the validation
+loss of each run (right)."""
 
 import argparse
 import importlib
@@ -24,8 +24,8 @@ gpus = importlib.import_module("support.gpus")
 
 
 def run(schedule: str, steps: int, out: Path) -> dict:
-    """Train the main job with this schedule (or read a finished run in `out`): its validation
-    losses by step and its wall time (None when read)."""
+    """Train the main job with this schedule (or read a finished run in `out`): its
+    validation losses by step and its wall time (None when read)."""
     metrics, start, seconds = out / "metrics.jsonl", time.perf_counter(), None
     rows = (
         [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -12,10 +12,10 @@ from pathlib import Path
 def plot_timelines(
     timelines: dict, path, unit: float = 1e3, xlabel: str = "ms since the step began"
 ) -> None:
-    """{title: per-rank Events} -> one Gantt chart per title, stacked, written to `path`.
+    """{title: per-rank Events} -> one Gantt chart per title, stacked, into `path`.
 
-    Each box is shaded and numbered by its microbatch (with the chunk's letter when a rank
-    holds several chunks). `unit` multiplies the Events' times (1e3: seconds to ms)."""
+    Each box is shaded and numbered by its microbatch (with the chunk's letter when a
+    rank holds several chunks). `unit` scales the Events' times: 1e3 turns s into ms."""
     from matplotlib import figure  # no pyplot: a file, never a window
 
     p = len(next(iter(timelines.values())))

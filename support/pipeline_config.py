@@ -1,4 +1,4 @@
-"""The pipeline's settings, checked before any message is sent (05_pipeline.py, train.py).
+"""The pipeline's settings, checked before any message is sent (05 and train.py).
 
 A bad setting found after the first send would leave the other ranks blocked in a
 receive, so every check runs first, on every rank, with the same answer everywhere.

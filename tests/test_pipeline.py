@@ -3,8 +3,9 @@ explicit 1F1B loop and every schedule, p and m against one process (loss and eve
 gradient); the 1F1B loop's order and messages against the plan; DP x PP composition;
 torch.distributed.pipelining; bad configs.
 
-Starting a rank costs 1-2 s, so each world size is spawned ONCE (`_world`) and runs every case;
-the tests below only read its results. Models are tiny: 8 blocks (so p·v = 4·2 works), C = 16."""
+Starting a rank costs 1-2 s, so each world size is spawned ONCE (`_world`) and runs
+every case; the tests below only read its results. Models are tiny: 8 blocks (so
+p·v = 4·2 works), C = 16."""
 
 import contextlib
 import functools
@@ -24,12 +25,13 @@ model_lib = importlib.import_module("02_model")
 
 CFG = dict(n_layer=8, n_head=2, n_embd=16, block_size=8, vocab_size=64)
 MICRO = 2  # sequences per microbatch
-# fp32 throughout. The pipeline computes each microbatch exactly as one process would; only the
-# summation order differs (m per-microbatch grads of loss/m added up in .grad, against one batched
-# matmul that reduces over all B*T rows at once). That moves results by a few float32 ulps of the
-# summed terms: measured at most 3e-8 absolute (6e-7 of the tensor's largest entry) here.
-# atol 1e-6 / rtol 1e-5 keep a 30x margin and still fail on any real bug: a missing 1/m, a
-# dropped or repeated microbatch, or an un-summed tied embedding move gradients by 10% or more.
+# fp32 throughout. The pipeline computes each microbatch exactly as one process would;
+# only the summation order differs (m per-microbatch grads of loss/m added up in .grad,
+# against one batched matmul that reduces over all B*T rows at once). That moves results
+# by a few float32 ulps of the summed terms: measured at most 3e-8 absolute (6e-7 of the
+# tensor's largest entry) here. atol 1e-6 / rtol 1e-5 keep a 30x margin and still fail
+# on any real bug: a missing 1/m, a dropped or repeated microbatch, or an un-summed tied
+# embedding move gradients by 10% or more.
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
@@ -39,9 +41,10 @@ def make_model(**overrides):
 
 
 def make_batch(rows: int, seed: int = 0, ignore: bool = False):
-    """(B, T) inputs and next-token targets. ignore: the first half of the rows keep only their
-    first target (the rest -1, as padding or a masked prompt), so microbatches, and DP replicas,
-    hold very different numbers of real tokens: 1 per row against T."""
+    """(B, T) inputs and next-token targets. ignore: the first half of the rows keep
+    only their first target (the rest -1, as padding or a masked prompt), so
+    microbatches, and DP replicas, hold very different numbers of real tokens: 1 per row
+    against T."""
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(
         0, CFG["vocab_size"], (rows, CFG["block_size"] + 1), generator=g
@@ -61,7 +64,8 @@ def reference(m: int, seed: int = 0, ignore: bool = False, **overrides):
 
 
 def cases(p: int):
-    """Every (schedule, m, v) the issue asks for at this p: m = 1..8; interleaved v=2, m % p == 0."""
+    """Every (schedule, m, v) the issue asks for at this p: m = 1..8; interleaved v=2,
+    m % p == 0."""
     for schedule in pp.SCHEDULES:
         v = 2 if schedule == "interleaved" else 1
         for m in range(1, 9):
@@ -94,9 +98,9 @@ def _step(
 
 
 def _all_schedules(rank, p):
-    """Every case on the whole world as one pipeline, p2p blocking as NCCL's does (gloo alone
-    buffers sends and would forgive a grouping that hangs on GPUs); then the naive GPipe loop,
-    m = 1..8, under the same rules."""
+    """Every case on the whole world as one pipeline, p2p blocking as NCCL's does (gloo
+    alone buffers sends and would forgive a grouping that hangs on GPUs); then the naive
+    GPipe loop, m = 1..8, under the same rules."""
     embed_group, out = pp.embedding_group([list(range(p))]), {}
     with nccl_p2p_rules():
         for schedule, m, v in cases(p):
@@ -192,10 +196,10 @@ def _ignored_targets(rank, p, m=4):
 
 
 def _p2p_blocking(rank, p, wait_s=1.0):
-    """Both ranks send first and receive in a LATER group: a hang on NCCL. For plain gloo and
-    the emulation: how many works the send group returns, and whether the send was still
-    pending after wait_s (then the pattern drains: the barrier keeps either rank from posting
-    its receive before both have looked)."""
+    """Both ranks send first and receive in a LATER group: a hang on NCCL. For plain
+    gloo and the emulation: how many works the send group returns, and whether the send
+    was still pending after wait_s (then the pattern drains: the barrier keeps either
+    rank from posting its receive before both have looked)."""
     peer, seen = 1 - rank, []
     for emulate in (False, True):
         with nccl_p2p_rules() if emulate else contextlib.nullcontext():
@@ -243,7 +247,8 @@ def _optimizer_curve(rank, p, steps=4):
 
 
 def _torch_pipelining(rank, p, m=4):
-    """PyTorch's own schedules on the same stages (our PipelineChunk modules) and batch."""
+    """PyTorch's own schedules on the same stages (our PipelineChunk modules) and
+    batch."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     embed_group, out = pp.embedding_group([list(range(p))]), {}
@@ -251,7 +256,8 @@ def _torch_pipelining(rank, p, m=4):
         model = make_model()
         (chunk,) = pp.split_model(model, rank, p)
         stage = PipelineStage(chunk, rank, p, torch.device("cpu"))
-        # scale_grads=True (default) divides grads by m: the mean over microbatches, like ours
+        # scale_grads=True (default) divides grads by m: the mean over microbatches,
+        # like ours
         schedule = cls(stage, n_microbatches=m, loss_fn=model_lib.cross_entropy_loss)
         x, y = make_batch(MICRO * m)
         losses = []
@@ -270,8 +276,8 @@ def _torch_pipelining(rank, p, m=4):
 
 
 def _bad_configs(rank, p):
-    """Each bad call must raise before anything is sent; then a good step must still be exact
-    (a stray message would be received by it and corrupt its activations)."""
+    """Each bad call must raise before anything is sent; then a good step must still be
+    exact (a stray message would be received by it and corrupt its activations)."""
     model, embed_group, errors = make_model(), pp.embedding_group([list(range(p))]), {}
     chunks = pp.split_model(model, rank, p)
     bad = {
@@ -324,11 +330,12 @@ def _bad_configs(rank, p):
 
 
 def _dp_times_pp(rank, world):
-    """pp=2 x dp=2 on 4 ranks, grid arange(4).view(pp, dp): PP groups {0,2} {1,3}, DP groups
-    {0,1} {2,3}. Each DP replica runs its own pipeline on its half of the batch, every chunk
-    wrapped in 03's bucketed DataParallel (tiny buckets, so there are several per chunk). The
-    batch has ignored targets: replica 0's half holds 4 real tokens, replica 1's 32, so only
-    normalising by the step's token count over both replicas gives one process's gradient."""
+    """pp=2 x dp=2 on 4 ranks, grid arange(4).view(pp, dp): PP groups {0,2} {1,3}, DP
+    groups {0,1} {2,3}. Each DP replica runs its own pipeline on its half of the batch,
+    every chunk wrapped in 03's bucketed DataParallel (tiny buckets, so there are
+    several per chunk). The batch has ignored targets: replica 0's half holds 4 real
+    tokens, replica 1's 32, so only normalising by the step's token count over both
+    replicas gives one process's gradient."""
     ddp_lib, dp = importlib.import_module("03_ddp"), 2
     pp_rank, dp_rank = rank // dp, rank % dp
     pp_ranks, dp_ranks = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
@@ -368,9 +375,10 @@ def _dp_times_pp(rank, world):
 
 
 def _tp_times_pp(rank, world):
-    """tp=2 x pp=2 on 4 ranks, grid arange(4).view(pp, tp): TP groups {0,1} {2,3}, PP groups
-    {0,2} {1,3}. 04 shards the model in place first; split_model then cuts the sharded model.
-    With sequence parallelism the activation between stages is (b, T/tp, C)."""
+    """tp=2 x pp=2 on 4 ranks, grid arange(4).view(pp, tp): TP groups {0,1} {2,3}, PP
+    groups {0,2} {1,3}. 04 shards the model in place first; split_model then cuts the
+    sharded model. With sequence parallelism the activation between stages is (b, T/tp,
+    C)."""
     try:
         tp_lib = importlib.import_module("04_tensor_parallel")
     except ImportError as e:
@@ -424,7 +432,8 @@ def _untied(rank, p):
 
 
 def _scaled_and_forward_only(rank, p):
-    """train.py's two extra uses: fp16 loss scaling (backward from S·loss) and evaluation."""
+    """train.py's two extra uses: fp16 loss scaling (backward from S·loss) and
+    evaluation."""
     embed_group, batch = pp.embedding_group([list(range(p))]), make_batch(MICRO * 4)
     model = make_model()
     chunks = pp.split_model(model, rank, p)
@@ -447,8 +456,9 @@ def _world(p: int):
 # Checks (parent process)
 # ---------------------------------------------------------------------------------------------
 def assert_matches_reference(per_rank, ref_loss, ref_grads, what):
-    """Sum of the stages' losses == the one-process loss; every parameter of the one-process model
-    appears on some rank with the same gradient (lm_head.weight is the tied wte's copy)."""
+    """Sum of the stages' losses == the one-process loss; every parameter of the
+    one-process model appears on some rank with the same gradient (lm_head.weight is the
+    tied wte's copy)."""
     loss = sum(r["loss"] for r in per_rank if r["loss"] is not None)
     torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda s: f"{what} loss: {s}")
     seen = set()
@@ -468,12 +478,12 @@ def assert_matches_reference(per_rank, ref_loss, ref_grads, what):
 
 
 def test_loss_scale_and_forward_only():
-    """loss_scale=S: gradients are S times the true ones (a power of two: exact), the reported
-    loss is unscaled. forward_only: the same loss, and no gradient anywhere."""
+    """scale=S: gradients are S times the true ones (a power of two: exact), the
+    reported loss is unscaled. forward_only: the same loss, and no gradient anywhere."""
     results = _world(2)
     ref_loss, ref_grads = reference(4)
     assert_matches_reference(
-        [r["scaled"]["scaled"] for r in results], ref_loss, ref_grads, "loss_scale=1024"
+        [r["scaled"]["scaled"] for r in results], ref_loss, ref_grads, "scale=1024"
     )
     torch.testing.assert_close(
         sum(r["scaled"]["eval_loss"] for r in results), ref_loss, **TOL
@@ -483,7 +493,7 @@ def test_loss_scale_and_forward_only():
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_every_schedule_equals_one_process(p):
-    """Loss and every gradient (tied embeddings included) for all schedules, m = 1..8."""
+    """Loss and every gradient (tied embeddings included), all schedules, m = 1..8."""
     results = _world(p)
     for schedule, m, _ in cases(p):
         ref_loss, ref_grads = reference(m)
@@ -495,9 +505,10 @@ def test_every_schedule_equals_one_process(p):
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_naive_gpipe_equals_one_process(p):
-    """The plain loop (all forwards, then all backwards, blocking sends under NCCL's rule): loss
-    and every gradient equal one process, m = 1..8; it runs GPipe's order, holds all m
-    microbatches on every stage, and gives the same gradients as the scheduled GPipe."""
+    """The plain loop (all forwards, then all backwards, blocking sends under NCCL's
+    rule): loss and every gradient equal one process, m = 1..8; it runs GPipe's order,
+    holds all m microbatches on every stage, and gives the same gradients as the
+    scheduled GPipe."""
     for m in range(1, 9):
         ref_loss, ref_grads = reference(m)
         per_rank = [r["all"][("naive", m)] for r in _world(p)]
@@ -571,9 +582,9 @@ def test_1f1b_loop_is_the_plans_1f1b(p):
     """The explicit loop (warm-up p-r-1 forwards, steady send_forward_recv_backward /
     send_backward_recv_forward, cool-down), m = 1..8, run under the NCCL emulation: its
     forwards and backwards run in the plan's order, it sends and receives the plan's
-    messages in the plan's order on each link, its own grouping completes under NCCL's rule with the
-    bubble (p-1)/(m+p-1), at most min(p-r, m) microbatches are alive on stage r, and its
-    loss and gradients equal one process's and the executor's 1F1B."""
+    messages in the plan's order on each link, its own grouping completes under NCCL's
+    rule with the bubble (p-1)/(m+p-1), at most min(p-r, m) microbatches are alive on
+    stage r, and its loss and gradients equal one process's and the executor's 1F1B."""
     for m in range(1, 9):
         per_rank = [r["all"][("loop", m)] for r in _world(p)]
         ref_loss, ref_grads = reference(m)
@@ -612,8 +623,9 @@ def test_executed_order_is_the_simulators(p):
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_peak_microbatches_in_flight(p):
-    """Counted from the real stash of live activations. GPipe: all m on every stage. 1F1B: stage
-    r runs p-r-1 warm-up forwards, then one more before its first backward: min(p-r, m) <= p."""
+    """Counted from the real stash of live activations. GPipe: all m on every stage.
+    1F1B: stage r runs p-r-1 warm-up forwards, then one more before its first backward:
+    min(p-r, m) <= p."""
     for m in range(1, 9):
         peaks = {
             s: [r["all"][(s, m)]["peak"] for r in _world(p)] for s in ("gpipe", "1f1b")
@@ -624,8 +636,9 @@ def test_peak_microbatches_in_flight(p):
 
 
 def test_optimizer_steps_follow_one_process():
-    """Four AdamW steps, p=2, 1F1B, on one batch: the same loss curve as one process, and the
-    two copies of the tied embedding (rank 0's wte, rank 1's lm_head) stay identical."""
+    """Four AdamW steps, p=2, 1F1B, on one batch: the same loss curve as one process,
+    and the two copies of the tied embedding (rank 0's wte, rank 1's lm_head) stay
+    identical."""
     (curve0, wte), (curve1, head) = _world(2)[0]["curve"], _world(2)[1]["curve"]
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -653,9 +666,9 @@ def test_untied_embeddings():
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_same_as_torch_distributed_pipelining(p):
-    """ScheduleGPipe and Schedule1F1B from torch.distributed.pipelining (run for real on gloo),
-    on the same PipelineChunk stages and batch: the same loss and gradients as ours and as one
-    process."""
+    """ScheduleGPipe and Schedule1F1B from torch.distributed.pipelining (run for real on
+    gloo), on the same PipelineChunk stages and batch: the same loss and gradients as
+    ours and as one process."""
     ref_loss, ref_grads = reference(4)
     for name in ("gpipe", "1f1b"):
         theirs = [r["torch"][name] for r in _world(p)]
@@ -666,9 +679,10 @@ def test_same_as_torch_distributed_pipelining(p):
 
 
 def test_dp_times_pp_syncs_once_per_step():
-    """pp=2 x dp=2: subset PP groups (peers via get_global_rank), the embedding group built
-    collectively, and 03's DataParallel around each chunk: grads equal one process on the whole
-    batch, and DP synchronises once per step and chunk (no_sync() on every earlier backward)."""
+    """pp=2 x dp=2: subset PP groups (peers via get_global_rank), the embedding group
+    built collectively, and 03's DataParallel around each chunk: grads equal one process
+    on the whole batch, and DP synchronises once per step and chunk (no_sync() on every
+    earlier backward)."""
     results = _world(4)
     ref_loss, ref_grads = reference(
         2 * 2, ignore=True
@@ -757,9 +771,10 @@ def test_bad_configurations_in_one_process():
 # The model cut and the single-process pipeline
 # ---------------------------------------------------------------------------------------------
 def test_split_model_layout():
-    """8 blocks, p=2, v=2: stages s=0..3 of 2 blocks; stage s on rank s % 2 as chunk s // 2, so
-    rank 0 holds blocks 0-1 (+ embeddings) and 4-5, rank 1 holds 2-3 and 6-7 (+ ln_f, head).
-    Parameter names stay the full model's, and nothing is held twice except the tied matrix."""
+    """8 blocks, p=2, v=2: stages s=0..3 of 2 blocks; stage s on rank s % 2 as chunk
+    s // 2, so rank 0 holds blocks 0-1 (+ embeddings) and 4-5, rank 1 holds 2-3 and
+    6-7 (+ ln_f, head). Parameter names stay the full model's, and nothing is held twice
+    except the tied matrix."""
     model = make_model()
     rank0, rank1 = pp.split_model(model, 0, 2, 2), pp.split_model(model, 1, 2, 2)
     assert [list(c.layers) for c in rank0 + rank1] == [[0, 1], [4, 5], [2, 3], [6, 7]]
@@ -780,7 +795,8 @@ def test_split_model_layout():
 
 @pytest.mark.parametrize("schedule", pp.SCHEDULES)
 def test_one_process_pipeline_is_gradient_accumulation(schedule):
-    """p = 1 needs no process group: chunks hand over in-process, m microbatches accumulate."""
+    """p = 1 needs no process group: chunks hand over in-process, m microbatches
+    accumulate."""
     v = 2 if schedule == "interleaved" else 1
     model = make_model()
     chunks = pp.split_model(model, 0, 1, v)
@@ -789,8 +805,9 @@ def test_one_process_pipeline_is_gradient_accumulation(schedule):
     assert_matches_reference(
         [dict(loss=res.loss, grads=_grads(chunks))], ref_loss, ref_grads, schedule
     )
-    # GPipe holds all m = 4; 1F1B at p = 1 has no warm-up: one alive; interleaved warms up with
-    # (v-1)·p = 1 chunk-forward, so two (microbatch, chunk) activations are alive at most.
+    # GPipe holds all m = 4; 1F1B at p = 1 has no warm-up: one alive; interleaved warms
+    # up with (v-1)·p = 1 chunk-forward, so two (microbatch, chunk) activations are
+    # alive at most.
     assert res.peak_in_flight == {"gpipe": 4, "1f1b": 1, "interleaved": 2}[schedule]
 
 
@@ -880,8 +897,8 @@ def test_interleaved_p2_m2_v2_by_hand():
 
 
 def test_simulated_bubble_is_the_formula_and_nothing_deadlocks():
-    """Over many shapes and t_b/t_f ratios the ideal timeline's idle share is the closed form
-    (p-1)/(v·m+p-1) (Megatron-LM sec. 2.2), and every order passes the deadlock and
+    """Over many shapes and t_b/t_f ratios the ideal timeline's idle share is the closed
+    form (p-1)/(v·m+p-1) (Megatron-LM sec. 2.2), and every order passes the deadlock and
     message-pairing checks inside simulate()."""
     for schedule in pp.SCHEDULES:
         for p in (1, 2, 3, 4, 8):
@@ -901,13 +918,14 @@ def test_simulated_bubble_is_the_formula_and_nothing_deadlocks():
 
 
 def old_grouping(schedule, p, m, v):
-    """The executor before NCCL's rule was modelled: before each action one group = {send the
-    previous action's output, receive this action's input}, waited as a whole.
-    Interleaved p=2, m=4, v=2 then hangs on GPUs: after B0 of chunk b, rank 0 posts {send B0's
-    gradient, receive F2's input}; rank 1 receives that gradient only in the group it posts
-    after F2 of chunk a, which comes after the group it posts after B1 of chunk b, {send B1's
-    gradient, receive F2's input}, and rank 0 receives B1's gradient only after its F3 of chunk
-    a, which it cannot reach while its own group waits. Each waits on the other's later group."""
+    """The executor before NCCL's rule was modelled: before each action one group =
+    {send the previous action's output, receive this action's input}, waited as a whole.
+    Interleaved p=2, m=4, v=2 then hangs on GPUs: after B0 of chunk b, rank 0 posts
+    {send B0's gradient, receive F2's input}; rank 1 receives that gradient only in the
+    group it posts after F2 of chunk a, which comes after the group it posts after B1 of
+    chunk b, {send B1's gradient, receive F2's input}, and rank 0 receives B1's gradient
+    only after its F3 of chunk a, which it cannot reach while its own group waits. Each
+    waits on the other's later group."""
     plan = []
     for r in range(p):
         ticks, prev = [], None
@@ -934,11 +952,12 @@ def old_grouping(schedule, p, m, v):
 
 
 def test_the_executors_groups_complete_under_nccls_rule():
-    """Every schedule, p <= 8, m <= 16, v <= 3: the plan the executor runs never hangs when a
-    send completes only once its receive is posted, nor does evaluation's (forward_only: every
-    forward once, no backward). The old grouping hangs in every interleaved case with m > p (38
-    of them here; e.g. p=2, m=4, v=2, the case found in review) and in none with m = p, nor for
-    GPipe or 1F1B: the checker tells them apart."""
+    """Every schedule, p <= 8, m <= 16, v <= 3: the plan the executor runs never hangs
+    when a send completes only once its receive is posted, nor does evaluation's
+    (forward_only: every forward once, no backward). The old grouping hangs in every
+    interleaved case with m > p (38 of them here; e.g. p=2, m=4, v=2, the case found in
+    review) and in none with m = p, nor for GPipe or 1F1B: the checker tells them
+    apart."""
     hung = []
     for schedule in pp.SCHEDULES:
         for p in range(1, 9):
@@ -970,9 +989,10 @@ def test_the_executors_groups_complete_under_nccls_rule():
 
 
 def naive_plan(p, m):
-    """gpipe_naive's calls as a comm plan: each blocking receive, and each forward or backward
-    with its blocking send, is a group of its own. Stage r: receive F_i from r-1, compute F_i,
-    send it to r+1, for every i; then receive B_i from r+1, compute B_i, send it to r-1."""
+    """gpipe_naive's calls as a comm plan: each blocking receive, and each forward or
+    backward with its blocking send, is a group of its own. Stage r: receive F_i from
+    r-1, compute F_i, send it to r+1, for every i; then receive B_i from r+1, compute
+    B_i, send it to r-1."""
     plan = []
     for r in range(p):
         ticks = []
@@ -989,10 +1009,10 @@ def naive_plan(p, m):
 
 
 def test_naive_gpipe_cannot_hang_under_nccls_rule():
-    """gpipe_naive's docstring argues its blocking calls never hang on NCCL; here the simulator
-    checks it for p <= 8, m <= 16: the plan completes, in GPipe's order, with GPipe's ideal
-    bubble (p-1)/(m+p-1). The checker is not blind to such loops: if rank 0 waits for its first
-    gradient before sending its last forward, every rank hangs."""
+    """gpipe_naive's docstring argues its blocking calls never hang on NCCL; here the
+    simulator checks it for p <= 8, m <= 16: the plan completes, in GPipe's order, with
+    GPipe's ideal bubble (p-1)/(m+p-1). The checker is not blind to such loops: if
+    rank 0 waits for its first gradient before sending its last forward, all ranks hang."""
     for p in range(1, 9):
         for m in range(1, 17):
             timeline = pp.nccl_timeline(naive_plan(p, m), 1)  # raises if it would hang
@@ -1024,11 +1044,11 @@ def _groups(plan):
 
 
 def test_1f1b_p2_m4_groups_pair_like_megatron():
-    """Worked example, derived tick by tick. Rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3 and rank 1
-    F0 B0 F1 B1 F2 B2 F3 B3. In the steady state rank 0, after a forward, posts {send it,
-    receive a gradient} (Megatron's send_forward_recv_backward) in the same tick as rank 1, after
-    a backward, posts the mirror group {send the gradient, receive a forward}
-    (send_backward_recv_forward): the groups match one to one."""
+    """Worked example, derived tick by tick. Rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3 and
+    rank 1 F0 B0 F1 B1 F2 B2 F3 B3. In the steady state rank 0, after a forward, posts
+    {send it, receive a gradient} (Megatron's send_forward_recv_backward) in the same
+    tick as rank 1, after a backward, posts the mirror group {send the gradient, receive
+    a forward} (send_backward_recv_forward): the groups match one to one."""
     steps = [pp.schedule_steps("1f1b", 2, 4, 1, r) for r in range(2)]
     rank0, rank1 = _groups(pp.comm_plan(steps, 2, 1))
     assert rank0 == [
@@ -1057,10 +1077,11 @@ def test_1f1b_p2_m4_groups_pair_like_megatron():
 
 
 def test_interleaved_steady_state_exchanges_after_each_forward_backward_pair():
-    """Interleaved p=2, m=4, v=2 (the case that hung): in the steady state a step is a forward
-    and a backward (Megatron's send_forward_backward_recv_forward_backward after both), and every
-    group of rank 0 is matched by rank 1's group of the same tick, so the plan runs under NCCL's
-    rule (nccl_timeline would raise otherwise) with the bubble of the formula."""
+    """Interleaved p=2, m=4, v=2 (the case that hung): in the steady state a step is a
+    forward and a backward (Megatron's send_forward_backward_recv_forward_backward after
+    both), and every group of rank 0 is matched by rank 1's group of the same tick, so
+    the plan runs under NCCL's rule (nccl_timeline would raise otherwise) with the
+    bubble of the formula."""
     steps = [pp.schedule_steps("interleaved", 2, 4, 2, r) for r in range(2)]
     assert [len(s) for s in steps[1]] == [1, 1] + [2] * 6 + [1, 1]  # warm-up 2 = (v-1)p
     timeline = pp.nccl_timeline(pp.comm_plan(steps, 2, 2), 2, t_f=1.0, t_b=2.0)
@@ -1068,18 +1089,20 @@ def test_interleaved_steady_state_exchanges_after_each_forward_backward_pair():
 
 
 def test_nccl_emulation_blocks_a_send_until_its_receive_is_posted():
-    """The emulation the executor tests run under is itself checked. Plain gloo hands back one
-    work per operation, so an executor may wait on its receives alone and leave a send pending
-    (the old one did, which is how it passed on CPUs); NCCL hands back one work for the group.
-    Under the emulation: one work, still pending while the peer has not posted the receives."""
+    """The emulation the executor tests run under is itself checked. Plain gloo hands
+    back one work per operation, so an executor may wait on its receives alone and leave
+    a send pending (the old one did, which is how it passed on CPUs); NCCL hands back
+    one work for the group. Under the emulation: one work, still pending while the peer
+    has not posted the receives."""
     for plain, emulated in (r["blocking"] for r in _world(2)):
         assert plain[0] == 2 and emulated == (1, True), (plain, emulated)
 
 
 def test_ignored_targets_are_normalised_by_the_steps_tokens():
-    """Microbatches with 4 and 32 real tokens: each contributes its token SUM over the step's
-    count, so every schedule equals one process's mean over the real tokens. The old mean of
-    per-microbatch means was off by up to 0.24 in a gradient here (same tolerance as above)."""
+    """Microbatches with 4 and 32 real tokens: each contributes its token SUM over the
+    step's count, so every schedule equals one process's mean over the real tokens. The
+    old mean of per-microbatch means was off by up to 0.24 in a gradient here (same
+    tolerance as above)."""
     ref_loss, ref_grads = reference(4, ignore=True)
     for schedule in pp.SCHEDULES:
         per_rank = [r["ignored"][schedule] for r in _world(2)]
@@ -1090,11 +1113,12 @@ def test_ignored_targets_are_normalised_by_the_steps_tokens():
 
 def test_simulator_catches_a_deadlock():
     """A rank that wants microbatch 0's backward before its forward can never run."""
-    broken = lambda schedule, p, m, v, rank: [
-        (pp.Action("B", 0, 0),),
-        (pp.Action("F", 0, 0),),
-    ]  # noqa: E731
-    original, pp.schedule_steps = pp.schedule_steps, broken
+
+    def broken(schedule, p, m, v, rank):
+        return [(pp.Action("B", 0, 0),), (pp.Action("F", 0, 0),)]
+
+    original = pp.schedule_steps
+    pp.schedule_steps = broken
     try:
         with pytest.raises(RuntimeError, match="deadlock"):
             pp.simulate("1f1b", 2, 1)
@@ -1103,8 +1127,8 @@ def test_simulator_catches_a_deadlock():
 
 
 def test_figures_are_written(tmp_path):
-    """The lesson's Gantt PNG, and the Chrome trace bench/bench_pipeline.py writes (one X
-    slice per action, a thread per rank): both support/gantt.py's."""
+    """The lesson's Gantt PNG, and the Chrome trace bench/bench_pipeline.py writes (one
+    X slice per action, a thread per rank): both support/gantt.py's."""
     from support.gantt import write_chrome_trace
 
     timelines = {
@@ -1121,8 +1145,9 @@ def test_figures_are_written(tmp_path):
 
 
 def test_demo_refuses_a_bad_configuration_before_launching(monkeypatch, capsys):
-    """`python 05_pipeline.py --microbatches 6` at the default 4 ranks: interleaved needs m % p
-    == 0, so the parser says why in one line and exits 2, before any torchrun is started."""
+    """`python 05_pipeline.py --microbatches 6` at the default 4 ranks: interleaved
+    needs m % p == 0, so the parser says why in one line and exits 2, before any
+    torchrun is started."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         pp.main(["--microbatches", "6"])
