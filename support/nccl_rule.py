@@ -15,8 +15,8 @@ from collections import defaultdict
 def send_recv_pairs(plan) -> list[tuple]:
     """((rank, tick index), (rank, tick index)) of each send and its receive.
 
-    NCCL pairs the k-th send r->q with the k-th receive on q from r, whatever they carry,
-    so the messages are checked to agree link by link."""
+    NCCL pairs the k-th send r->q with the k-th receive on q from r, whatever they
+    carry, so the messages are checked to agree link by link."""
     sent = defaultdict(list)  # (src, dst) -> [((rank, tick index), message)]
     received = defaultdict(list)
     for r, ticks in enumerate(plan):
