@@ -43,8 +43,8 @@ Simple first: NaiveDataParallel (an all-reduce per gradient after backward), the
 DataParallel (buckets overlapped with backward), then hooks that compress a bucket.
 
 Left out on purpose: DDP's find_unused_parameters (an unused parameter is an error
-here), bucket rebuilding, overlapping PowerSGD's first round (its hook waits for it),
-PowerSGD under ZeRO. Sharding weights, gradients and optimizer state: 07_zero.py.
+here), bucket rebuilding, overlapping PowerSGD's first round (its hook waits for it).
+Sharding the weights, gradients and optimizer state instead of copying them: 07_zero.py.
 """
 
 import argparse
