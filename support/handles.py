@@ -1,4 +1,4 @@
-"""Waited collective handles, dropped later rather than at once: a gloo exit-time workaround.
+"""Waited collective handles, dropped later, not at once: a gloo exit-time workaround.
 
 The trap. On gloo, a collective started inside backward (from a gradient hook or the
 end-of-backward callback) copies backward's thread-local state, which holds a Python
