@@ -28,5 +28,5 @@ _RETIRED = collections.deque(maxlen=RETIRED_MAX)
 
 
 def retire(*handles) -> None:
-    """Keep waited collective handles (dist.Work, or objects holding one) for a while."""
+    """Keep waited collective handles (dist.Work, or objects holding one) a while."""
     _RETIRED.extend(handles)
