@@ -64,9 +64,7 @@ def export(run_dir, tp_layout, merge_tensors, fold_lora, build_model, get_tokeni
     config = meta["config"]
     if config.get("lora_rank"):  # LoRA's factors folded in: W + (alpha / r)·B·A.
         full = fold_lora(full, config["lora_alpha"] / config["lora_rank"])
-    # Older runs saved a recompute mode in the model's config: a training choice only.
-    sizes = {k: v for k, v in meta["model_config"].items() if k != "recompute"}
-    model = build_model(sizes)
+    model = build_model(model_sizes(meta["model_config"]))
     model.load_state_dict(full, strict=True)  # Every weight present, none left over.
     tokenizer = tokenizer_blob(meta["tokenizer"], get_tokenizer)
     return write_model_pt(Path(run_dir) / "model.pt", model, meta["step"], tokenizer)
@@ -96,10 +94,19 @@ def write_model_pt(out, model, step: int, tokenizer):
     return out
 
 
+def model_sizes(model_config: dict) -> dict:
+    """A saved model config without "recompute", which GPTConfig no longer has.
+
+    Older checkpoints and model.pt files saved a recompute mode in the model's config.
+    It is a training choice, not part of the model, so it is dropped here.
+    """
+    return {k: v for k, v in model_config.items() if k != "recompute"}
+
+
 def load_exported(path, build_model) -> tuple:
     """model.pt -> (`build_model(its config dict)` with its weights, the blob)."""
     blob = torch.load(path, map_location="cpu", weights_only=True)
-    model = build_model(blob["model_config"])
+    model = build_model(model_sizes(blob["model_config"]))
     model.load_state_dict(blob["model"])
     return model, blob
 

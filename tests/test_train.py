@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from support import checkpoint
+from support import export as export_lib
 from tests.distributed import run_ranks
 
 train = importlib.import_module("train")
@@ -527,6 +528,22 @@ def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tm
     assert sampled.stdout.startswith("def f")
     blob = torch.load(run_dir / "model.pt", weights_only=True)
     assert blob["tokenizer"]["merges"] == tok.merges  # the BPE itself, not the name "char"
+
+
+def test_an_older_model_pt_whose_config_holds_recompute_still_samples(tmp_path):
+    """model.pt files written before GPTConfig lost its recompute field hold
+    "recompute": "none" in model_config; GPTConfig(**model_config) raised TypeError on them.
+    load_exported drops the key, as the export from a checkpoint does."""
+    model = train.new_model(train.model_lib.GPTConfig.from_preset("tiny").__dict__)
+    path = export_lib.write_model_pt(tmp_path / "model.pt", model, 7, "char")
+    blob = torch.load(path, weights_only=True)
+    blob["model_config"]["recompute"] = "none"  # as an older train.py saved it
+    torch.save(blob, path)
+    loaded, blob = train.load_exported(path)
+    assert blob["step"] == 7 and not hasattr(loaded.config, "recompute")
+    for name, t in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    assert train.sample(path, "def f", 8).startswith("def f")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -320,6 +320,31 @@ def test_the_fused_adamw_of_cuda_runs_on_the_cpu_and_equals_the_plain_one(data_d
         torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
 
 
+def test_recompute_wraps_every_block_and_keeps_less_for_the_backward(data_dir, tmp_path):  # noqa: F811
+    """--recompute reaches the model: build_run wraps every Block's forward in 06's
+    _recomputed with the flag's mode ("none": no wrapper), and one forward then keeps fewer
+    bytes for its backward, full < selective < none (06's saved_activation_bytes).
+    test_recomputation_changes_no_bit_on_any_layout only compares results, which a train.py
+    that forgot apply_recomputation would also pass; this fails then."""
+    mp = train.mp_lib
+    argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path)]
+    kept = {}
+    for mode in mp.RECOMPUTE:
+        cfg, run = build(argv + ["--recompute", mode], 0, 1)
+        model = run.modules()[0]
+        blocks = [m for m in model.modules() if isinstance(m, train.model_lib.Block)]
+        assert len(blocks) == 4
+        for block in blocks:
+            wrapper = block.__dict__.get("forward")
+            if mode == "none":
+                assert wrapper is None
+            else:
+                assert wrapper.func is mp._recomputed and wrapper.args == (block, mode)
+        x = torch.randint(0, run.gpt_config.vocab_size, (2, 32))
+        _, kept[mode] = mp.saved_activation_bytes(lambda: model(x, x)[1])
+    assert kept["full"] < kept["selective"] < kept["none"], kept
+
+
 def _compiled_zero3(rank, world, argv):
     train.main(argv)
     return metrics(argv[argv.index("--out-dir") + 1]) if rank == 0 else None
