@@ -461,7 +461,9 @@ def train(run: Run) -> None:
 
 
 def main(argv=None) -> None:
-    cfg, args = parse_args(argv, description=__doc__.split("\n")[0])
+    # --help lists the lessons' values of these two.
+    listed = {"model": tuple(model_lib.PRESETS), "recompute": mp_lib.RECOMPUTE}
+    cfg, args = parse_args(argv, __doc__.split("\n")[0], listed)
     if args.export:
         print(f"wrote {export(args.export)}")
         return

@@ -129,8 +129,13 @@ def tokenizer_name(data_dir) -> str:
 def save(
     out_dir, step: int, rank: int, world: int, shard: dict, meta, keep: int
 ) -> None:
-    """Every rank writes its shard into step_N.partial/; rank 0 adds meta.json (`meta`,
-    given on rank 0 only), renames the folder to step_N and keeps the newest `keep`."""
+    """Every rank writes its shard into step_N.partial/; rank 0 adds meta.json, renames
+    the folder to step_N and keeps the newest `keep`.
+
+    `meta()` builds meta.json's contents. Only rank 0 calls it, after every shard is
+    written: it reads the data folder's meta.json, and a rank that failed there before
+    a barrier would leave the others waiting out the collective's timeout.
+    """
     root = ckpt_root(out_dir)
     final = root / f"step_{step:07d}"
     partial = root / f"step_{step:07d}.partial"
@@ -142,7 +147,7 @@ def save(
     atomic_write(partial / shard_name(rank), lambda tmp: torch.save(shard, tmp))
     barrier()
     if rank == 0:
-        text = json.dumps({"step": step, **meta}, indent=1)
+        text = json.dumps({"step": step, **meta()}, indent=1)
         atomic_write(partial / "meta.json", lambda tmp: tmp.write_text(text))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)  # Every shard's name is on disk already.
@@ -241,9 +246,8 @@ def restore(run, shard: dict) -> None:
     """A shard back into a train.Run; raises if it does not fit (another model)."""
     for module, state in zip(run.modules(), shard["model"], strict=True):
         if run.cfg.zero < 3:  # ZeRO-3: the optimizer's shards are the weights.
-            module.load_state_dict(
-                state
-            )  # Copies into the parameters, on their device.
+            # Copies into the parameters, on their device.
+            module.load_state_dict(state)
     run.optimizer.load_state_dict(shard["optimizer"])  # To each parameter's device.
     if shard["scaler"]:
         run.scaler.load_state_dict(shard["scaler"])
@@ -261,10 +265,14 @@ def save_checkpoint(run, step: int) -> None:
     """Save a train.Run at `step`: every rank's shard, and rank 0's meta.json."""
     cfg = run.cfg
     grid = run.grid
-    meta = {"world": grid.world, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}
-    meta["model_config"] = asdict(run.gpt_config)
-    meta["tokenizer"] = tokenizer_name(cfg.data_dir)
-    meta["config"] = asdict(cfg)
+
+    def meta():  # Rank 0's, once the shards are written (see save).
+        fields = {"world": grid.world, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}
+        fields["model_config"] = asdict(run.gpt_config)
+        fields["tokenizer"] = tokenizer_name(cfg.data_dir)
+        fields["config"] = asdict(cfg)
+        return fields
+
     shard = shard_of(run, step)
     save(cfg.out_dir, step, grid.rank, grid.world, shard, meta, cfg.keep_checkpoints)
 

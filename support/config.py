@@ -54,7 +54,7 @@ class TrainConfig:
     # The preset's context: a shorter one would leave positions untrained.
     block_size: int = flag(0, "tokens per sequence, the model's context; 0: preset")
     # The small preset (4 layers of 128) trains on a CPU in minutes.
-    model: str = flag("small", "02_model.py's preset: tiny, small, gpt2, ...")
+    model: str = flag("small", "02_model.py's preset")
     n_layer: int = flag(0, "number of blocks; 0: the preset's")
     init_from: str = flag("", "fine-tune a Hugging Face GPT-2 checkpoint")
     lora_rank: int = flag(0, "LoRA (02): train rank-r factors only; 0: off")
@@ -62,7 +62,7 @@ class TrainConfig:
     lora_alpha: float = flag(16.0, "LoRA: the update is (alpha / r)·B·A")
     # Pretraining on plenty of data needs no dropout.
     dropout: float = flag(0.0, "dropout probability")
-    recompute: str = flag("none", "activations redone in the backward: selective, full")
+    recompute: str = flag("none", "activations redone in the backward (06)")
     # bf16 where the GPU has it; fp32 on a CPU, where 16 bits would be slower.
     dtype: str = flag("auto", "fp32, bf16 or fp16 (06's loss scaler); auto")
     # Compiling costs minutes of first steps; it pays on a GPU only.
@@ -120,16 +120,21 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def parse_args(argv=None, description: str = "train.py"):
+def parse_args(argv=None, description: str = "train.py", choices: dict | None = None):
     """TrainConfig's fields as flags, plus the one-shot --export and --sample.
 
-    Returns (cfg, args): the TrainConfig, and argparse's namespace for the others.
+    `choices` maps a field to the values a lesson allows (02's presets for "model"), so
+    that its help lists them. Returns (cfg, args): the TrainConfig, and argparse's
+    namespace for the others.
     """
+    choices = choices or {}
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
     for f in fields(TrainConfig):
         kind = {"action": "store_true"} if f.type is bool else {"type": f.type}
         help = f.metadata["help"]
+        if f.name in choices:
+            help = f"{help}: {', '.join(choices[f.name])}"
         parser.add_argument(flag_name(f.name), default=f.default, help=help, **kind)
     export = "merge RUN_DIR's newest checkpoint into RUN_DIR/model.pt, then exit"
     parser.add_argument("--export", metavar="RUN_DIR", help=export)

@@ -656,6 +656,17 @@ def test_a_bad_flag_exits_at_once_with_its_message(data_dir):
     assert time.monotonic() - start < 30
 
 
+def test_help_lists_the_presets_and_every_recompute_mode(capsys):
+    """--model's help lists 02's PRESETS (no hard-coded list to go stale) and --recompute's
+    all of 06's RECOMPUTE, "none" included."""
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    presets = ", ".join(train.model_lib.PRESETS)
+    assert f"--model MODEL 02_model.py's preset: {presets} (default: small)" in text
+    assert "(06): none, selective, full (default: none)" in text
+
+
 def test_the_main_job_runs_end_to_end(data_dir, tmp_path):
     """`python train.py` on a tiny setting: it logs, evaluates, checkpoints, exports, plots and
     samples, and the validation loss falls."""

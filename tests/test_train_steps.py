@@ -2,8 +2,10 @@
 evaluation under DP, TP and PP equal to one process's, dropout streams per rank, the model's
 context, and bad input that fails in one line having written nothing."""
 
+import dataclasses
 import hashlib
 import importlib
+import json
 import math
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from support import checkpoint
 from tests.distributed import run_ranks
 from tests.test_train import BASE, assert_same_curve, data_dir, metrics, run_main  # noqa: F401
 
@@ -343,6 +346,31 @@ def test_recompute_wraps_every_block_and_keeps_less_for_the_backward(data_dir, t
         x = torch.randint(0, run.gpt_config.vocab_size, (2, 32))
         _, kept[mode] = mp.saved_activation_bytes(lambda: model(x, x)[1])
     assert kept["full"] < kept["selective"] < kept["none"], kept
+
+
+def test_only_rank_0_reads_the_data_folder_and_only_after_the_shards(data_dir, tmp_path,  # noqa: F811
+                                                                     monkeypatch):
+    """save_checkpoint's meta.json names the data folder's tokenizer (tokenizer_name reads the
+    folder's meta.json). Only rank 0 reads it, once every shard is written: a rank failing
+    there before a barrier left the others waiting out the timeout. Here rank 1 of a world of
+    one (no barriers) saves without reading, and rank 0 reads once, its shard already on disk."""
+    cfg, run = build(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path)], 0, 1)
+    calls = []
+    real = checkpoint.tokenizer_name
+
+    def spy(folder):
+        calls.append(sorted(p.name for p in checkpoint.ckpt_root(tmp_path).glob("*/*.pt")))
+        return real(folder)
+
+    monkeypatch.setattr(checkpoint, "tokenizer_name", spy)
+    (checkpoint.ckpt_root(tmp_path) / "step_0000000.partial").mkdir(parents=True)
+    run.grid = dataclasses.replace(run.grid, rank=1)
+    checkpoint.save_checkpoint(run, 0)
+    assert calls == []
+    run.grid = dataclasses.replace(run.grid, rank=0)
+    checkpoint.save_checkpoint(run, 0)
+    assert calls == [[checkpoint.shard_name(0)]]
+    assert json.loads((checkpoint.complete_checkpoints(tmp_path)[0] / "meta.json").read_text())
 
 
 def _compiled_zero3(rank, world, argv):
