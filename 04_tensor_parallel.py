@@ -1,8 +1,7 @@
-"""04_tensor_parallel.py: tensor parallelism (TP), every weight matrix split over tp ranks.
+"""04 · Tensor parallelism: every weight matrix is split over the tp ranks of a group.
 
-The idea in one sentence: cut an MLP's first matrix by columns and its second by rows,
-so that each rank computes its share with no communication in between, and one
-all-reduce sums the shares.
+The idea: cut an MLP's first matrix by columns and its second by rows; each rank then
+computes its share with no communication, and one all-reduce sums the shares.
 
 The math (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053, section 3), for an MLP
 Z = GELU(X A) B:
@@ -25,34 +24,35 @@ Who holds what at tp = 2 (the rows of an nn.Linear weight are its output feature
     c_attn (3C x C)  [q | k | v] of heads 0..nh/2-1: rank 0, the rest: rank 1
     wte = lm_head    vocabulary rows [0, V/2): rank 0, [V/2, V): rank 1
     LayerNorms, wpe, row-parallel biases: a full copy on every rank  (replicated)
-The loss over vocabulary shards takes three all-reduces of (B, T), never (B, T, V).
+The loss over vocabulary shards takes three all-reduces of (B, T), never one of
+(B, T, V). Dropout draws one mask for every rank's copy, and its own for each shard.
 
 Sequence parallelism (SP, Korthikanti et al. 2022, arXiv 2205.05198): between g and the
 next f every rank repeats the same LayerNorm, dropout and residual add on (B, T, C). An
 all-reduce is a reduce-scatter then an all-gather, so g becomes a reduce-scatter along T
-(the SP paper's g-bar) and f an all-gather (its g). That work then runs on (B, T/tp, C):
-the same bytes are sent, and it takes tp times less memory. tp must divide T.
+(the SP paper's g-bar) and f an all-gather (its g). That work then runs on (B, T/tp, C),
+in tp times less memory. tp must divide T.
 
-Communication per layer and step, E = B*T*C: 4 all-reduces of E (2 g, 2 f), a ring
-sending 2(tp-1)/tp * E each; with SP, 4 all-gathers and 4 reduce-scatters sending
-(tp-1)/tp * E each: the same bytes. All on the critical path, so TP stays in a node.
+Per layer and step, with E = B*T*C: 4 all-reduces of E (2 g, 2 f), of which a ring
+sends 2(tp-1)/tp * E per rank; with SP, 4 all-gathers and 4 reduce-scatters, each
+sending (tp-1)/tp * E. The bytes are the same; all are on the critical path, so TP
+stays inside a node.
 
 Run it:  python 04_tensor_parallel.py [--ranks 4]   (relaunches itself under torchrun)
     or:  torchrun --standalone --nproc_per_node=2 04_tensor_parallel.py
-The demo checks the MLP alone, then the whole GPT with and without SP, against one
-process; bench/bench_tensor_parallel.py measures the costs.
+The demo checks the MLP, the GPT with and without SP (outputs, gradients, their norm,
+every collective's bytes) and the dropout masks; bench/bench_tensor_parallel.py times.
 
 What changed from 03_ddp.py: DP copies the model and splits the batch, sending gradients
 once per step; TP splits every matrix, keeps the whole batch and sends activations in
-every layer. The simple version, one MLP with f and g in sight, comes first; then the
-reusable layers, the whole GPT, and LoRA's factors sharded beside their weights.
-
-Left out on purpose: overlapping the backward all-reduce with the weight-gradient
-matmul; saving only X/tp under SP; 2D tensor parallelism. The plumbing (slicing, the
-dropout stream, the config check) is in support/sharding.py.
+every layer. One MLP with f and g in sight comes first; then the reusable layers, the
+whole GPT, and LoRA's factors sharded beside their weights. Left out on purpose: overlap
+of the backward all-reduce with the weight gradient's matmul; saving only X/tp of the
+activations under SP; 2D tensor parallelism. Slicing is plumbing, in support/sharding.
 """
 
 import argparse
+import contextlib
 import copy
 import functools
 import importlib
@@ -66,16 +66,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from support import distributed, sharding
+from support.sharding import gather_logits, relative_diff, shard_tensor, tp_layout
 
 model_lib = importlib.import_module("02_model")
-
-# Plumbing that train.py, 05, bench/ and the tests reach through this lesson.
-RNGStateTracker = sharding.RNGStateTracker
-TP_RNG = sharding.TP_RNG
-check_tp_config = sharding.check_tp_config
-grad_norm_squared = sharding.grad_norm_squared
-merge_tensors = sharding.merge_tensors
-shard_tensor = sharding.shard_tensor
+merge_tensors = sharding.merge_tensors  # train.py's export joins shards with it
 
 # T is dim 1 of 02's (B, T, C). Megatron keeps (T, B, C) so that its gathers are
 # contiguous; we keep 02's layout and pay for a copy.
@@ -150,11 +144,13 @@ class GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):  # (B, T/tp, C): this rank's tokens -> (B, T, C)
         ctx.group = group
-        return sharding.all_gather_along(x, group, SEQ_DIM)
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)  # a ring sends tp-1 parts
+        return torch.cat(parts, dim=SEQ_DIM)  # every rank's tokens, in rank order
 
     @staticmethod
     def backward(ctx, grad):  # (B, T, C), this rank's share -> (B, T/tp, C), summed
-        return sharding.reduce_scatter_along(grad, ctx.group, SEQ_DIM), None
+        return ReduceScatterToSequenceParallel.forward(ctx, grad, ctx.group), None
 
 
 class ReduceScatterToSequenceParallel(torch.autograd.Function):
@@ -163,22 +159,65 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):  # (B, T, C) partial sums -> (B, T/tp, C), own tokens
         ctx.group = group
-        return sharding.reduce_scatter_along(x, group, SEQ_DIM)
+        chunks = sharding.chunk_for_ranks(x, group, SEQ_DIM)  # tp x (B, T/tp, C)
+        parts = [chunk.contiguous() for chunk in chunks]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=group)  # rank r gets the sum of chunk r
+        return out
 
     @staticmethod
-    def backward(ctx, grad):  # (B, T/tp, C) -> (B, T, C)
-        return sharding.all_gather_along(grad, ctx.group, SEQ_DIM), None
+    def backward(ctx, grad):  # (B, T/tp, C) -> (B, T, C): the all-gather above
+        return GatherFromSequenceParallel.forward(ctx, grad, ctx.group), None
 
 
-def gather_logits(logits, group):
-    """(B, T, V/tp) logit shards -> the full (B, T, V_padded), outside autograd."""
-    return sharding.all_gather_along(logits.detach(), group, -1)
+# --------------------------------------------------------------- dropout under TP
+# The same mask across TP ranks in replicated regions, different masks in sharded ones.
+# A replicated activation (the residual stream; without SP, the output of g) is one
+# tensor held tp times: the copies stay copies only if every rank drops the same
+# elements, so dropout there draws from the default generator, seeded alike on every
+# rank. A sharded activation (attention's heads; with SP, a rank's T/tp tokens) is a
+# different piece of the whole on each rank, and the same mask on every piece would
+# repeat one pattern tp times: it draws from a stream of this rank's own instead.
+TP_RNG = "tensor_parallel"  # the name of that stream in checkpoints
+
+
+class RNGStateTracker:
+    """This rank's own dropout stream (Megatron's CudaRNGStatesTracker, one stream).
+    `with tracker.fork():` swaps the stream's state into the device's default generator,
+    runs the block, and swaps it back out, advanced: the default stream continues
+    exactly where it was. `.state` is a CPU byte tensor, as torch's own RNG states."""
+
+    def __init__(self, device, seed: int):
+        self.device = torch.device(device)
+        self.state = torch.Generator(device=self.device).manual_seed(seed).get_state()
+
+    def _swap(self, state):
+        """Install `state` in the device's default generator; return the old one."""
+        if self.device.type == "cuda":
+            old = torch.cuda.get_rng_state(self.device)
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            old = torch.get_rng_state()
+            torch.set_rng_state(state)
+        return old
+
+    @contextlib.contextmanager
+    def fork(self):
+        outside = self._swap(self.state)  # the default stream, put aside
+        try:
+            yield
+        finally:
+            self.state = self._swap(outside)  # this rank's stream, advanced
+
+    def state_dict(self) -> dict:  # for checkpoints, next to torch's own RNG state
+        return {TP_RNG: self.state.clone()}
+
+    def load_state_dict(self, states: dict):
+        self.state = states[TP_RNG].clone()
 
 
 class ParallelDropout(nn.Dropout):
-    """Dropout on rank-specific data (a shard of heads or tokens), from the TP stream.
-    Replicated activations keep the default stream, alike on every TP rank, so that the
-    copies stay copies; sharded ones need masks of their own."""
+    """Dropout on a sharded activation (a rank's heads or tokens): its own masks."""
 
     def __init__(self, p: float, rng: RNGStateTracker):
         super().__init__(p)
@@ -189,37 +228,9 @@ class ParallelDropout(nn.Dropout):
             return super().forward(x)
 
 
-# --------------------------------------------------------------------------- slicing
-# A GPT module (a name suffix) -> the (dim, chunks) of its weight's split. dim 0 is
-# column-parallel (output rows), dim 1 row-parallel (input columns; the bias is then
-# replicated). chunks=3 cuts the fused [q|k|v] per part, so a rank holds whole heads.
-SHARDED = {
-    "wte": (0, 1),
-    "lm_head": (0, 1),
-    "attn.c_attn": (0, 3),
-    "mlp.c_fc": (0, 1),
-    "attn.c_proj": (1, 1),
-    "mlp.c_proj": (1, 1),
-}
-# LoRA's factors (02): B (out, r) is cut as its weight's rows, A (r, in) as its columns.
-LORA_DIM = {"lora_B": 0, "lora_A": 1}
-
-
-def tp_layout(key: str):
-    """(dim, chunks) along which a GPT state-dict entry is split, or None: replicated."""
-    module, _, kind = key.rpartition(".")
-    for suffix, (dim, chunks) in SHARDED.items():
-        if module != suffix and not module.endswith("." + suffix):
-            continue
-        if kind in LORA_DIM:
-            return (dim, chunks) if LORA_DIM[kind] == dim else None
-        row_bias = dim == 1 and kind == "bias"  # replicated
-        return None if row_bias else (dim, chunks)
-    return None
-
-
+# --------------------------------------------------------------------------- the layers
 def _shard_param(t, dim, chunks, group):
-    """A new Parameter of this rank's slice, marked as sharded (for the grad norm)."""
+    """A new Parameter of this rank's slice, marked as a shard for the gradient norm."""
     rank = dist.get_rank(group)
     tp = dist.get_world_size(group)
     p = nn.Parameter(shard_tensor(t.detach(), dim, chunks, rank, tp), t.requires_grad)
@@ -227,7 +238,6 @@ def _shard_param(t, dim, chunks, group):
     return p
 
 
-# --------------------------------------------------------------------------- the layers
 class ColumnParallelLinear(nn.Module):
     """Y_i = X A_i from a full nn.Linear: this rank's out/tp output features.
     The input (B, T, in), replicated, enters through f; with SP, (B, T/tp, in) is
@@ -407,27 +417,28 @@ def parallel_linear(cls, linear, group, *args):
 def vocab_parallel_cross_entropy(
     logits, targets, reduction="mean", *, group, vocab_size=None
 ):
-    """02's loss, the mean (or sum) of -log softmax[target] where target != -1, from
-    (B, T, V/tp) logit shards: log sum_exp - x[target], both pieces summed over the
-    ranks by 3 all-reduces of (B*T,), the max included. No backward to write: g's is
-    the identity, so 1/sum_exp reaches each rank's own sum of exp(x), giving its shard
-    exp(x)/sum_exp = softmax, and the target's owner -1 via x[target]: softmax - onehot."""
+    """02's loss from (B, T, V/tp) logit shards: the mean (or the sum), over the targets
+    that are not -1, of log sum_exp(x) - x[target], both pieces summed over the ranks.
+    It takes three all-reduces of (B*T,) numbers: the max, the target's logit and the
+    sum of exp. No backward needs writing: g's backward is the identity, so each rank's
+    exp(x) receives 1/sum_exp and its shard's gradient is exp(x)/sum_exp, the softmax,
+    while the rank that owns the target also receives -1 through x[target]."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     x = logits.float().reshape(-1, logits.size(-1))  # (N, V/tp), N = B*T; fp32, as 02
-    rows = x.size(-1)
+    cols = x.size(-1)  # V/tp: this rank's columns of the vocabulary
     targets = targets.reshape(-1)
     n = torch.arange(len(x), device=x.device)
-    first = dist.get_rank(group) * rows  # the vocabulary id of this rank's first column
-    if vocab_size is not None and vocab_size - first < rows:  # padding columns here
+    first = dist.get_rank(group) * cols  # the vocabulary id of this rank's first column
+    if vocab_size is not None and vocab_size - first < cols:  # padding columns here
         pad = max(vocab_size - first, 0)
-        x = x.index_fill(1, torch.arange(pad, rows, device=x.device), -math.inf)
+        x = x.index_fill(1, torch.arange(pad, cols, device=x.device), -math.inf)
     m = x.detach().max(dim=-1).values
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # 1: the global max
     x = x - m.unsqueeze(-1)  # exp(x - m) <= 1, so no overflow; a constant, no gradient
     local = targets - first  # (N,) the target ids, in this rank's columns
-    mine = (local >= 0) & (local < rows)  # this rank holds the target's column
-    picked = torch.where(mine, x[n, local.clamp(0, rows - 1)], 0.0)  # x[n, target_n]
+    mine = (local >= 0) & (local < cols)  # this rank holds the target's column
+    picked = torch.where(mine, x[n, local.clamp(0, cols - 1)], 0.0)  # x[n, target_n]
     target_logit = ReduceFromTensorParallel.apply(picked, group)  # 2: from its owner
     sum_exp = ReduceFromTensorParallel.apply(x.exp().sum(dim=-1), group)  # 3: the sum
     keep = targets != -1  # 02's ignore_index
@@ -435,15 +446,47 @@ def vocab_parallel_cross_entropy(
     return losses.sum() if reduction == "sum" else losses.sum() / keep.sum()
 
 
+# ------------------------------------------------------------------ the gradient norm
+def grad_norm_squared(grads, group, device) -> torch.Tensor:
+    """The whole model's squared gradient norm from this rank's (parameter, gradient)
+    pairs, the same on every TP rank (for clipping). A parameter marked `tensor_parallel`
+    is a slice, so the ranks' sums of squares add up to the whole's: all-reduce them.
+    Any other is a copy, its gradient alike on every rank (f made it so): summed over
+    the ranks it would count tp times, so each rank adds it once, locally."""
+    sharded = torch.zeros((), device=device)
+    replicated = torch.zeros((), device=device)
+    for p, g in grads:
+        if getattr(p, "tensor_parallel", False):
+            sharded += g.float().pow(2).sum()
+        else:
+            replicated += g.float().pow(2).sum()
+    dist.all_reduce(sharded, group=group)
+    return sharded + replicated
+
+
 # --------------------------------------------------------------------------- the model
+def check_tp_config(config, tp: int):
+    """Assert that this GPTConfig splits tp ways, before any collective runs."""
+    cannot = f"cannot split this GPT over tp={tp} ranks"
+    # A rank holds whole heads; as C = nh * hs, n_head % tp == 0 splits C and 4C too.
+    heads = f"n_head={config.n_head} is not divisible by tp={tp} (whole heads)"
+    assert config.n_head % tp == 0, f"{cannot}: {heads}"
+    V = config.padded_vocab_size
+    m = math.lcm(64, tp)
+    rows = -(-config.vocab_size // m) * m  # the vocabulary padded to a multiple of m
+    now = f"vocab_size={config.vocab_size}, pad_vocab_multiple={config.pad_vocab_multiple}"
+    fix = f"pad with GPTConfig(pad_vocab_multiple={m}) -> {rows} rows"
+    assert V % tp == 0, f"{cannot}: the vocabulary has {V} rows ({now}): {fix}"
+
+
 def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
     """Shard a 02_model.GPT over the TP `group` in place, by slicing its full weights.
     Build the model identically on every rank first (the same seed). model(idx, targets)
     then returns this rank's (B, T, V/tp) logits and the full mean loss; the state-dict
-    keys stay 02's; 05 may call model.embed, the blocks, model.head and model.loss_fn
-    apart. The per-rank dropout stream is seeded (seed or torch.initial_seed()) + 1 +
-    world_size + global rank, unique per (stage, replica, TP rank); train.py keeps the
-    default streams below that (seed + 1 + pp_rank * dp + dp_rank)."""
+    keys stay 02's, and model.embed, the blocks, model.head and model.loss_fn still work
+    one at a time. The per-rank dropout stream is seeded (seed or torch.initial_seed())
+    + 1 + world_size + the global rank: its own on every rank of the world, and apart
+    from seed + 1 ... seed + world_size, which a caller may give the default streams."""
     if group is None:
         raise ValueError("pass the TP process group explicitly (dist.new_group(ranks))")
     if getattr(model, "tp_group", None) is not None:
@@ -485,11 +528,6 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
 
 
 # --------------------------------------------------------------------------- the demo
-def relative_diff(mine, whole) -> torch.Tensor:
-    """max |mine - whole| / max |whole|: fp32 rounding is ~1e-7, a bug ~1."""
-    return (mine - whole).abs().max() / whole.abs().max()
-
-
 def demo_mlp(args, config, group, device):
     """The simple version: 02's MLP sharded by hand, against itself whole."""
     rank = dist.get_rank(group)
@@ -546,16 +584,22 @@ def demo_gpt(args, config, group, device):
     for name, p in full.named_parameters():
         layout = tp_layout(name)
         want[name] = shard_tensor(p.grad, *layout, rank, tp) if layout else p.grad
+    norm_full = torch.stack([p.grad.norm() for p in full.parameters()]).norm()
     n_full = sum(p.numel() for p in full.parameters())
+    E = B * T * config.n_embd * 4  # the bytes of one (B, T, C) activation in fp32
+    sent = {}  # the bytes one rank sends for the activations, by SP
     for sp, model in sharded.items():
-        logits, loss = model(x, y)
-        loss.backward()
+        with sharding.count_comm() as log:  # every collective of the step, with bytes
+            logits, loss = model(x, y)
+            loss.backward()
         params = model.named_parameters()
         d_grad = max((p.grad - want[n]).abs().max() for n, p in params)
         d_logits = (gather_logits(logits, group) - logits_full).abs().max()
-        diffs = sharding.max_over_ranks(
-            [d_logits, (loss - loss_full).abs(), d_grad], group
-        )
+        grads = [(p, p.grad) for p in model.parameters()]
+        norm = grad_norm_squared(grads, group, device).sqrt()
+        d_norm = (norm - norm_full).abs()
+        d_loss = (loss - loss_full).abs()
+        diffs = sharding.max_over_ranks([d_logits, d_loss, d_grad, d_norm], group)
         # O(1) values; fp32 sums split over ranks round ~1e-7 apart, far below 1e-4.
         assert max(diffs) < 1e-4, f"TP differs from the unsharded model: {diffs}"
         worst = "logits {:.1e}, loss {:.1e}, any gradient {:.1e}".format(*diffs)
@@ -563,6 +607,42 @@ def demo_gpt(args, config, group, device):
         n_rank = sum(p.numel() for p in model.parameters())
         share = f"{n_rank / n_full:.1%} of the whole (1/tp = {1 / tp:.1%})"
         print0(f"  parameters per rank {share}: LayerNorms, wpe, row biases are copies")
+        print0(f"  gradient norm {norm:.6f}, the unsharded model's {norm_full:.6f}")
+        formula = sharding.comm_formula(config, B, T, sp)
+        totals = {op: sum(n for o, n in log if o == op) for op in formula}
+        assert totals == formula, f"collectives {totals}, not comm_formula's {formula}"
+        calls, sent[sp] = sharding.ring_sent(log, tp, E)  # those of (B, T, C)
+        kinds = "all-gathers and reduce-scatters" if sp else "all-reduces"
+        print0(f"  {calls} {kinds} of (B, T, C): {sent[sp]:,} bytes sent per rank")
+    assert sent[True] == sent[False], f"SP sends other bytes than TP: {sent}"
+    print0("  (every collective's bytes as comm_formula): SP sends the same bytes")
+    with torch.no_grad(), sharding.count_comm() as log:
+        model.loss_fn(logits, y)  # the loss alone, from this rank's (B, T, V/tp)
+    assert log == [("all_reduce", 4 * B * T)] * 3, f"the loss's collectives: {log}"
+    V = config.padded_vocab_size
+    vs = f"{4 * B * T:,} bytes each, not the {4 * B * T * V:,} of (B, T, V)"
+    print0(f"the loss over V/tp columns: 3 all-reduces of (B, T), {vs}")
+
+
+def demo_dropout(args, group, device):
+    """Dropout under TP: copies draw one mask on every rank, shards a mask of their own."""
+    tp = dist.get_world_size(group)
+    torch.manual_seed(args.seed)  # the default stream, alike on every rank
+    seed = args.seed + 1 + dist.get_rank()  # this rank's own stream, as in the model
+    drop_copy = nn.Dropout(0.5)  # a replicated region: the default stream
+    drop_shard = ParallelDropout(0.5, RNGStateTracker(device, seed))
+    ones = torch.ones(1024, device=device)
+    # A copy's mask, a shard's, then a copy's again: the fork left the default alone.
+    masks = torch.stack([drop_copy(ones), drop_shard(ones), drop_copy(ones)])
+    everyone = [torch.empty_like(masks) for _ in range(tp)]
+    dist.all_gather(everyone, masks, group=group)
+    alike = [all(torch.equal(m[i], masks[i]) for m in everyone) for i in range(3)]
+    assert alike[0] and alike[2], "the ranks drew different masks for a copy"
+    assert tp == 1 or not alike[1], "the ranks drew one mask for different shards"
+    same = "the same mask on every rank"
+    print0 = distributed.print0
+    print0(f"dropout: a replicated activation gets {same}: {alike[0] and alike[2]};")
+    print0(f"  a sharded one (heads, SP's tokens) gets {same}: {alike[1]}")
 
 
 def main(argv=None):
@@ -582,7 +662,7 @@ def main(argv=None):
         config = model_lib.GPTConfig.from_preset(args.preset, **sizes)
         # A bad --ranks fails here, before any process starts.
         check_tp_config(config, tp)
-    except ValueError as e:
+    except (ValueError, AssertionError) as e:
         parser.error(str(e))
     if "WORLD_SIZE" not in os.environ:
         return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
@@ -591,6 +671,7 @@ def main(argv=None):
         group = dist.new_group(list(range(world_size)))  # the TP group: every rank
         demo_mlp(args, config, group, device)
         demo_gpt(args, config, group, device)
+        demo_dropout(args, group, device)
         dist.barrier()  # subtle: no rank tears gloo down while a peer still uses it
     finally:
         dist.destroy_process_group()

@@ -78,7 +78,7 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
         "model": tuple(model_lib.PRESETS),
         "recompute": mp_lib.RECOMPUTE,
         "lr_schedule": LR_SCHEDULES,
-        "grad_compression": ddp_lib.COMPRESSION,
+        "grad_compression": ("none", "fp16", "bf16", "powersgd"),
     }
     config.check_flags(cfg, world_size, choices, model_lib.PRESETS, pp_lib.check_config)
 
@@ -99,7 +99,7 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
     try:  # GPTConfig's checks (n_embd % n_head, ...), then 04's (whole heads a rank).
         gpt_config = model_lib.GPTConfig.from_preset(cfg.model, **sizes, **extra)
         tp_lib.check_tp_config(gpt_config, cfg.tp)
-    except ValueError as e:
+    except (ValueError, AssertionError) as e:
         raise ConfigError(f"--model {cfg.model} --tp {cfg.tp}: {e}") from None
     config.check_data(cfg, gpt_config.block_size, data_lib.DataLoader)
     if cfg.init_from:  # Last, since it reads the whole checkpoint.
@@ -203,10 +203,13 @@ def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device):
         scaled = SimpleNamespace(param_groups=[{"params": shards}], step=opt.step)
         return [zero_lib.ZeroDataParallel(c, opt) for c in chunks], opt, scaled
     if grid.dp > 1:  # The same PowerSGD seed on every rank: 03's default.
-        how = (cfg.grad_compression, cfg.powersgd_rank, cfg.powersgd_warmup_steps)
-        hooks = [ddp_lib.compression_hook(c.parameters(), *how) for c in chunks]
-        wrap = ddp_lib.DataParallel
-        chunks = [wrap(c, group=grid.dp_group, comm_hook=h) for c, h in zip(chunks, hooks)]
+        half = {"fp16": torch.half, "bf16": torch.bfloat16}.get(cfg.grad_compression)
+        for i, c in enumerate(chunks):  # --grad-compression picks one of 03's hooks.
+            hook = ddp_lib.HalfPrecision(half) if half else None
+            if cfg.grad_compression == "powersgd":
+                warmup = cfg.powersgd_warmup_steps
+                hook = ddp_lib.PowerSGD(c.parameters(), cfg.powersgd_rank, warmup)
+            chunks[i] = ddp_lib.DataParallel(c, group=grid.dp_group, comm_hook=hook)
     opt = AdamW(groups, **kw)
     return chunks, opt, opt
 

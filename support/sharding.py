@@ -1,20 +1,16 @@
 """The plumbing of tensor parallelism (04_tensor_parallel.py), which teaches nothing new.
 
-All-gather and reduce-scatter along one dimension of a tensor, slicing a full tensor
+Which rows or columns of each GPT weight a rank holds (tp_layout), slicing a full tensor
 into a rank's shard and merging the shards back, a check that the ranks hold the same
-weights, a per-rank dropout stream, the squared gradient norm over sharded and
-replicated parameters, and the collectives of a step counted beside their formula.
-04 re-exports what other code calls through it.
+weights, chunking along a dimension, and the collectives of a step counted beside their
+formula. 04 imports what other code calls through it.
 """
 
 import contextlib
 import inspect
-import math
 
 import torch
 import torch.distributed as dist
-
-TP_RNG = "tensor_parallel"  # the name of the per-rank dropout stream in checkpoints
 
 
 def chunk_for_ranks(x: torch.Tensor, group, dim: int):
@@ -26,45 +22,6 @@ def chunk_for_ranks(x: torch.Tensor, group, dim: int):
             f"dim {dim} of {shape}: with SP T must be a multiple of tp={tp}"
         )
     return x.chunk(tp, dim=dim)
-
-
-def all_gather_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """Every rank's x, concatenated along dim in rank order.
-
-    A ring sends (tp-1)/tp of the result per rank."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
-
-
-def reduce_scatter_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
-    """The sum of every rank's x, of which this rank keeps its chunk along dim.
-
-    A ring sends tp-1 of the tp chunks per rank."""
-    parts = [p.contiguous() for p in chunk_for_ranks(x, group, dim)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
-    return out
-
-
-def check_tp_config(config, tp: int):
-    """Every reason this GPTConfig cannot be split tp ways, in one ValueError, with no
-    collective. n_head % tp == 0 suffices for the widths, as C = nh * hs."""
-    V = config.padded_vocab_size
-    problems = []
-    if config.n_head % tp:
-        heads = f"n_head={config.n_head}"
-        problems.append(f"{heads} is not divisible by tp={tp} (whole heads)")
-    if V % tp:
-        m = math.lcm(64, tp)
-        rows = -(-config.vocab_size // m) * m
-        now = f"vocab_size={config.vocab_size}, pad_vocab_multiple={config.pad_vocab_multiple}"
-        fix = f"pad with GPTConfig(pad_vocab_multiple={m}) -> {rows} rows"
-        split = f"not divisible by tp={tp}"
-        problems.append(f"the vocabulary has {V} rows ({now}), {split}: {fix}")
-    if problems:
-        reasons = "; ".join(problems)
-        raise ValueError(f"cannot split this GPT over tp={tp} ranks: {reasons}")
 
 
 def check_same_on_ranks(tensors, group, message: str):
@@ -98,57 +55,32 @@ def merge_tensors(shards, dim: int, chunks: int) -> torch.Tensor:
     return torch.cat(whole, dim)
 
 
-class RNGStateTracker:
-    """This rank's own dropout stream (Megatron's CudaRNGStatesTracker, one stream).
-
-    The default stream is alike on every TP rank, so copies get the same mask. Shards
-    (heads; with SP, tokens) need their own: `with tracker.fork():` swaps this stream
-    into the device's default generator, and back again, advanced. `.state` holds the
-    stream between forks (a CPU byte tensor, as torch's own RNG states)."""
-
-    def __init__(self, device, seed: int):
-        self.device = torch.device(device)
-        self.state = torch.Generator(device=self.device).manual_seed(seed).get_state()
-
-    def _swap(self, state):
-        """Install `state` in the device's default generator; return the old one."""
-        if self.device.type == "cuda":
-            old = torch.cuda.get_rng_state(self.device)
-            torch.cuda.set_rng_state(state, self.device)
-        else:
-            old = torch.get_rng_state()
-            torch.set_rng_state(state)
-        return old
-
-    @contextlib.contextmanager
-    def fork(self):
-        outside = self._swap(self.state)
-        try:
-            yield
-        finally:
-            self.state = self._swap(outside)
-
-    def state_dict(self) -> dict:  # for checkpoints, next to torch's own RNG state
-        return {TP_RNG: self.state.clone()}
-
-    def load_state_dict(self, states: dict):
-        self.state = states[TP_RNG].clone()
+# A GPT module (a name suffix) -> the (dim, chunks) of its weight's split in 04. dim 0
+# is column-parallel (output rows), dim 1 row-parallel (input columns; the bias is then
+# replicated). chunks=3 cuts the fused [q|k|v] per part, so a rank holds whole heads.
+SHARDED = {
+    "wte": (0, 1),
+    "lm_head": (0, 1),
+    "attn.c_attn": (0, 3),
+    "mlp.c_fc": (0, 1),
+    "attn.c_proj": (1, 1),
+    "mlp.c_proj": (1, 1),
+}
+# LoRA's factors (02): B (out, r) is cut as its weight's rows, A (r, in) as its columns.
+LORA_DIM = {"lora_B": 0, "lora_A": 1}
 
 
-def grad_norm_squared(grads, group, device) -> torch.Tensor:
-    """The sum of g² over (parameter, gradient) pairs, the same on every TP rank.
-
-    A parameter marked `tensor_parallel` is a slice: the ranks' squares add up. Any
-    other is a copy, alike on every rank, and is counted once."""
-    sharded = torch.zeros((), device=device)
-    replicated = torch.zeros((), device=device)
-    for p, g in grads:
-        if getattr(p, "tensor_parallel", False):
-            sharded += g.float().pow(2).sum()
-        else:
-            replicated += g.float().pow(2).sum()
-    dist.all_reduce(sharded, group=group)
-    return sharded + replicated
+def tp_layout(key: str):
+    """(dim, chunks) along which a GPT state-dict entry is split, or None: replicated."""
+    module, _, kind = key.rpartition(".")
+    for suffix, (dim, chunks) in SHARDED.items():
+        if module != suffix and not module.endswith("." + suffix):
+            continue
+        if kind in LORA_DIM:
+            return (dim, chunks) if LORA_DIM[kind] == dim else None
+        row_bias = dim == 1 and kind == "bias"  # replicated
+        return None if row_bias else (dim, chunks)
+    return None
 
 
 # A collective -> the argument that holds its payload (the bytes count_comm records).
@@ -206,3 +138,25 @@ def max_over_ranks(values, group) -> list[float]:
     values = torch.stack(values).detach()
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values.tolist()
+
+
+def ring_sent(log, tp: int, size: int) -> tuple[int, int]:
+    """(calls, bytes one rank sends) for the collectives in a count_comm log whose
+    payload is `size` bytes. A ring sends 2(tp-1)/tp of an all-reduce's payload, and
+    (tp-1)/tp of an all-gather's (the gathered list) or a reduce-scatter's (its input)."""
+    ring = dict(all_reduce=2 * (tp - 1), all_gather=tp - 1, reduce_scatter=tp - 1)
+    calls = [op for op, n in log if n == size]
+    return len(calls), sum(ring[op] * size // tp for op in calls)
+
+
+def gather_logits(logits, group):
+    """(B, T, V/tp) logit shards -> the full (B, T, V_padded), outside autograd, for
+    tests and checks (the vocabulary-parallel loss never builds the full logits)."""
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, logits.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def relative_diff(mine, whole) -> torch.Tensor:
+    """max |mine - whole| / max |whole|: fp32 rounding is ~1e-7, a bug ~1."""
+    return (mine - whole).abs().max() / whole.abs().max()
