@@ -3,8 +3,11 @@
 Each lesson's README section has a **Look for** list; every `backticked` span in it is a
 piece of that lesson's printed output, and this test runs the lesson (`python 0N_x.py`, as
 the README says) and finds the span there. A docstring quotes its demo the same way, as a
-backticked span right after the word "prints". The demos train on support/demo_corpus.txt,
-a frozen text, so editing a lesson changes its numbers only when it changes what it computes.
+backticked span right after the word "prints". A **Try** item that quotes a variant's output
+says "prints `...`" after its command (its first backticked span: `python 0N_x.py ARGS`, or
+just `--flags` for the section's lesson), and that command is run too. The demos train on
+support/demo_corpus.txt, a frozen text, so a lesson's numbers change only when what it
+computes changes. Every run happens in a temporary folder, so `data/` and `out/` stay clean.
 
 Matching is exact, whitespace aside, except `…`, which stands for anything on one line: a
 timing or a thread-dependent number is written `…` in the README, never quoted as a number.
@@ -29,7 +32,8 @@ def look_for_quotes(number: str) -> list[str]:
     """The backticked spans of the **Look for** list in README's section `## NN · ...`."""
     section = re.search(rf"^## {number} ·.*?(?=^## )", README, re.S | re.M)
     assert section, f"README has no section '## {number} ·'"
-    block = re.search(r"\*\*Look for\*\*(.*?)(?=^\*\*|\Z)", section.group(0), re.S | re.M)
+    # The list (or the paragraph) ends at the first blank line.
+    block = re.search(r"\*\*Look for\*\*(.*?)(?=\n\n|\Z)", section.group(0), re.S)
     assert block, f"README's section {number} has no **Look for** list"
     return re.findall(r"`([^`]+)`", block.group(1))
 
@@ -47,33 +51,82 @@ def as_pattern(quote: str) -> str:
     return r"\s+".join(pieces).replace(re.escape("…"), r"[^\n]*?")
 
 
+def try_runs(number: str) -> list[tuple[list[str], list[str]]]:
+    """(arguments, quotes) of each **Try** item in section NN that says "prints `...`"."""
+    section = re.search(rf"^## {number} ·.*?(?=^## )", README, re.S | re.M).group(0)
+    block = re.search(r"\*\*Try\*\*(.*?)(?=^\*\*|^!|\Z)", section, re.S | re.M)
+    items = re.split(r"^\d+\. ", block.group(1), flags=re.M) if block else []
+    runs = []
+    for item in items:
+        quotes = re.findall(r"prints\s+`([^`]+)`", item)
+        if not quotes:
+            continue
+        command = re.search(r"`([^`]+)`", item).group(1).split()
+        if command[0] == "python":
+            command = command[1:]
+        else:  # `--flags` alone: the section's own lesson
+            command = [lesson_file(number), *command]
+        runs.append((command, quotes))
+    return runs
+
+
+def lesson_file(number: str) -> str:
+    return next(name for name in LESSONS if name.startswith(number))
+
+
 @functools.cache
-def demo_output(lesson: str, tmp: str) -> str:
-    """Run `python lesson` from the repository root, as a reader does; its stdout."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg", DEMO_OUT=tmp)
+def run_output(args: tuple[str, ...], cwd: str, must_succeed: bool = True) -> str:
+    """Run `python ARGS` in the folder cwd, the lesson found in the repository; stdout+stderr."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     done = subprocess.run(
-        [sys.executable, lesson],
-        cwd=ROOT,
+        [sys.executable, str(ROOT / args[0]), *args[1:]],
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert done.returncode == 0, f"{lesson} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
-    return done.stdout
+    out = done.stdout + done.stderr
+    if must_succeed:
+        assert done.returncode == 0, f"python {' '.join(args)} failed:\n{out[-4000:]}"
+    return out
+
+
+def missing(quotes: list[str], out: str) -> list[str]:
+    return [q for q in quotes if not re.search(as_pattern(q), out)]
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_quoted_output_is_printed(lesson, tmp_path_factory):
+def test_quoted_output_is_printed(lesson, tmp_path):
     quotes = look_for_quotes(lesson[:2]) + docstring_quotes(lesson)
     assert quotes, f"README quotes nothing of {lesson}'s output"
-    out = demo_output(lesson, str(tmp_path_factory.mktemp(lesson[:2])))
-    missing = [q for q in quotes if not re.search(as_pattern(q), out)]
-    assert not missing, f"{lesson} does not print {missing}; it printed:\n{out}"
+    out = run_output((lesson,), str(tmp_path))
+    assert not missing(quotes, out), (
+        f"{lesson} does not print {missing(quotes, out)}:\n{out}"
+    )
+
+
+TRIES = [
+    (n, args, q) for n in sorted({x[:2] for x in LESSONS}) for args, q in try_runs(n)
+]
+
+
+@pytest.mark.parametrize(
+    "number, args, quotes", TRIES, ids=[" ".join(t[1]) for t in TRIES]
+)
+def test_try_items_print_what_they_quote(number, args, quotes, tmp_path):
+    # A Try may end in the one-line error it describes, so its exit code is not checked.
+    out = run_output(tuple(args), str(tmp_path), must_succeed=False)
+    assert not missing(quotes, out), (
+        f"python {' '.join(args)} does not print {missing(quotes, out)}:\n{out}"
+    )
 
 
 def test_an_edited_number_is_caught():
-    printed = "cleaning: kept 650 of 654 documents; removed: exact duplicate (4)\nnaive 3.1 s"
+    printed = (
+        "cleaning: kept 650 of 654 documents; removed: exact duplicate (4)\nnaive 3.1 s"
+    )
     assert re.search(as_pattern("kept 650 of 654 documents"), printed)
     assert not re.search(as_pattern("kept 651 of 654 documents"), printed)
     assert re.search(as_pattern("naive … s"), printed)
