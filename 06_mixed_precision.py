@@ -1,4 +1,4 @@
-"""06_mixed_precision.py: the memory of one step, in 16 bits and fewer activations.
+"""06 · Memory of one step: compute in 16 bits and keep fewer activations, safely.
 
 The idea in one sentence: run the forward and backward in 16-bit numbers (half the
 bytes, and many times fp32's FLOP/s on a GPU's tensor cores), keep what accumulates
@@ -27,19 +27,29 @@ Bits, sign|exponent|mantissa: fp32 1|8|23; bf16 1|8|7 (fp32's range, 2-3 digits)
             +-- optimizer.step (skipped on inf/NaN) <-- /S, check inf/NaN <-+
    torch.autocast works the other way round: the weights stay fp32 (the master copy),
    matmuls cast their inputs to 16 bits, and softmax, norms and losses stay fp32.
+   Bytes per parameter before activations, with AdamW: the ZeRO paper (Rajbhandari et
+   al. 2019, arXiv 1910.02054) counts mixed precision with fp32 masters as 2 + 2 + 12:
+   16-bit weights and gradients, then the fp32 master, m and v. Under autocast the
+   weights and gradients are fp32 and the weights are the masters: 4 + 4 + 8. Both make
+   16 bytes per parameter, 16Ψ for Ψ parameters. (MasterWeights copies the gradients up
+   to fp32 for the step, so while the step runs they take 4 bytes, not 2.)
 5. Gradient accumulation: k microbatches must give one batch's gradient of
        L = (1/N) Σ_microbatches Σ_tokens ℓ_t,   N = target tokens in the WHOLE step,
    so each microbatch back-propagates its summed loss / N. The mean of microbatch means
    over-weights short microbatches when token counts differ (Hugging Face's Trainer
-   did until 4.46). With DP, N is all-reduced, and each rank's loss is x dp.
+   did until 4.46). With data parallelism, N is summed over the ranks, and each rank
+   multiplies its loss by dp, because DP averages the ranks' gradients.
 6. Recomputation (Chen et al. 2016, arXiv 1604.06174; Korthikanti et al. 2022, arXiv
    2205.05198): what the forward keeps grows as B·T·L; apply_recomputation keeps less
-   and redoes the rest in the backward. Bytes per token and layer (dropout 0; r bytes
-   a residual-stream number, 4, or 2 in "fp16 by hand"; a bytes a kept matmul operand,
-   4 in fp32, 2 in 16 bits; what each holds: activation_formula):
+   and redoes the rest in the backward. Below are the bytes per token and layer, with
+   dropout 0. A residual-stream number takes r bytes (4, or 2 in "fp16 by hand"), and
+   a kept matmul operand a bytes (4 in fp32, 2 in 16 bits). activation_formula lists
+   what each mode holds.
        none  2(C+2)r + 14Ca + 4nh    selective  Cr + 10Ca + 4nh    full  Cr
-   Full redoes each block's forward (8N FLOPs a token, not 6N: HFU counts them, MFU does
-   not); selective only elementwise ops, but runs torch's policy in Python on each op.
+   Full redoes each block's forward, so a token costs 8N FLOPs instead of 6N: hardware
+   FLOPs utilisation (HFU) counts the extra 2N, model FLOPs utilisation (MFU) does not.
+   Selective redoes only the elementwise ops, but it calls torch's policy in Python
+   for every op.
 
 Launch:  python 06_mixed_precision.py   (seconds on a CPU; --help): the six in order.
 
@@ -60,6 +70,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint as ckpt
+
+from support.activations import note_kept, saved_activation_bytes
 
 model_lib = importlib.import_module("02_model")
 
@@ -95,7 +107,9 @@ class DynamicLossScaler:
         scaler.update()                 # inf: S *= backoff; growth_interval clean
                                         # steps in a row: S *= growth
 
-    GradScaler's decisions and state_dict. enabled=False (bf16, fp32): pass-through."""
+    It makes GradScaler's decisions and uses its state_dict keys. With enabled=False
+    (for bf16 and fp32) it does nothing: scale() returns the loss as it is, and step()
+    simply steps."""
 
     KEYS = "scale growth_factor backoff_factor growth_interval _growth_tracker"
 
@@ -133,7 +147,9 @@ class DynamicLossScaler:
 
     def unscale_(self, optimizer) -> None:
         """Divide the gradients by S in place; found_inf: any inf or NaN on any rank.
-        Before clipping; a second call is a no-op (GradScaler raises), for step()."""
+
+        Call it before clipping. A second call does nothing (GradScaler's raises), so
+        that step() can call it again safely."""
         if not self.enabled or self._state(optimizer)["stage"] == "unscaled":
             return
         state = self._state(optimizer)
@@ -142,8 +158,10 @@ class DynamicLossScaler:
         grads = [p.grad for p in params if p.grad is not None]
         msg = "fp16 grads: /S would flush them; use autocast or MasterWeights"
         assert all(g.dtype != torch.float16 for g in grads), msg
+        # A rank without gradients still needs the flag on its GPU: NCCL reduces only
+        # CUDA tensors.
         gpu = "cuda" if torch.cuda.is_available() else "cpu"
-        found_inf = torch.zeros((), device=grads[0].device if grads else gpu)  # NCCL
+        found_inf = torch.zeros((), device=grads[0].device if grads else gpu)
         for g in grads:  # checked before dividing, as GradScaler's kernel does
             found_inf = torch.maximum(found_inf, (~torch.isfinite(g)).any().float())
         if grads:  # subtle: 1/S in double, rounded to fp32, as GradScaler: bit-equal
@@ -360,9 +378,9 @@ def _policy(keep_attention, ctx, op, *args, **kwargs):
     """Keep matmuls and attention (flash, cuDNN, efficient, CPU) outputs; redo the rest."""
     attention = op.name().startswith("aten::_scaled_dot_product")
     keep = op in MATMULS or (keep_attention and attention)
-    if keep and _counts:  # saved_activation_bytes is counting (see there)
-        _count(_counts[-1], ctx.op_output)
     if keep:
+        # Noted only while support/activations' saved_activation_bytes is counting.
+        note_kept(ctx)
         return ckpt.CheckpointPolicy.MUST_SAVE
     return ckpt.CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -383,41 +401,6 @@ def _replaying(inner, stream, state):
             yield
     finally:
         stream.state = now
-
-
-# ------------------------------------------------------------ activation memory
-_counts: list[dict] = []  # the storages of each saved_activation_bytes still counting
-
-
-def _count(kept: dict, tensors) -> None:
-    """Note each tensor's storage, unless it is a parameter's (or a view of one)."""
-    for t in tensors if isinstance(tensors, (tuple, list)) else [tensors]:
-        base = getattr(t, "_base", None)  # a view's storage owner
-        weight = isinstance(t if base is None else base, nn.Parameter)
-        if isinstance(t, torch.Tensor) and not weight:  # weights live on anyway
-            kept[t.untyped_storage().data_ptr()] = t
-
-
-def saved_activation_bytes(fn):
-    """fn()'s result, and the bytes of the distinct storages kept for its backward.
-
-    autograd hands each tensor it saves to a saved-tensors hook (the batch's ids and
-    targets too); the parameters' storages are left out. One thing more is needed:
-    inside a checkpoint its own hooks take ours' place, so selective recomputation's
-    kept outputs (in torch's checkpoint, not autograd) are added by the policy."""
-    kept = {}
-    _counts.append(kept)
-
-    def pack(t):
-        _count(kept, t)
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = fn()
-    finally:
-        _counts.pop()
-    return out, sum(t.untyped_storage().nbytes() for t in kept.values())
 
 
 def activation_formula(config, B: int, T: int, mode: str, recompute="none") -> int:
@@ -467,7 +450,7 @@ def underflow_demo(config, batches, args):
     S = args.init_scale
     cases = (("fp16", 1.0), (f"fp16 x 2^{math.log2(S):.0f}", S), ("bf16", 1.0))
     print(f"gradients after {len(batches) - 1} fp32 steps, rounded  0  subnormal  inf")
-    grads = {}  # the non-zeros, returned for bench/bench_mixed_precision.py's figure
+    grads = {}  # The non-zeros, returned so that a caller can plot them.
     for name, ts in (("activation grads", g[:n]), ("parameter grads", g[n:])):
         flat = torch.cat([t.abs().flatten() for t in ts]).cpu()
         flat = grads[name] = flat[flat > 0]
@@ -542,7 +525,8 @@ def recompute_demo(config, args):
     [(x, y)] = model_lib.byte_batches(T, args.batch_size, 1, args.seed, args.device)
     B = args.batch_size
     L = config.n_layer
-    print(f"\nrecomputation, fp32, {B * T} tokens, {L} blocks: bytes held for backward")
+    tokens = f"{B * T} tokens, {L} blocks"
+    print(f"\napply_recomputation, fp32, {tokens}: bytes held for the backward")
     print("mode        held KB  formula  a layer, bytes/token: held formula same grads")
     reference = None
     for mode in RECOMPUTE:
