@@ -28,7 +28,7 @@ Launch:
     python train.py --export out/run  # model.pt, one file from a sharded checkpoint
     python train.py --sample out/run/model.pt      # a cluster: docs/cluster.md
 
-What changed from 06: nothing new is taught; 01-07 composed, with what a real run needs
+What changed from 07: nothing new is taught; 01-07 composed, with what a real run needs
 (an LR schedule, global-norm clipping, evaluation, MFU). Plumbing lives in support/.
 """
 
@@ -273,7 +273,7 @@ def pipeline(run: Run, x: torch.Tensor, y: torch.Tensor, **kwargs):
 
 def gradients(run: Run) -> list:
     """(parameter, gradient) pairs. Under ZeRO: this rank's pieces of the averaged
-    gradients in its shards (03's grad_pieces; ZeRO-1 reduce-scatters there)."""
+    gradients in its shards (07's grad_pieces; ZeRO-1 reduce-scatters there)."""
     if run.cfg.zero:
         return [(p, piece) for p, _, piece in run.optimizer.grad_pieces()]
     params = [p for m in run.modules() for p in m.parameters()]
