@@ -15,16 +15,21 @@ The latency is paid per call, so gradients travel in buckets, each reduced while
 backward (last layer first) still computes the earlier layers (DDP, arXiv 2006.15704):
 
     rank 0   [whole GPT]  rows 0..B-1     backward:  h3   h2   h1   h0   embeddings
-    rank 1   [whole GPT]  rows B..2B-1    buckets:        [b0] [b1]  [b2]  [b3] -> mean
-    (each rank holds all Ψ weights, all Ψ gradients and all the optimizer state)
+                                          sends:          [b0] [b1]  [b2]  [b3]
+    rank 1   [whole GPT]  rows B..2B-1    backward:  h3   h2   h1   h0   embeddings
+                                          sends:          [b0] [b1]  [b2]  [b3]
+    (each bucket is all-reduced, its mean on both ranks, as soon as it is full; each
+    rank holds all Ψ weights, all Ψ gradients and all the optimizer state)
 
 Communication hooks (DDP's register_comm_hook): DataParallel hands each full bucket to
 one function that sends it. The default all-reduces the mean. Others send fewer bytes,
-which matters across nodes on Ethernet, where ~2·4Ψ bytes per rank and step is the step:
+which matters across nodes on Ethernet, where sending about 2·4Ψ bytes per rank can take
+longer than the step's compute:
 - fp16/bf16 (torch's fp16_compress_hook, op for op): cast the bucket, divide by N (the
   sum cannot overflow), all-reduce, cast back: half the bytes, 11 or 8 bits kept.
 - PowerSGD (Vogels et al. 2019, arXiv 1905.13727) sends a rank-r sketch of each gradient
-  matrix M (m×n: p.grad as (len(p), the rest)); vectors go whole. M̄: the ranks' mean.
+  matrix M (m×n: p.grad as (len(p), the rest)); vectors go whole. M̄ is the mean of
+  the ranks' M.
       M += e    P = orthonormal(all-reduce(M·orthonormal(Q)))  (m×r)
       Q = all-reduce(Mᵀ P) / N  (n×r)    update = P Qᵀ = P Pᵀ M̄    e = M - update
   It sends (m + n)·r numbers instead of m·n. Q is warm-started (gradients drift
@@ -59,13 +64,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from support.distributed import init_distributed, print0, relaunch_with_torchrun
-from support.handles import retire
+from support.handles import empty_when_freed, retire, weak_hook
 
 model_lib = importlib.import_module("02_model")
 
 SUM = dist.ReduceOp.SUM  # never AVG: gloo does not have it
-COMPRESSION = ("none", "fp16", "bf16", "powersgd")  # train.py's --grad-compression
-HALF = {"fp16": torch.half, "bf16": torch.bfloat16}
 
 
 def default_group(group):
@@ -95,8 +98,8 @@ def broadcast_from_first_rank(module: nn.Module, group) -> None:
 # ------------- simple first: after backward, all-reduce each gradient in turn
 class NaiveDataParallel(nn.Module):
     """Broadcast the parameters once; the training loop calls all_reduce_gradients()
-    after backward (after 06's accumulate_gradients or 05's pipeline step: once).
-    Nothing overlaps the communication."""
+    after backward, once per optimizer step (after the last of several backward passes
+    that add up their gradients). Nothing overlaps the communication."""
 
     # Not calling all_reduce_gradients() is the no-sync.
     no_sync = contextlib.nullcontext
@@ -156,45 +159,16 @@ def make_buckets(params, cap_mb: float | None) -> list[Bucket]:
     return [Bucket(g, i, i == len(groups) - 1) for i, g in enumerate(groups)]
 
 
-def weak_hook(owner, method: str, *bound):
-    """Like `lambda *a: owner.method(*bound, *a)`, without keeping owner alive."""
-    ref = weakref.ref(owner)
-
-    def hook(*args):
-        alive = ref()
-        return None if alive is None else getattr(alive, method)(*bound, *args)
-
-    return hook
-
-
-class Then:
-    """A started collective and what finishes it once done (torch's future.then)."""
-
-    def __init__(self, work, then):
-        self.work = work
-        self.then = then
-
-    def wait(self) -> None:
-        self.work.wait()  # on a GPU: makes the current stream wait, not the host
-        self.then()
-
-
-def all_reduce_hook(dp, bucket: Bucket):
-    """The default hook: the bucket becomes the ranks' mean (divide, then SUM)."""
-    # Divided first, as DDP: x / N is exact for N = 2^k, and the sum stays in range.
-    bucket.buffer.div_(dp.world)
-    return dp.all_reduce(bucket.buffer)
-
-
 class DataParallel(nn.Module):
     """Bucketed and overlapped, as PyTorch DDP. A gradient hook copies p.grad into its
     bucket; once a bucket is full, comm_hook(self, bucket) starts sending it while
     backward goes on (in bucket order on every rank). A callback at the end of backward
     waits for every bucket and sets each p.grad to a view of its bucket. comm_hook
     returns something with wait(), after which the bucket holds the ranks' mean (the
-    default: all_reduce_hook). A missing gradient is an error that names it, not a hang.
-    The gradient hooks hold the wrapper weakly: `model = DataParallel(model.module)`
-    leaves one wrapper; close() silences one still referenced."""
+    default: all_reduce_hook, below, which calls self.all_reduce). A missing gradient is
+    an error that names it, not a hang. The gradient hooks hold the wrapper weakly:
+    `model = DataParallel(model.module)` leaves one wrapper; close() silences one still
+    referenced. A freed wrapper's buckets are emptied (support/handles.py says why)."""
 
     forward = NaiveDataParallel.forward
 
@@ -215,6 +189,8 @@ class DataParallel(nn.Module):
         hook = weak_hook(self, "_hook")
         handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
         self._detach = [weakref.finalize(self, handle.remove) for handle in handles]
+        # Freed, the wrapper empties its buckets: a retired handle may still hold one.
+        empty_when_freed(self, self.params, [b.buffer for b in self.buckets])
 
     def close(self) -> None:
         """Stop synchronising: remove the gradient hooks now, not when freed."""
@@ -223,8 +199,9 @@ class DataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Inside, backward only adds up p.grad. subtle: decided when backward runs
-        (torch DDP: at forward), as a pipeline needs: the last of m passes outside."""
+        """Inside, backward only adds into p.grad and sends nothing. subtle: this is
+        decided when backward runs (torch DDP decides it at forward), which a pipeline
+        needs: its last backward of m runs outside no_sync() and sends the sum."""
         previous = self._sync
         self._sync = False
         try:
@@ -233,7 +210,8 @@ class DataParallel(nn.Module):
             self._sync = previous
 
     def all_reduce(self, tensor: torch.Tensor):
-        """Start a SUM all-reduce of tensor over the group, counted: for the hooks."""
+        """Start a SUM all-reduce of tensor over the group and count it. The hooks
+        below send with it, so that stats counts every byte they send."""
         work = dist.all_reduce(tensor, op=SUM, group=self.group, async_op=True)
         self.stats["allreduce_calls"] += 1
         self.stats["allreduce_bytes"] += nbytes(tensor)
@@ -269,7 +247,9 @@ class DataParallel(nn.Module):
         if not missing:
             for p in late:
                 self._copy_in(p)
-        for sent in self._sent:  # (a missing gradient: none is left half-done)
+        # Wait for every bucket sent, even when a gradient is missing, so that no
+        # collective is left half-done.
+        for sent in self._sent:
             sent.wait()
         launched = len(self._sent)
         retire(*self._sent)  # dropped later, not now: support/handles.py says why
@@ -282,13 +262,36 @@ class DataParallel(nn.Module):
                 "requires_grad_(False))"
             )
         assert launched == len(self.buckets), "every bucket must be sent by now"
-        for p, (bucket, i) in self._where.items():  # subtle: the next backward
-            # Overwrites this view: clone a gradient to keep it.
+        # subtle: p.grad becomes a view of its bucket, which the next backward
+        # overwrites, so clone a gradient to keep it.
+        for p, (bucket, i) in self._where.items():
             p.grad = bucket.views[i]
         self.stats["syncs"] += 1
 
 
-# ------------- communication hooks that send fewer bytes
+# ------------- communication hooks: the default one, then two that send fewer bytes
+def all_reduce_hook(dp: DataParallel, bucket: Bucket):
+    """The default hook: the bucket becomes the ranks' mean (divide, then SUM)."""
+    # Divided first, as DDP: x / N is exact for N = 2^k, and the sum stays in range.
+    bucket.buffer.div_(dp.world)
+    return dp.all_reduce(bucket.buffer)
+
+
+class Then:
+    """A started collective and what finishes it once done (torch's future.then)."""
+
+    def __init__(self, work, then):
+        self.work = work
+        self.then = then
+
+    def wait(self) -> None:
+        self.work.wait()  # on a GPU: makes the current stream wait, not the host
+        then = self.then
+        # Dropped before the call: a retired Then must keep no bucket or tensor alive.
+        self.then = None
+        then()
+
+
 class HalfPrecision:
     """fp16 or bf16 compression, torch's fp16_compress_hook op for op: cast, / N, SUM,
     cast back into the bucket. Half the bytes; every gradient rounded to 16 bits."""
@@ -332,7 +335,8 @@ class PowerSGD:
         self.qs = []  # Q (n, r) per matrix: drawn at the first sketch, then reused
 
     @property
-    def active(self) -> bool:  # sketching, no longer exact
+    def active(self) -> bool:
+        """True once the warm-up is over: the hook sketches, no longer exact."""
         return self.steps >= self.warmup_steps
 
     def __call__(self, dp: DataParallel, bucket: Bucket):
@@ -374,6 +378,8 @@ class PowerSGD:
             v.copy_(total).div_(dp.world)
         flat.untyped_storage().resize_(0)  # freed now: the kept handle refers to it
         qs = [M.T @ p for M, p in zip(Ms, ps)]  # (n, r) each
+        if not qs:  # a bucket of vectors only: they are done
+            return Then(work, lambda: None)
         flat = torch.cat([q.reshape(-1) for q in qs])
 
         def update() -> None:
@@ -401,12 +407,12 @@ class PowerSGD:
         self.qs = [q.to(p.device) for q, p in pairs]
 
 
-def compression_hook(params, name: str, powersgd_rank=4, powersgd_warmup_steps=10):
-    """train.py's --grad-compression: the hook for params (None: the default one)."""
-    assert name in COMPRESSION, f"compression: one of {COMPRESSION}, got {name!r}"
-    if name == "powersgd":
-        return PowerSGD(params, powersgd_rank, powersgd_warmup_steps)
-    return HalfPrecision(HALF[name]) if name in HALF else None
+def demo_hook(name: str, params, warmup: int):
+    """The hook a row of the demo names (None: the default all-reduce)."""
+    if name.startswith("powersgd"):
+        return PowerSGD(params, rank=int(name[-1]), warmup_steps=warmup)
+    half = {"fp16": torch.half, "bf16": torch.bfloat16}.get(name)
+    return None if half is None else HalfPrecision(half)
 
 
 # ------------- the demo: both wrappers equal one process; each hook's bytes
@@ -486,8 +492,7 @@ def compression_demo(rank, world, config, device, steps=30, warmup=5) -> None:
     for name in ("none", "fp16", "bf16", "powersgd r=1", "powersgd r=4"):
         torch.manual_seed(SEED)
         gpt = model_lib.GPT(config).to(device)
-        r = int(name[-1]) if "=" in name else 4
-        hook = compression_hook(gpt.parameters(), name.split()[0], r, warmup)
+        hook = demo_hook(name, gpt.parameters(), warmup)
         model = DataParallel(gpt, bucket_mb=1.0, comm_hook=hook)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for x, y in batches:

@@ -1,12 +1,13 @@
 """07 · ZeRO: shard what every data-parallel rank holds N times (the FSDP idea).
 
 The idea in one sentence: between the reduce-scatter and the all-gather of 03's ring
-all-reduce, rank r needs only slice r of the mean gradient, so it need keep and step only
-1/N of the optimizer state, then of the gradients, then of the weights.
+all-reduce, rank r needs only slice r of the mean gradient, so it needs to keep and step
+only 1/N of the optimizer state, then of the gradients, then of the weights.
 
-The math (Rajbhandari et al. 2019, arXiv 1910.02054). 06 ended with a step's model states:
-16 bytes per parameter with AdamW, fp32 (4 weight + 4 gradient + 8 for m and v) or mixed
-precision (2 + 2 + 12 for the fp32 master, m and v): 16Ψ for Ψ parameters, on every rank.
+The math (Rajbhandari et al. 2019, arXiv 1910.02054). With AdamW in fp32, a step's model
+states take 16 bytes per parameter: 4 for the weight, 4 for its gradient and 8 for m and
+v (with 06's mixed precision also 16: 2 + 2 + 12 for the fp32 master, m and v). That is
+16Ψ bytes for Ψ parameters, on every rank.
 A unit (a block; or the root, the GPT itself, holding what no block owns) becomes one flat
 1-D buffer of its parameters, padded to N·S elements (S = ⌈numel/N⌉), and rank r owns
 slice r. Per rank, fp32 AdamW, N = 2 ([##  ]: rank 0's half); sent: elements per step.
@@ -31,8 +32,10 @@ It checks every stage against one process and prints the bytes per rank beside t
 formula. Step times against FSDP2, GPT-2's sizes: bench/bench_ddp.py.
 
 What changed from 06_mixed_precision.py: the same step's bytes, now divided among the DP
-ranks; 03's DataParallel stays stage 0. Simple first: ZeroOptimizer alone is ZeRO-1 (any
-model, any training loop), then ZeroDataParallel adds the hooks of stages 2 and 3.
+ranks; 03's DataParallel stays stage 0. Simple first: SimpleZero1, ZeRO-1 in one flat
+buffer (reduce-scatter, step the slice, all-gather), then ZeroOptimizer, the same at
+stage 1 for any units, param groups and dtypes, then ZeroDataParallel, which adds the
+hooks of stages 2 and 3.
 
 Left out on purpose: CPU and NVMe offload (ZeRO-Offload, ZeRO-Infinity), ZeRO++'s
 quantised collectives, FSDP2's DTensor shards and bf16 gathers (under autocast, ZeRO-3
@@ -51,7 +54,8 @@ import torch.nn as nn
 
 from support import distributed
 from support.distributed import init_distributed, print0, relaunch_with_torchrun
-from support.handles import retire
+from support.handles import reduce_scatter_kept, retire, weak_hook
+from support.zero_layout import check_layout
 
 model_lib = importlib.import_module("02_model")
 ddp = importlib.import_module("03_ddp")
@@ -61,6 +65,45 @@ nbytes = ddp.nbytes
 eager = torch.compiler.disable  # torch.compile cannot trace resize_(): ZeRO-3's hooks
 
 
+# ------------- simple first: ZeRO-1 with one flat buffer
+class SimpleZero1:
+    """ZeRO-1 at its simplest: every parameter (one dtype and device) a view into one flat
+    buffer padded to N·S, and optimizer_cls over this rank's slice r only. step():
+    reduce-scatter the gradients (rank r gets slice r's sum), divide by N, step slice r,
+    all-gather the weights. A plain module, any training loop."""
+
+    def __init__(self, params, optimizer_cls, group=None, **kw):
+        self.params = [p for p in params if p.requires_grad]
+        self.group = ddp.default_group(group)
+        self.world = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        self.numel = sum(p.numel() for p in self.params)  # Ψ
+        self.S = -(-self.numel // self.world)  # ⌈Ψ / N⌉
+        self.flat = self.params[0].new_zeros(self.world * self.S)  # (N·S,)
+        views = ddp.split_like(self.flat[: self.numel], self.params)
+        for p, view in zip(self.params, views):
+            view.copy_(p.detach())
+            p.data = view  # p keeps its identity; its data now lives in the buffer
+        # Slice r is a view too: stepping it writes into the buffer.
+        self.shard = nn.Parameter(self.flat[rank * self.S : (rank + 1) * self.S])
+        self.opt = optimizer_cls([self.shard], **kw)  # state for S elements, not Ψ
+
+    @torch.no_grad()
+    def step(self) -> None:
+        grads = self.flat.new_zeros(self.flat.shape)  # (N·S,): the padding stays 0
+        torch.cat([p.grad.reshape(-1) for p in self.params], out=grads[: self.numel])
+        mine = grads.new_empty(self.S)  # (S,)
+        distributed.reduce_scatter_tensor(mine, grads, op=SUM, group=self.group)
+        self.shard.grad = mine.div_(self.world)  # SUM / N: the mean of slice r
+        self.opt.step()
+        distributed.all_gather_tensor(self.flat, self.shard.detach(), group=self.group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+# ------------- the real thing: units, param groups and dtypes; stages 1, 2 and 3
 class FlatParameter:
     """Parameters (one unit, param group and dtype) as views into one flat buffer
     `full`, padded to N·S. Rank r steps `shard` = full[r·S:(r+1)·S]: a view (ZeRO-1/2) or its
@@ -118,7 +161,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stage = stage
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        self.backend = dist.get_backend(self.group)  # "gloo": see _reduce_scatter
+        self.backend = dist.get_backend(self.group)  # gloo: see reduce_scatter_kept
         groups = [
             [p for p in g["params"] if p.requires_grad] for g in self.param_groups
         ]
@@ -177,16 +220,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 flat.take_grad(p)
         if flat.grad is None:  # no gradient here: zeros, as every rank must take part
             flat.grad = flat.full.new_zeros(flat.full.shape)
-        kw = dict(op=SUM, group=self.group, async_op=True)
-        # subtle: gloo's reduce-scatter is an all-reduce of a copy, which its handle
-        # would keep (support/handles.py). So all-reduce in place there and take slice
-        # r: the same bytes and the same sums.
-        if self.backend == "gloo":
-            work = dist.all_reduce(flat.grad, **kw)
-            out = flat.grad[flat.lo : flat.lo + flat.S]
-        else:
-            out = flat.grad.new_empty(flat.S)  # (S,)
-            work = distributed.reduce_scatter_tensor(out, flat.grad, **kw)
+        # Started now, waited for and retired later: support/handles.py's
+        # reduce_scatter_kept keeps no copy of the flat gradient in the handle.
+        args = (flat.grad, flat.lo, flat.S, self.group, self.backend)
+        work, out = reduce_scatter_kept(*args)
         self.stats["reduce_scatter_calls"] += 1
         self.stats["reduce_scatter_bytes"] += nbytes(flat.grad)
         return work, flat, out
@@ -207,10 +244,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._reduced = True
 
     def grad_pieces(self) -> list:
-        """(p, offset, piece) per p overlapping this rank's [lo, lo + S): piece is a
-        view of f.shard.grad, the mean gradient of p.view(-1)[offset : offset +
-        len(piece)] (norm: all ranks' squares; clip: scale in place). ZeRO-1 reduces
-        first, so every rank must call it."""
+        """(p, offset, piece) for each p that overlaps this rank's [lo, lo + S). piece is
+        a view of f.shard.grad: the mean gradient of p.view(-1)[offset:][:len(piece)].
+        The gradient norm sums all ranks' squares of the pieces; clipping scales them
+        in place. ZeRO-1 reduces first, so every rank must call it."""
         self.reduce_gradients()
         pieces = []
         for f in self.flats:
@@ -254,9 +291,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             {k: v for k, v in g.items() if k != "params"} for g in self.param_groups
         ]
         shards = [f.shard.detach().clone() for f in self.flats]
-        layout = {**self._layout}
         return {
-            "layout": layout,
+            "layout": {**self._layout},
             "param_groups": hyper,
             "shards": shards,
             "local": self.local.state_dict(),
@@ -264,14 +300,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Shards, state and weights (ZeRO-1/2 then all-gather: every rank calls it)."""
-        saved = state_dict.get("layout") or {}
-        here = self._layout
-        diff = [k for k, v in here.items() if saved.get(k) != v]
-        if diff:  # its shards would not fit
-            pairs = [f"{k} {saved.get(k)!s:.24}, here {here[k]!s:.24}" for k in diff]
-            raise ValueError(
-                f"this ZeroOptimizer shard was saved with {'; '.join(pairs)}"
-            )
+        # Its shards fit only the layout they were saved under: else a ValueError.
+        check_layout(state_dict.get("layout"), self._layout)
         for f, shard in zip(self.flats, state_dict["shards"]):
             f.shard.data.copy_(shard)
         for g, saved_g in zip(self.param_groups, state_dict["param_groups"]):
@@ -319,9 +349,7 @@ class ZeroDataParallel(nn.Module):
         self._pending = []  # the reduce-scatter in flight
         for f in self.flats if self.stage >= 2 else []:
             for p in f.params:
-                p.register_post_accumulate_grad_hook(
-                    ddp.weak_hook(self, "_grad_hook", f)
-                )
+                p.register_post_accumulate_grad_hook(weak_hook(self, "_grad_hook", f))
         # The units are [h3, h2, h1, h0, root]; forward runs root, h0 .. h3.
         fwd_order = [module, *units[-2::-1]]
         bwd_order = [module, *units[:-1]]  # root (its head first), h3 .. h0
@@ -329,9 +357,9 @@ class ZeroDataParallel(nn.Module):
         self._after = dict(zip(fwd_order, [*fwd_order[1:], None]))
         self._before = dict(zip(bwd_order, [*bwd_order[1:], None]))
         for u in units if self.stage == 3 else []:
-            gather = ddp.weak_hook(self, "_gather", u, self._after[u])
+            gather = weak_hook(self, "_gather", u, self._after[u])
             u.register_forward_pre_hook(eager(gather))
-            u.register_forward_hook(eager(ddp.weak_hook(self, "_post_forward", u)))
+            u.register_forward_hook(eager(weak_hook(self, "_post_forward", u)))
 
     @contextlib.contextmanager
     def gathered(self):
@@ -455,9 +483,8 @@ def zero_memory_formula(stage: int, psi: float, world: int) -> float:
     """Bytes per rank for Ψ fp32 parameters and AdamW: 4Ψ weights + 4Ψ gradients + 8Ψ
     (m, v). Stage 1 divides m and v by N, stage 2 the gradients too, stage 3 all."""
     N = world
-    return [16 * psi, 8 * psi + 8 * psi / N, 4 * psi + 12 * psi / N, 16 * psi / N][
-        stage
-    ]
+    per_stage = [16 * psi, 8 * psi + 8 * psi / N, 4 * psi + 12 * psi / N, 16 * psi / N]
+    return per_stage[stage]
 
 
 # ------------- the demo: every stage equals one process; bytes per rank vs the formula
@@ -474,14 +501,24 @@ FORMULAS = {
 }
 
 
+def sent_per_step(stats: dict, world: int) -> float:
+    """Bytes a rank sent per step: a ring all-reduce sends 2(N-1)/N of its size, a
+    reduce-scatter or an all-gather (N-1)/N."""
+    reduced = stats.get("allreduce_bytes", 0)
+    scattered = stats.get("reduce_scatter_bytes", 0)
+    gathered = stats.get("all_gather_bytes", 0)
+    return (world - 1) / world * (2 * reduced + scattered + gathered) / STEPS
+
+
 def run_demo(rank: int, world: int, device) -> None:
     config = model_lib.GPTConfig.from_preset(PRESET, vocab_size=256, block_size=T)
     batches = model_lib.byte_batches(T, B * world, STEPS, SEED, device)  # (N·B, T) each
     mine = slice(rank * B, (rank + 1) * B)  # this rank's rows of the global batch
-    names = ("one process", *FORMULAS)
+    names = ("one process", "simple", *FORMULAS)
     losses = []
     weights = []
     memory = {}
+    sent = {}
     for name in names:
         torch.manual_seed(SEED)  # the same GPT, alone (on every rank) or wrapped
         m = model_lib.GPT(config).to(device)
@@ -489,6 +526,9 @@ def run_demo(rank: int, world: int, device) -> None:
         if name == "one process":
             model = m
             opt = torch.optim.AdamW(m.parameters(), **kw)
+        elif name == "simple":  # SimpleZero1 around the plain GPT
+            model = m
+            opt = SimpleZero1(m.parameters(), torch.optim.AdamW, **kw)
         else:  # stage 0: DataParallel, 1 MB buckets (4 for this GPT)
             stage = 0 if name == "DP" else int(name[-1])
             args = (m, stage, m.parameters(), torch.optim.AdamW)
@@ -496,6 +536,8 @@ def run_demo(rank: int, world: int, device) -> None:
         rows = slice(None) if name == "one process" else mine  # all N·B rows, or B
         step_losses = [ddp.train_step(model, opt, x[rows], y[rows]) for x, y in batches]
         losses.append(sum(step_losses) / world)
+        if name in FORMULAS:  # counted in this run's STEPS steps
+            sent[name] = sent_per_step(model.stats, world)
         full = model.gathered() if isinstance(model, ZeroDataParallel) else None
         with full or contextlib.nullcontext():
             weights.append(torch.cat([p.detach().reshape(-1) for p in m.parameters()]))
@@ -510,19 +552,29 @@ def run_demo(rank: int, world: int, device) -> None:
     psi = len(weights[0])  # weights: (Ψ,) each
     print0(f"\n07 · ZeRO on {world} ranks ({dist.get_backend()}), GPT '{PRESET}'")
     print0(f"\n1. every stage == one process, after {STEPS} AdamW steps (max |Δ|)")
+    print0("   (simple: SimpleZero1; ZeRO-1 to 3: ZeroOptimizer, stage 1 to 3)")
     print0(f"   {'':<8} {'Σ losses':>9} {'weights':>9}")
     for name, loss, error in list(zip(names, losses - losses[0], errors))[1:]:
         print0(f"   {name:<8} {abs(loss):9.1e} {error:9.1e}")
     print0("   fp32 rounding: sums in another order (AdamW magnifies it where g ~ 0)")
+    simple_vs_1 = (weights[1] - weights[3]).abs().max()
+    dist.all_reduce(simple_vs_1, op=dist.ReduceOp.MAX)
+    print0(f"   simple == ZeRO-1: weights max |Δ| {simple_vs_1:.1e}")
     print0(f"\n2. bytes per rank after backward, measured | formula; Ψ = {psi:,}")
     for stage, (name, m) in enumerate(memory.items()):
         cells = f"weights {m['params']:10,} + grads {m['grads']:10,}"
         cells += f" + state {m['optimizer']:10,}"
         formula = f"{FORMULAS[name]:<11}{zero_memory_formula(stage, psi, world):11,.0f}"
         print0(f"   {name:<6} {cells} = {sum(m.values()):10,} | {formula}")
-    print0(
-        "   (+ AdamW's 4-byte step per stepped tensor, + padding to N·S: try --ranks 3)"
-    )
+    print0("   (+ AdamW's 4-byte step per tensor, + padding to N·S: try --ranks 3)")
+    print0(f"\n3. bytes each rank sends per step, measured | formula (N = {world})")
+    for name, measured in sent.items():
+        # The top table's "sent" column, in fp32 bytes: 4 bytes an element.
+        hops = 3 if name == "ZeRO-3" else 2
+        formula = f"{'≤' if hops == 3 else ''}{hops}(N-1)/N·4Ψ"
+        ring = hops * (world - 1) / world * 4 * psi
+        print0(f"   {name:<6} {measured:12,.0f} | {formula:<13}{ring:12,.0f}")
+    print0("   (ZeRO-3 keeps the root gathered for backward: less than 3(N-1)/N·4Ψ)")
 
 
 def main(argv=None) -> None:

@@ -113,7 +113,10 @@ def codec_seconds(model, method: str, world: int, reps: int) -> float:
         view.copy_(torch.randn_like(p))
     instant = SimpleNamespace(world=world, all_reduce=lambda t: SimpleNamespace(wait=lambda: None))
     r = int(method.split("=")[1].split(",")[0]) if method.startswith("powersgd") else 4
-    hook = ddp.compression_hook(model.parameters(), method.split()[0], r, 0)
+    if method.startswith("powersgd"):
+        hook = ddp.PowerSGD(model.parameters(), r, 0)
+    else:  # fp16 or bf16
+        hook = ddp.HalfPrecision(torch.half if method == "fp16" else torch.bfloat16)
     hook(instant, bucket).wait()  # PowerSGD's first call draws Q and fills the residuals
     times = []
     for _ in range(reps):

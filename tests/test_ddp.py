@@ -562,6 +562,40 @@ def test_a_dropped_wrapper_is_freed_and_silent(world):
         assert res["close"] == {"first": 0, "second": 0, "third": 1}, res["close"]
 
 
+def _freed_wrappers_bucket_bytes(rank, world) -> dict:
+    """hook -> the bytes its freed DataParallel's bucket buffers still hold, found through
+    weak references (a buffer whose Python object is gone counts 0)."""
+    out = {}
+    for name in ("default", "fp16", "powersgd"):
+        module = build("gpt")
+        if name == "fp16":
+            hook = ddp.HalfPrecision(torch.half)
+        elif name == "powersgd":  # one exact step, then two sketched ones
+            hook = ddp.PowerSGD(module.parameters(), rank=1, warmup_steps=1)
+        else:
+            hook = None
+        model = ddp.DataParallel(module, bucket_mb=0.01, comm_hook=hook)
+        for s in range(3):
+            model(*batch("gpt", s, rank))[1].backward()
+        refs = [weakref.ref(b.buffer) for b in model.buckets]
+        del model, module, hook
+        gc.collect()
+        alive = [r() for r in refs if r() is not None]
+        out[name] = sum(b.untyped_storage().nbytes() for b in alive)
+    return out
+
+
+def test_a_freed_wrapper_leaves_no_bucket_memory():
+    """The bug: support/handles.py keeps the last 256 waited handles of every wrapper, and
+    a handle refers to what it sent: the default hook's bucket, fp16's closure holding
+    the whole bucket, PowerSGD's closure holding its Ps and Qs. So a script that built
+    wrappers one after another kept each freed one's 4Ψ bytes of buckets alive. Freed, a
+    wrapper (model and hook gone too) must leave 0 bytes in its buckets' buffers. With the
+    fix undone (no emptying when freed, Then keeping its closure) this test fails."""
+    for held in run_ranks(_freed_wrappers_bucket_bytes, 2, timeout=120):
+        assert held == {"default": 0, "fp16": 0, "powersgd": 0}, held
+
+
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_zero_refuses_add_param_group_after_construction(world):
     """The bug: the group was accepted into param_groups but never reached the rank-local
@@ -647,6 +681,9 @@ def test_ranks_exit_cleanly_after_backward():
     returns (as the demos do): 0 of 60 jobs aborted; with retire() made a no-op (broken on
     purpose, every handle dropped once waited) 0 of 40 (20 DataParallel) on that day's loaded
     2-core machine: this torch may lose the race less often, or not at all.
+    So, honestly: on this torch the abort did not reproduce with retire() disabled (0 of
+    40). This test guards the workaround's plumbing (every rank of every job exits with
+    0) but cannot show the abort, and it cannot fail today with the workaround removed.
     """
     helper = Path(__file__).with_name("ddp_exit_job.py")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]

@@ -733,9 +733,25 @@ def test_the_demo_runs_as_a_script_and_prints_its_headline(tmp_path):
     assert proc.returncode == 0, out + proc.stderr[-3000:]
     assert "running: torchrun --standalone --nproc_per_node=2" in out, out
     assert "every stage == one process" in out, out
-    table = out.split("(max |Δ|)")[1].split("fp32 rounding")[0].strip().splitlines()[1:]
+    stages = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    table = out.split("(max |Δ|)")[1].split("fp32 rounding")[0].strip().splitlines()
+    table = [row for row in table if row.split()[0] in ["simple", *stages]]
     names = [row.split()[0] for row in table]
-    assert names == ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"], out
+    assert names == ["simple", *stages], out
+    # SimpleZero1 and ZeroOptimizer at stage 1: the same sums and steps, elementwise.
+    simple_vs_1 = float(out.split("simple == ZeRO-1: weights max |Δ|")[1].split()[0])
+    assert simple_vs_1 < 1e-6, out
+    # The bytes a rank sent per step: DP, ZeRO-1 and 2 at 2(N-1)/N·4Ψ (plus the padding),
+    # ZeRO-3 at most 3(N-1)/N·4Ψ (the root is not gathered again for backward).
+    sent = [line.split() for line in out.split("3. bytes each rank sends")[1].splitlines()]
+    sent = {r[0]: (int(r[1].replace(",", "")), int(r[-1].replace(",", ""))) for r in sent
+            if r and r[0] in stages}
+    assert list(sent) == stages, out
+    for name, (measured, formula) in sent.items():
+        if name == "ZeRO-3":
+            assert formula / 2 < measured <= formula, (name, measured, formula)
+        else:
+            assert 0 <= measured - formula < 1e-3 * formula, (name, measured, formula)
     for row in table:  # AdamW's first steps move a weight whose gradient is ~0 by up to ~lr
         loss_error, weight_error = (float(v) for v in row.split()[1:])
         assert loss_error < 1e-5 and weight_error < 1e-4, row
