@@ -42,7 +42,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from support import checkpoint, config, distributed, gpus, run_log
+from support import checkpoint, config, distributed, gpus, run_log, sharding
 from support import export as export_lib
 from support import grid as grid_lib
 from support.checkpoint import load_checkpoint, save_checkpoint
@@ -384,7 +384,7 @@ def new_model(model_config: dict):
 
 def export(run_dir) -> Path:
     """Merge the newest readable checkpoint's (tp, pp) shards into RUN_DIR/model.pt."""
-    tp = (tp_lib.tp_layout, tp_lib.merge_tensors)  # How 04 cut each tensor; the join.
+    tp = (sharding.tp_layout, sharding.merge_tensors)  # How 04 cut a tensor; the join.
     lessons = (*tp, model_lib.merge_lora, new_model, data_lib.get_tokenizer)
     return export_lib.export(run_dir, *lessons)
 
