@@ -1,7 +1,9 @@
 """Joining a torchrun job, printing from rank 0, self-launching ranks, collectives' old names."""
 
+import argparse
 import importlib
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -19,7 +21,8 @@ def init_distributed(timeout_s: float = 300.0) -> tuple[int, int, int, torch.dev
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
-        torch.cuda.set_device(device)  # before init: NCCL binds each rank to its own GPU
+        # Before init: NCCL binds each rank to its own GPU.
+        torch.cuda.set_device(device)
     if not dist.is_initialized() and "WORLD_SIZE" in os.environ:
         # device_id (NCCL) binds the communicators to this GPU now, so no subgroup guesses.
         dist.init_process_group(
@@ -42,13 +45,54 @@ def relaunch_with_torchrun(ranks: int, argv, script: str) -> None:
     """Run `python script ARGS` as `torchrun --standalone --nproc_per_node=ranks script ARGS`."""
     args = ["--standalone", f"--nproc_per_node={ranks}", script, *argv]
     print(f"not started by torchrun, so running: torchrun {' '.join(args)}", flush=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several ranks
+    # One thread per rank: torchrun's own default when it starts several.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     importlib.import_module("torch.distributed.run").main(args)  # torchrun's own main
+
+
+def run_on_ranks(demo, argv, script, doc, add_arguments=None, check=None):
+    """A lesson's main: parse --ranks, then run demo(args, rank, world_size, device).
+
+    --help describes the lesson by the first line of `doc`, its docstring.
+    add_arguments(parser) adds the lesson's own flags (parser.set_defaults(ranks=4)
+    changes --ranks' default). check(args, world_size) may raise ValueError or
+    AssertionError, which become a usage error before any rank starts.
+    Without torchrun (no WORLD_SIZE) `script` relaunches itself under torchrun with
+    --ranks ranks; under torchrun each rank joins the job, runs the demo, and destroys
+    the process group even when the demo fails.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    description = doc.split("\n")[0]
+    parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
+    # subtle: --ranks, not --nproc, which torchrun would take for its --nproc-per-node.
+    parser.add_argument("--ranks", type=int, default=2, help="ranks, without torchrun")
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.ranks < 1:
+        parser.error("--ranks must be >= 1")
+    world_size = int(os.environ.get("WORLD_SIZE", args.ranks))
+    try:
+        if check is not None:
+            check(args, world_size)
+    except (ValueError, AssertionError) as e:
+        parser.error(str(e))
+    if "WORLD_SIZE" not in os.environ:
+        return relaunch_with_torchrun(args.ranks, argv, script)
+    rank, _, world_size, device = init_distributed()
+    try:
+        demo(args, rank, world_size, device)
+        dist.barrier()  # subtle: no rank tears gloo down while a peer still uses it
+    finally:
+        dist.destroy_process_group()
 
 
 # torch 2.13 renamed the single-tensor collectives; torch 2.11 (the GPU machines) has only
 # the old names. The lessons call these two functions, so the collective stays in sight.
-def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+def reduce_scatter_tensor(
+    output, input, op=dist.ReduceOp.SUM, group=None, async_op=False
+):
     """Sum every rank's `input`; rank r keeps slice r in `output` (reduce-scatter)."""
     kwargs = dict(op=op, group=group, async_op=async_op)
     if hasattr(dist, "reduce_scatter_single"):

@@ -1,16 +1,19 @@
 """The plumbing of tensor parallelism (04_tensor_parallel.py), which teaches nothing new.
 
 Which rows or columns of each GPT weight a rank holds (tp_layout), slicing a full tensor
-into a rank's shard and merging the shards back, a check that the ranks hold the same
-weights, chunking along a dimension, and the collectives of a step counted beside their
-formula. 04 imports what other code calls through it.
+into a rank's shard (a Parameter, marked) and merging the shards back, a check that the
+ranks hold the same weights, chunking along a dimension, the collectives of a step
+counted beside their formula, and the demo's comparisons over the ranks. 04 imports
+what other code calls through it.
 """
 
 import contextlib
 import inspect
+import math
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 
 def chunk_for_ranks(x: torch.Tensor, group, dim: int):
@@ -35,6 +38,15 @@ def check_same_on_ranks(tensors, group, message: str):
         raise ValueError(message)
 
 
+def padding_hint(config, tp: int) -> str:
+    """How a GPTConfig's vocabulary would split tp ways, for check_tp_config's message:
+    padded to a multiple of lcm(64, tp)."""
+    m = math.lcm(64, tp)
+    rows = -(-config.vocab_size // m) * m  # the vocabulary padded to a multiple of m
+    now = f"vocab_size={config.vocab_size}, pad_vocab_multiple={config.pad_vocab_multiple}"
+    return f"({now}): pad with GPTConfig(pad_vocab_multiple={m}) -> {rows} rows"
+
+
 def shard_tensor(t: torch.Tensor, dim: int, chunks: int, rank: int, tp: int):
     """Rank's slice of a full tensor: each of `chunks` parts along dim, cut tp ways.
 
@@ -46,6 +58,18 @@ def shard_tensor(t: torch.Tensor, dim: int, chunks: int, rank: int, tp: int):
         )
     pieces = [part.chunk(tp, dim)[rank] for part in t.chunk(chunks, dim)]
     return torch.cat(pieces, dim).clone()
+
+
+def shard_param(t: torch.Tensor | None, dim: int, chunks: int, group):
+    """A new Parameter of this rank's slice of t (None for None), marked
+    `tensor_parallel`: 04's grad_norm_squared sums its squares over the ranks."""
+    if t is None:
+        return None
+    rank = dist.get_rank(group)
+    tp = dist.get_world_size(group)
+    p = nn.Parameter(shard_tensor(t.detach(), dim, chunks, rank, tp), t.requires_grad)
+    p.tensor_parallel = True
+    return p
 
 
 def merge_tensors(shards, dim: int, chunks: int) -> torch.Tensor:
@@ -81,6 +105,17 @@ def tp_layout(key: str):
         row_bias = dim == 1 and kind == "bias"  # replicated
         return None if row_bias else (dim, chunks)
     return None
+
+
+def grad_shards(model, group) -> dict:
+    """Each gradient of an unsharded GPT, or this rank's slice of it (by tp_layout)."""
+    rank = dist.get_rank(group)
+    tp = dist.get_world_size(group)
+    want = {}
+    for name, p in model.named_parameters():
+        layout = tp_layout(name)
+        want[name] = shard_tensor(p.grad, *layout, rank, tp) if layout else p.grad
+    return want
 
 
 # A collective -> the argument that holds its payload (the bytes count_comm records).
@@ -133,11 +168,35 @@ def comm_formula(config, B: int, T: int, sp: bool) -> dict:
     return dict(all_gather=gathered, reduce_scatter=gathered, all_reduce=loss + params)
 
 
+def check_comm(log, config, B: int, T: int, sp: bool):
+    """Assert that a count_comm log of one step adds up to comm_formula, by collective."""
+    formula = comm_formula(config, B, T, sp)
+    totals = {op: sum(n for o, n in log if o == op) for op in formula}
+    assert totals == formula, f"collectives {totals}, not comm_formula's {formula}"
+
+
 def max_over_ranks(values, group) -> list[float]:
     """The largest of each value over the ranks of the group (a demo's worst case)."""
     values = torch.stack(values).detach()
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
     return values.tolist()
+
+
+def equal_over_ranks(diffs: dict, group, what: str) -> str:
+    """Assert that each |diff|, at its largest over the ranks, is below 1e-4, and return
+    them as 'name 1.2e-07, ...'. The demos compare O(1) values in fp32: sums split over
+    ranks round ~1e-7 apart, while a wrong slice or a missing sum is off by ~1."""
+    worst = max_over_ranks(list(diffs.values()), group)
+    text = ", ".join(f"{name} {d:.1e}" for name, d in zip(diffs, worst))
+    assert max(worst) < 1e-4, f"{what} differs from the unsharded one: {text}"
+    return text
+
+
+def same_on_ranks(rows: torch.Tensor, group) -> list[bool]:
+    """For each row of `rows`, whether every rank of the group holds the same one."""
+    everyone = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, rows.contiguous(), group=group)
+    return [all(torch.equal(e[i], rows[i]) for e in everyone) for i in range(len(rows))]
 
 
 def ring_sent(log, tp: int, size: int) -> tuple[int, int]:

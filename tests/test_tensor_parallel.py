@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from support import distributed
 from tests.distributed import run_ranks
 
 tp_lib = importlib.import_module("04_tensor_parallel")
@@ -652,9 +653,7 @@ def case_comm_volume(rank, tp, group):
             f"sp={sp}: counted {counted}, expected {expected[sp]}"
         )
         formula = sharding.comm_formula(tpm.config, B, T, sp)
-        assert formula == {op: n for op, (_, n) in expected[sp].items()}, (
-            "comm_formula"
-        )
+        assert formula == {op: n for op, (_, n) in expected[sp].items()}, "comm_formula"
 
 
 def case_grad_norm(rank, tp, group):
@@ -841,7 +840,8 @@ def test_config_validation_messages():
     with pytest.raises(AssertionError, match="n_head=4 is not divisible by tp=3"):
         tp_lib.check_tp_config(tiny(), 3)
     with pytest.raises(
-        AssertionError, match=r"100 rows .*GPTConfig\(pad_vocab_multiple=64\) -> 128 rows"
+        AssertionError,
+        match=r"100 rows .*GPTConfig\(pad_vocab_multiple=64\) -> 128 rows",
     ):
         tp_lib.check_tp_config(tiny(n_head=8, pad_vocab_multiple=1), 8)
     tp_lib.check_tp_config(tiny(), 4)  # 4 heads, 128 rows, 32 and 128 wide: fine
@@ -869,3 +869,24 @@ def test_rng_tracker_forks_without_touching_the_default_stream():
     tracker.load_state_dict(saved)
     with tracker.fork():
         assert torch.equal(torch.rand(3), c)
+
+
+def test_a_bad_rank_count_fails_before_any_rank_starts(monkeypatch, capsys):
+    """`python 04_tensor_parallel.py --ranks 3` cannot split the demo's 4 heads, and
+    `--ranks 0` is no world: each ends as a usage error (exit code 2) from
+    support.distributed.run_on_ranks, before it relaunches anything under torchrun."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    launched = []
+
+    def relaunch(*args):  # what would run torchrun
+        launched.append(args)
+
+    monkeypatch.setattr(distributed, "relaunch_with_torchrun", relaunch)
+    for ranks, why in (("3", "n_head=4 is not divisible by tp=3"), ("0", ">= 1")):
+        with pytest.raises(SystemExit) as exit_:
+            tp_lib.main(["--ranks", ranks])
+        assert exit_.value.code == 2
+        assert why in capsys.readouterr().err
+    assert launched == []
+    tp_lib.main(["--ranks", "4"])  # 4 heads, 256 rows: fine, so it would relaunch
+    assert launched == [(4, ["--ranks", "4"], tp_lib.__file__)]
