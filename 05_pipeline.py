@@ -1,14 +1,15 @@
-"""05_pipeline.py: pipeline parallelism: cut the model into stages, stream microbatches.
+"""05 · Pipeline parallelism: cut the model into stages and stream microbatches.
 
-Each of p ranks holds consecutive layers, a stage; stage r works on microbatch i while
-stage r+1 works on i-1. Activations go forward and gradients back, point-to-point:
+Each of p ranks holds consecutive layers, a stage. A step's batch of B sequences is cut
+into m microbatches of b = B/m; stage r works on microbatch i while stage r+1 works on
+i-1. Activations go forward and gradients back, point-to-point:
 
     rank 0: embed + blocks 0-1 ─▶ rank 1: 2-3 ─▶ rank 2: 4-5 ─▶ rank 3: 6-7 + head
             ◀── dL/dx (b, T, C) ◀──        ◀──             ◀──      loss
     wte and lm_head are one matrix, kept on ranks 0 and 3: their gradients are summed.
 
-The bubble: stages idle while the pipeline fills and drains. With t_f and t_b one
-microbatch's forward and backward on a stage, m microbatches take (m+p-1)(t_f+t_b):
+The bubble: stages idle while the pipeline fills and drains. With t_f and t_b a stage's
+forward and backward of one microbatch, m microbatches take (m+p-1)(t_f+t_b):
 
     bubble = (p - 1) / (m + p - 1)          GPipe and 1F1B
     bubble = (p - 1) / (v·m + p - 1)        interleaved, v chunks per rank
@@ -19,28 +20,26 @@ holds at most p: stage r runs p-r-1 warm-up forwards, then a forward and a backw
 turn (the steady phase), then the backwards left (the cool-down). Interleaving
 (Megatron-LM, 2104.04473) gives rank r the stages r, r+p, ...: fill and drain shrink v
 times, for v times the messages. 1F1B at p=4, m=8, t_f = t_b, as simulate() runs it
-(Fi: forward of microbatch i; . idle; bubble 3/11; warm-ups 3, 2, 1, 0; <= 4 alive):
+(Fi: forward of microbatch i; . idle; bubble 3/11; <= 4 alive). The warm-ups are 3,
+2, 1 and 0 forwards, so r0's fourth forward, F3, is the first of its steady phase:
 
     r0 F0F1F2F3 . . .B0F4B1F5B2F6B3F7B4 .B5 .B6 .B7
     r1  .F0F1F2 . .B0F3B1F4B2F5B3F6B4F7B5 .B6 .B7
     r2  . .F0F1 .B0F2B1F3B2F4B3F5B4F6B5F7B6 .B7
     r3  . . .F0B0F1B1F2B2F3B3F4B4F5B5F6B6F7B7
 
-Simple first: `gpipe_naive`, then `one_f_one_b`, 1F1B as the loop of warm-up, steady
-phase and cool-down with every message named (`StageLinks`). Then the machinery for
-every schedule: a schedule as data (`schedule_steps`) on a clock of p2p groups
-(`comm_plan`), run by `pipeline_step`; the tests prove the loops equal to it. Under
-NCCL a send completes only once its receive is posted and a batch_isend_irecv group
-only as a whole: each group must meet a neighbour's group (`nccl_timeline` checks).
+Simple first: `gpipe_naive`, then `one_f_one_b`, 1F1B as a loop with every message
+named (`StageLinks`). Then any schedule as data (`schedule_steps`) on a clock of p2p
+groups (`comm_plan`), run by `pipeline_step`. NCCL completes a send only once its
+receive is posted, and a group only whole: `nccl_timeline` checks that none hangs.
 
 Launch:  python 05_pipeline.py [--ranks N] [--plot]   (relaunches itself in torchrun)
          torchrun --standalone --nproc_per_node=4 05_pipeline.py   (gloo or NCCL)
 
 What changed from 04: 03 copied the whole model and 04 split every matrix; here a rank
-holds whole layers and talks only to its two neighbours, so PP is the split to stretch
-across nodes. Left out on purpose: zero-bubble schedules (2401.10241), DualPipe,
-unbalanced stages, freeing sent outputs early, recomputation, and overlapping messages
-with compute. Sweeps and traces are in bench/bench_pipeline.py.
+holds whole layers and talks only to its two neighbours, so PP can stretch across nodes.
+Left out on purpose: zero-bubble schedules (2401.10241), DualPipe, unbalanced stages,
+freeing sent outputs early, recomputation, overlapping messages with compute.
 """
 
 import argparse
@@ -51,28 +50,36 @@ import os
 import sys
 import time
 from collections import defaultdict, namedtuple
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from support import distributed, nccl_rule
-from support.gantt import plot_timelines
-from support.pipeline_config import SCHEDULES, check_config  # every bad setting raises
-
-# wte and lm_head are one matrix, kept on two stages: support/tied.py sums its grads.
-from support.tied import allreduce_tied_grads, embedding_group, tied_parameter
+from support import distributed, gantt, nccl_rule
+from support.nccl_rule import blocking_p2p  # ONE batch_isend_irecv group, waited whole
 
 model_lib = importlib.import_module("02_model")  # GPT, GPTConfig, byte_batches
 
-# An action is a forward ("F") or backward ("B") of one microbatch on one of v chunks.
-Action = namedtuple("Action", "op mb chunk")
-# An Event is an action as it ran: start and end in seconds into the step, or simulated.
-Event = namedtuple("Event", "op mb chunk start end")
+Action = namedtuple("Action", "op mb chunk")  # "F" or "B" of microbatch mb on a chunk
+Event = namedtuple("Event", "op mb chunk start end")  # an Action as it ran, in seconds
 StepResult = namedtuple("StepResult", "loss events peak_in_flight")  # pipeline_step's
-# A rank's clock tick: run `actions`, then post ONE group of (peer, message) p2p ops.
-Tick = namedtuple("Tick", "actions sends recvs")
-TIED = "tied embeddings across stages need embed_group=embedding_group(...)"
+Tick = namedtuple("Tick", "actions sends recvs")  # run actions, then ONE p2p group
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def check_config(schedule, p, m=None, v=1, n_layer=None, batch_size=None) -> None:
+    """Every bad setting fails here on every rank before any send, since a failure after
+    one leaves the peers blocked in a receive. m=None: split_model's, before m is known."""
+    assert schedule in SCHEDULES, f"unknown schedule {schedule!r}: not in {SCHEDULES}"
+    counts = f"need pp_size, virtual_stages, microbatches >= 1, got {p}, {v}, {m}"
+    assert min(p, v) >= 1 and (m is None or m >= 1), counts
+    chunked = f"virtual_stages={v} > 1 needs schedule='interleaved'"
+    assert v == 1 or schedule == "interleaved", chunked
+    few = f"n_layer={n_layer} blocks cannot fill pp_size*v = {p}*{v} stages"
+    assert n_layer is None or n_layer >= p * v, few
+    ring = f"interleaved needs microbatches divisible by pp_size (m={m}, p={p})"
+    assert m is None or schedule != "interleaved" or m % p == 0, ring
+    uneven = f"batch {batch_size} does not split into {m} microbatches"
+    assert batch_size is None or batch_size % m == 0, uneven
 
 
 class PipelineChunk(torch.nn.Module):
@@ -113,7 +120,7 @@ def split_model(model, pp_rank: int, pp_size: int, virtual_stages: int = 1) -> l
     n_layer = len(model.transformer.h)
     n_stages = pp_size * virtual_stages
     schedule = "interleaved" if virtual_stages > 1 else "1f1b"
-    check_config(schedule, pp_size, pp_size, virtual_stages, n_layer=n_layer)
+    check_config(schedule, p=pp_size, v=virtual_stages, n_layer=n_layer)
     assert 0 <= pp_rank < pp_size, f"pp_rank={pp_rank} outside [0, {pp_size})"
     chunks = []
     for s in range(pp_rank, n_stages, pp_size):  # stages differ by one block at most
@@ -122,19 +129,40 @@ def split_model(model, pp_rank: int, pp_size: int, virtual_stages: int = 1) -> l
     return chunks
 
 
-def blocking_p2p(ops, group=None) -> None:
-    """Post (op, tensor, pp rank)s as ONE batch_isend_irecv group; wait on all of it."""
-    world = group or dist.group.WORLD  # P2POp takes global ranks: map the group's
-    ops = [dist.P2POp(op, t, dist.get_global_rank(world, q), group) for op, t, q in ops]
-    for work in dist.batch_isend_irecv(ops) if ops else []:
-        work.wait()
+# The tied embedding: GPT-2's wte (first stage) and lm_head (last stage) are one matrix,
+# so cut into stages it exists twice. Each copy gets its own stage's gradient; the
+# matrix's is their SUM, which both ranks take, so both copies step alike and stay equal.
+def tied_parameter(chunk):
+    """The chunk's copy of the tied wte/lm_head matrix, or None."""
+    if chunk.config.tie_embeddings and (chunk.is_first or chunk.is_last):
+        return chunk.transformer.wte.weight if chunk.is_first else chunk.lm_head.weight
+
+
+def embedding_group(pp_groups_ranks):
+    """Megatron's embedding group: {first, last} rank of this rank's pipeline. subtle:
+    new_group is a world collective, so EVERY rank passes EVERY pipeline's ranks."""
+    mine = None
+    for ranks in pp_groups_ranks:
+        pair = sorted({ranks[0], ranks[-1]})
+        group = dist.new_group(pair) if len(pair) > 1 else None  # p = 1: one copy
+        mine = group if dist.get_rank() in pair else mine
+    return mine
+
+
+def allreduce_tied_grads(chunks, embed_group) -> None:
+    """On both ranks: wte's gradient plus lm_head's, the tied matrix's gradient."""
+    for param in (tied_parameter(chunk) for chunk in chunks):
+        if param is not None and param.grad is not None:
+            dist.all_reduce(param.grad, group=embed_group)  # SUM over {first, last}
 
 
 class Microbatches:
     """One rank's step, for both loops and the executor: the checks, the m microbatches,
     the activations each forward keeps for its backward (the stash), loss and Events."""
 
-    def __init__(self, chunks, batch, m, group, schedule, embed_group, act_shape=None):
+    def __init__(
+        self, chunks, batch, m, group, schedule, embed_group, shape=None, n_tokens=None
+    ):
         x, y = batch  # (B, T) ids and targets, the same on every stage
         self.p = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if self.p > 1 else 0
@@ -147,16 +175,18 @@ class Microbatches:
         tied = any(tied_parameter(c) is not None for c in self.stages)
         # Evaluation runs no backward (no grad), so it has no tied gradients to sum.
         if self.p > 1 and tied and embed_group is None and torch.is_grad_enabled():
-            raise ValueError(TIED)
+            raise ValueError("tied embeddings need embed_group=embedding_group(...)")
         self.chunks = chunks
         self.group = group
         self.embed_group = embed_group
         self.xs = x.chunk(m)  # m microbatches of (b, T)
         self.ys = y.chunk(m)
-        self.n_tokens = int((y != -1).sum())  # real targets; -1 is ignored
-        self.scale = 1.0  # pipeline_step's callers may set both
+        # The loss averages the step's real targets (-1 is ignored), or a count passed in.
+        self.n_tokens = int((y != -1).sum()) if n_tokens is None else n_tokens
+        assert self.n_tokens > 0, "every target of the step is -1: no loss to average"
+        self.scale = 1.0
         # No message says its shape: both ends know it, (b, T, C), from the config.
-        shape = act_shape or (x.size(0) // m, x.size(1), self.stages[0].config.n_embd)
+        shape = shape or (x.size(0) // m, x.size(1), self.stages[0].config.n_embd)
         like = dict(dtype=next(self.stages[0].parameters()).dtype, device=x.device)
         self.new_act = functools.partial(torch.empty, shape, **like)
         self.stash = {}  # (microbatch, chunk) -> (input, output) until its backward
@@ -168,17 +198,16 @@ class Microbatches:
         self.t0 = time.perf_counter()
 
     def forward(self, mb: int, inp, chunk: int = 0):
-        """Microbatch mb through one chunk, from the previous stage's activation (None
-        on stage 0, which reads ids). -> the activation for the next stage or, on the
-        last stage, the loss to run backward from."""
+        """Microbatch mb through one chunk, from stage s-1's activation (None on stage 0,
+        which reads ids). -> the next stage's input, or on the last the loss to run."""
         inp = self.xs[mb] if inp is None else inp.requires_grad_()  # its grad goes back
         start = time.perf_counter() - self.t0
         out = self.chunks[chunk](inp)  # (b, T, C), or (b, T, V) logits on the last
         if self.stages[chunk].is_last:  # SUM over the step's targets: m shares add up
             loss_sum = self.stages[chunk].loss_fn(out, self.ys[mb], "sum")
             self.loss += loss_sum.detach() / self.n_tokens
-            # `scale` multiplies only what backward sees, not the loss above. It is 1
-            # here; train.py passes DP's size (03 averages) times 06's fp16 loss scale.
+            # `scale` multiplies only what backward sees, not the loss above: DP's size
+            # (03's DataParallel averages) times a loss scale the caller may pass.
             out = loss_sum * (self.scale / self.n_tokens)
         self.events.append(Event("F", mb, chunk, start, time.perf_counter() - self.t0))
         if torch.is_grad_enabled():  # not when evaluating: no backward will come
@@ -187,8 +216,7 @@ class Microbatches:
         return out
 
     def backward(self, mb: int, grad, chunk: int = 0, sync: bool = True):
-        """Microbatch mb's backward from dL/d(out) (None on the last stage, where out is
-        the loss). -> dL/d(input) for the previous stage (None on stage 0)."""
+        """Microbatch mb's backward from dL/d(out), None if out is the loss: -> dL/d(in)."""
         inp, out = self.stash.pop((mb, chunk))
         start = time.perf_counter() - self.t0
         wrapped = self.chunks[chunk]
@@ -207,26 +235,24 @@ class Microbatches:
 
 
 class StageLinks:
-    """A stage's messages to its neighbours, named as in Megatron's p2p_communication.
-    Each call is ONE batch_isend_irecv group, waited whole as NCCL does; a call with no
-    neighbour (a forward into the first stage, a backward out of the last) does nothing."""
+    """A stage's messages, named as in Megatron's p2p_communication: each call is ONE
+    group, waited whole; a call with no neighbour (first or last stage) does nothing."""
 
     def __init__(self, step: Microbatches):
         stage = step.stages[0]  # the plain loops hold one chunk per rank
         self.prev = None if stage.is_first else step.rank - 1  # ranks in the group
         self.next = None if stage.is_last else step.rank + 1
-        self.group = step.group
-        self.new_act = step.new_act
+        self.step = step
 
     def talk(self, peer, send=None, receive=False):
         """ONE group with `peer`: send `send` if given, receive a new buffer if asked."""
         if peer is None:
             return None
         ops = [] if send is None else [(dist.isend, send, peer)]
-        received = self.new_act() if receive else None
+        received = self.step.new_act() if receive else None
         if receive:
             ops.append((dist.irecv, received, peer))
-        blocking_p2p(ops, self.group)
+        blocking_p2p(ops, self.step.group)
         return received
 
     def recv_forward(self):
@@ -246,8 +272,7 @@ class StageLinks:
         self.talk(self.prev, send=grad)
 
     def send_forward_recv_backward(self, out):
-        """1F1B's steady phase: this output goes down while the oldest microbatch's
-        gradient comes up, in ONE group; stage r+1 posts the mirror group at once."""
+        """1F1B's steady phase: send this output, receive the oldest one's gradient."""
         return self.talk(self.next, send=out.detach(), receive=True)
 
     def send_backward_recv_forward(self, grad):
@@ -255,30 +280,26 @@ class StageLinks:
         return self.talk(self.prev, send=grad, receive=True)
 
 
-def gpipe_naive(chunk, batch, n_microbatches: int, group=None, embed_group=None):
+def gpipe_naive(chunk, batch, m: int, group=None, embed_group=None):
     """GPipe as a plain loop, one chunk per rank: all m forwards, then all m backwards,
     each message a blocking call. It cannot hang under NCCL: a send waits only on its
     receiver, whose waits in that phase point away from the sender (tests check it)."""
-    step = Microbatches([chunk], batch, n_microbatches, group, "gpipe", embed_group)
+    step = Microbatches([chunk], batch, m, group, "gpipe", embed_group)
     links = StageLinks(step)
-    for i in range(n_microbatches):  # all m stay alive: GPipe's memory cost
+    for i in range(m):  # all m stay alive: GPipe's memory cost
         out = step.forward(i, links.recv_forward())
         links.send_forward(out)
-    for i in range(n_microbatches):
+    for i in range(m):
         grad_in = step.backward(i, links.recv_backward())
         links.send_backward(grad_in)
     return step.result()
 
 
-def one_f_one_b(chunk, batch, n_microbatches: int, group=None, embed_group=None):
+def one_f_one_b(chunk, batch, m: int, group=None, embed_group=None):
     """1F1B (PipeDream-flush) as the loop of picotron and Megatron, one chunk per rank.
-
     Warm-up: stage r runs p-r-1 forwards, enough to keep the stages after it busy.
     Steady: a forward, then the backward of the oldest microbatch alive (so at most
-    p-r are alive). Cool-down: the backwards left. In the steady phase stage r sends a
-    forward and waits for a gradient in ONE group while r+1 posts the mirror group
-    (send that gradient, receive the next forward): nothing hangs under NCCL."""
-    m = n_microbatches
+    p-r are alive), its messages in mirrored pairs of groups. Cool-down: the rest."""
     step = Microbatches([chunk], batch, m, group, "1f1b", embed_group)
     links = StageLinks(step)
     warmup = min(step.p - step.rank - 1, m)
@@ -304,10 +325,10 @@ def one_f_one_b(chunk, batch, n_microbatches: int, group=None, embed_group=None)
 # The general machinery: any schedule as data, on a clock of NCCL-safe p2p groups.
 def schedule_steps(schedule, p: int, m: int, v: int, rank: int, forward_only=False):
     """Rank's actions in steps, each run between two p2p exchanges: w warm-up forwards,
-    then a forward and a backward in turn, then the backwards left. GPipe: w = m;
-    1F1B: w = p-rank-1, as one_f_one_b; interleaved (Megatron): forwards go round the
-    ring in groups of p per chunk, backwards through the chunks in reverse, and
-    w = 2(p-rank-1)+(v-1)p, long enough to exchange once per forward+backward pair."""
+    then a forward and a backward in turn, then the backwards left. GPipe: w = m; 1F1B:
+    w = p-rank-1. Interleaved (Megatron): forwards go round the ring p microbatches at a
+    time per chunk, backwards through the chunks in reverse, and w = 2(p-rank-1) +
+    (v-1)p lets each steady step, a forward and a backward, exchange in one group."""
     check_config(schedule, p, m, v)
     fwd = []  # v = 2, p = 2: F0a F1a F0b F1b F2a F3a ...; v = 1: F0 F1 F2 ...
     bwd = []  # the same microbatches, chunks in reverse: B0b B1b B0a B1a ...
@@ -346,12 +367,13 @@ def input_message(a: Action, s: int, n_stages: int):
     return ("F", a.mb, s)  # the last stage's backward starts from its own loss
 
 
-# subtle: ONE group {send my last output, receive my next input} hangs GPUs.
+# subtle: under NCCL a group must not wait for a message that a peer posts only in a
+# LATER group. A group with two peers, {send my last output to one, receive my next
+# input from the other}, does that under interleaving when that input's sender waits on
+# this group. 1F1B's send_backward_recv_forward has one peer, posting the mirror group.
 def comm_plan(steps, p: int, v: int) -> list[list[Tick]]:
-    """Each rank's steps on a shared clock: at tick t a rank runs its next step if its
-    inputs were made before t (or by the step itself: the last stage's backward). A
-    message made at tick t is sent and received in both ranks' groups of tick t, so
-    groups match one to one and none waits on a later one."""
+    """Each rank's steps on a shared clock: a rank runs its next step at tick t if its
+    inputs were made before t (or by it: the last backward); its outputs go out at t."""
     next_step = [0] * p
     made_at = {}  # message -> the tick that made it
     plan = [[] for _ in range(p)]
@@ -384,17 +406,18 @@ def comm_plan(steps, p: int, v: int) -> list[list[Tick]]:
 
 
 def nccl_timeline(plan, v: int, t_f=1.0, t_b=2.0) -> list[list[Event]]:
-    """Run a plan under NCCL's rule (support/nccl_rule.py), or name the groups that
+    """Run a plan on paper as run_plan would under NCCL, or raise naming the groups that
     hang: a forward takes t_f per stage, a backward t_b, and a chunk 1/v of that."""
-    p = len(plan)
 
-    def needs(r, a):  # -> the message a waits for; its output is (op, mb, stage)
-        return input_message(a, a.chunk * p + r, p * v)
+    def completes_at(g, partners, posted):
+        """NCCL's rule: a send completes only once its receive is posted (a receive
+        once its send is), and the group g only as a whole. -> when, or None."""
+        if any(h not in posted for h in partners):
+            return None  # blocked until every partner has posted its group
+        return max(posted[h] for h in [g, *partners])
 
-    def duration(a):
-        return (t_f if a.op == "F" else t_b) / v
-
-    ran = nccl_rule.run(plan, lambda r, a: (*a[:2], a.chunk * p + r), needs, duration)
+    durations = {"F": t_f / v, "B": t_b / v}  # a chunk is 1/v of a stage
+    ran = nccl_rule.run(plan, completes_at, input_message, len(plan) * v, durations)
     return [[Event(*a, start, end) for a, start, end in rank] for rank in ran]
 
 
@@ -411,8 +434,8 @@ def bubble_formula(p: int, m: int, v: int = 1) -> float:
 
 
 def bubble_fraction(timeline) -> float:
-    """1 - (mean busy time per rank) / (first start to last end): the idle share. As
-    run, waits, messages, Python and cores shared between ranks all count as idle."""
+    """1 - (mean busy time per rank) / (first start to last end): the idle share, where
+    waits, messages, Python and cores shared between ranks all count as idle."""
     events = [e for rank_events in timeline for e in rank_events]
     busy = sum(e.end - e.start for e in events) / len(timeline)
     return 1.0 - busy / (max(e.end for e in events) - min(e.start for e in events))
@@ -454,7 +477,7 @@ def step_plan(schedule: str, p: int, m: int, v: int, forward_only: bool = False)
 def pipeline_step(
     chunks,
     batch,
-    n_microbatches: int,
+    m: int,
     schedule: str = "1f1b",
     pp_group=None,
     *,
@@ -465,41 +488,29 @@ def pipeline_step(
     dp_size: int = 1,
     forward_only: bool = False,
 ) -> StepResult:
-    """One step's forwards and backwards under `schedule`, gradients into .grad.
+    """One step's m microbatches under `schedule`, gradients into .grad.
 
     chunks: split_model's, maybe wrapped by 03's DataParallel. batch: (x, y), (B, T),
-    the same on the whole pipeline. act_shape: what passes between stages, by default
-    (B/m, T, C). Each microbatch adds its token-loss SUM over n_tokens, the step's real
-    targets (this batch's by default). Backward starts from that loss times dp_size
-    (03's DP averages gradients) times `scale`, a plain multiplier (train.py passes
-    06's fp16 loss scale). forward_only: evaluation. -> .loss: this replica's share on
-    the last stage, else 0 (SUM it); .events; .peak_in_flight: most (mb, chunk) alive."""
-    m = n_microbatches
+    the same on the whole pipeline. act_shape: what passes between stages, (b, T, C)
+    by default. The loss is token-normalised: its sum over the step's n_tokens real
+    targets (this batch's by default) divided by their count. Backward starts from it
+    times dp_size (03's DP averages) times `scale`, a loss scale the caller may pass.
+    forward_only: evaluation. -> .loss: this replica's share on the last stage, else 0
+    (SUM it); .events; .peak_in_flight: most (mb, chunk) alive."""
     v = len(chunks)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
-        setup = (chunks, batch, m, pp_group, schedule, embed_group, act_shape)
+        setup = (chunks, batch, m, pp_group, schedule, embed_group, act_shape, n_tokens)
         step = Microbatches(*setup)
-        step.n_tokens = n_tokens or step.n_tokens
         step.scale = dp_size * scale
         run_plan(step, step_plan(schedule, step.p, m, v, forward_only)[step.rank])
         return step.result()
 
 
-# The demo: both loops and every schedule, against one process and the simulator.
-ROWS = ("gpipe, naive", "1f1b, loop", *SCHEDULES)
-
-
-def run_row(name: str, chunks, batch, m: int, embed_group) -> StepResult:
-    """One step of one row of the demo's table: a plain loop or the executor."""
-    if name == "gpipe, naive":
-        return gpipe_naive(chunks[0], batch, m, embed_group=embed_group)
-    if name == "1f1b, loop":
-        return one_f_one_b(chunks[0], batch, m, embed_group=embed_group)
-    return pipeline_step(chunks, batch, m, name, embed_group=embed_group)
+LOOPS = {"gpipe, naive": gpipe_naive, "1f1b, loop": one_f_one_b}  # the demo's rows 1-2
 
 
 def demo(args, rank: int, p: int, device) -> None:
-    """Every row on one batch, checked against one process and naive GPipe."""
+    """Both loops and every schedule on one batch, checked against one process and GPipe."""
     m = args.microbatches
     torch.manual_seed(0)  # the same model on every rank, cut afterwards
     # 8 blocks: one per stage at p·v = 8. C = 256, so that matmuls outweigh messages.
@@ -518,13 +529,16 @@ def demo(args, rank: int, p: int, device) -> None:
     print0(f"{'':15}{'loss':>8}{'vs 1 proc':>10}{'vs GPipe':>9}{'bubble':>8}", end="")
     print0(f"{'simulated':>10}{'formula':>8}  peak alive (mb, chunk) per stage")
     naive = {}
-    for name in ROWS:
+    for name in (*LOOPS, *SCHEDULES):
         schedule = name.split(",")[0]
         v = args.virtual_stages if schedule == "interleaved" else 1
         chunks = split_model(model, rank, p, v)
         for _ in range(2):  # a warm-up step, then the measured one
             model.zero_grad(set_to_none=True)
-            result = run_row(name, chunks, batch, m, embed_group)
+            if name in LOOPS:  # a plain loop holds one chunk
+                result = LOOPS[name](chunks[0], batch, m, embed_group=embed_group)
+            else:
+                result = pipeline_step(chunks, batch, m, name, embed_group=embed_group)
         grads = {n: q.grad.clone() for c in chunks for n, q in c.named_parameters()}
         naive = naive or grads  # the first row's: naive GPipe's gradients
         # Max |Δgrad| from one process, and from naive GPipe (same layers unless v > 1).
@@ -541,8 +555,8 @@ def demo(args, rank: int, p: int, device) -> None:
         dist.all_gather_object(gathered, (result.events, result.peak_in_flight))
         timeline = [events for events, _ in gathered]
         formula = bubble_formula(p, m, v)
-        ideal = bubble_fraction(simulate(schedule, p, m, v)[1])  # t_b = 2 t_f
         label = f"{name} v={v}" if v > 1 else name
+        ideal = bubble_fraction(simulate(schedule, p, m, v)[1])  # t_b = 2 t_f
         gpipe = f"{diffs[1]:.1e}" if v == 1 else "-"
         row = f"{label:<15}{loss:>8.4f}{diffs[0]:>10.1e}{gpipe:>9}"
         row += f"{bubble_fraction(timeline):>8.1%}{ideal:>10.1%}{formula:>8.1%}"
@@ -553,23 +567,9 @@ def demo(args, rank: int, p: int, device) -> None:
     if p > (cores or p):  # more ranks than cores: they time-share them
         print0(f"{p} ranks time-share {cores} cores: measured differs from simulated.")
         print0("Medians over steps, and the measured figure: bench/bench_pipeline.py")
-    if args.plot and rank == 0:
-        write_figure(p, m, args.virtual_stages)
-
-
-def write_figure(p: int, m: int, v: int) -> None:
-    """The simulator's timelines of the three schedules (t_f = 1, t_b = 2), one PNG."""
-    simulated = {}
-    for schedule in SCHEDULES:
-        vs = v if schedule == "interleaved" else 1
-        timeline = simulate(schedule, p, m, vs)[1]
-        label = f"{schedule} v={vs}" if vs > 1 else schedule
-        bubble = f"bubble {bubble_fraction(timeline):.1%} = (p-1)/(v·m+p-1)"
-        simulated[f"{label}: simulated, {bubble}"] = timeline
-    path = Path("out/pipeline") / f"pipeline_simulated_p{p}_m{m}.png"
-    xlabel = "time in units of one stage's forward (t_f = 1, t_b = 2, messages free)"
-    plot_timelines(simulated, path, 1.0, xlabel)
-    print(f"wrote {path}")
+    if args.plot and rank == 0:  # the simulated timelines of the three schedules
+        v = args.virtual_stages
+        print(f"wrote {gantt.plot_simulated(simulate, bubble_fraction, p, m, v)}")
 
 
 def main(argv=None) -> None:
@@ -584,7 +584,7 @@ def main(argv=None) -> None:
     m = args.microbatches
     try:  # interleaved asks the most: m % p == 0 and 8 blocks >= p·v
         check_config("interleaved", p, m, args.virtual_stages, n_layer=8)
-    except ValueError as e:
+    except AssertionError as e:
         parser.error(str(e))
     if "WORLD_SIZE" not in os.environ:
         return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)

@@ -50,7 +50,7 @@ sys.path.insert(
 )  # the numbered files, and tests/distributed.py's run_ranks
 pp = importlib.import_module("05_pipeline")
 model_lib = importlib.import_module("02_model")
-from support.gantt import write_chrome_trace  # noqa: E402
+from support.gantt import plot_timelines, write_chrome_trace  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
 
@@ -258,10 +258,10 @@ def main(argv=None):
                 where = f"measured on {cores} CPU cores"
                 named[f"{s}: {where}, bubble {bubble:.1%} (formula {f:.1%})"] = timeline
             path = Path(args.out_dir) / f"pipeline_p{p}_m{m}"
-            pp.plot_timelines(named, path.with_suffix(".png"))
+            plot_timelines(named, path.with_suffix(".png"))
             write_chrome_trace(named, path.with_suffix(".json"))
             if args.figure and (p, m) == (4, 8):
-                pp.plot_timelines(named, args.figure)
+                plot_timelines(named, args.figure)
                 print(f"wrote {args.figure}")
     print(f"\nGantt charts and Chrome traces in {args.out_dir}/")
 

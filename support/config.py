@@ -274,7 +274,7 @@ def check_flags(cfg, world_size: int, choices: dict, presets: dict, check_pipeli
 
     The lessons' own lists come in: `choices` (flag name -> allowed values), 02's
     `presets` (for the preset's n_layer) and 05's `check_pipeline(schedule, pp, m, v,
-    n_layer)`, which raises ValueError for a bad schedule, virtual stages without
+    n_layer)`, whose asserts fail for a bad schedule, virtual stages without
     interleaving, fewer blocks than stages, and so on.
     """
     check_numbers(cfg)
@@ -287,7 +287,7 @@ def check_flags(cfg, world_size: int, choices: dict, presets: dict, check_pipeli
     v = cfg.virtual_stages
     try:
         check_pipeline(cfg.schedule, cfg.pp, m, v, n_layer)
-    except ValueError as e:
+    except (ValueError, AssertionError) as e:
         where = f"--schedule {cfg.schedule} --pp {cfg.pp} --virtual-stages {v}"
         raise ConfigError(f"{where} --n-layer {n_layer}: {e}") from None
     check_out_dir_path(cfg)

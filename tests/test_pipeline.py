@@ -757,14 +757,28 @@ def test_bad_configurations_fail_before_any_send():
 
 
 def test_bad_configurations_in_one_process():
-    with pytest.raises(ValueError, match="cannot fill pp_size"):
+    with pytest.raises(AssertionError, match="cannot fill pp_size"):
         pp.split_model(make_model(), 0, 4, virtual_stages=3)  # 8 blocks < 12 stages
-    with pytest.raises(ValueError, match="unknown schedule"):
+    with pytest.raises(AssertionError, match="unknown schedule"):
         pp.check_config("zero-bubble", 2, 4)
-    with pytest.raises(ValueError, match="m=6, p=4"):
+    with pytest.raises(AssertionError, match="m=6, p=4"):
         pp.check_config("interleaved", 4, 6, 2)
-    with pytest.raises(ValueError, match="does not split"):
+    with pytest.raises(AssertionError, match="does not split"):
         pp.check_config("gpipe", 2, 3, batch_size=8)
+
+
+def test_a_step_whose_targets_are_all_ignored_fails_loudly():
+    """Every target -1 (all padding): the loss has no token to average over, so the step
+    must raise, not divide by 0 into a NaN loss and NaN gradients. Both the executor
+    (with a caller's count, as train.py passes, and with the batch's own) and a loop."""
+    chunks = pp.split_model(make_model(), 0, 1)
+    x, y = make_batch(4)
+    batch = (x, torch.full_like(y, -1))
+    for n_tokens in (None, 0):
+        with pytest.raises(AssertionError, match="every target of the step is -1"):
+            pp.pipeline_step(chunks, batch, 2, "1f1b", n_tokens=n_tokens)
+    with pytest.raises(AssertionError, match="every target of the step is -1"):
+        pp.one_f_one_b(chunks[0], batch, 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1126,16 +1140,21 @@ def test_simulator_catches_a_deadlock():
         pp.schedule_steps = original
 
 
-def test_figures_are_written(tmp_path):
-    """The lesson's Gantt PNG, and the Chrome trace bench/bench_pipeline.py writes (one
-    X slice per action, a thread per rank): both support/gantt.py's."""
-    from support.gantt import write_chrome_trace
+def test_figures_are_written(tmp_path, monkeypatch):
+    """The lesson's Gantt PNG (`--plot`'s simulated one too), and the Chrome trace
+    bench/bench_pipeline.py writes (one X slice per action, a thread per rank): all
+    support/gantt.py's."""
+    from support.gantt import plot_simulated, plot_timelines, write_chrome_trace
+
+    monkeypatch.chdir(tmp_path)  # --plot writes under out/pipeline/
+    simulated = plot_simulated(pp.simulate, pp.bubble_fraction, 2, 4, 2)
+    assert simulated.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     timelines = {
         s: pp.simulate(s, 2, 4, 2 if s == "interleaved" else 1, 0.01, 0.02)[1]
         for s in pp.SCHEDULES
     }
-    pp.plot_timelines(timelines, tmp_path / "gantt.png")
+    plot_timelines(timelines, tmp_path / "gantt.png")
     write_chrome_trace(timelines, tmp_path / "trace.json")
     assert (tmp_path / "gantt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
