@@ -1,4 +1,4 @@
-"""02_model.py: the GPT. Token ids go in, next-token logits come out.
+"""02 · The GPT: token ids go in, next-token logits come out.
 
 The idea in one sentence: a GPT is a stack of identical blocks, each reading a
 "residual stream" (one C-wide vector per token) and adding back what attention gathered
