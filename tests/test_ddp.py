@@ -649,7 +649,10 @@ def test_the_demo_refuses_bad_flags_in_one_line(capsys):
     assert "error: --ranks must be >= 1" in capsys.readouterr().err
 
 
-EXIT_JOBS = 60  # DP, ZeRO-2, DP, ZeRO-3 in turn; 1-2 min on 2 idle cores, 4-8 min on loaded ones
+# DP, ZeRO-2, DP, ZeRO-3 in turn: about 40 s on 2 idle cores. 20, not the 60 run before:
+# on this torch the abort no longer reproduces (docstring), so the jobs guard the plumbing
+# and the suite's time goes to proofs that can fail.
+EXIT_JOBS = 20
 
 
 def test_ranks_exit_cleanly_after_backward():
