@@ -49,7 +49,8 @@ DataParallel (buckets overlapped with backward), then hooks that compress a buck
 
 Left out on purpose: DDP's find_unused_parameters (an unused parameter is an error
 here), bucket rebuilding, overlapping PowerSGD's first round (its hook waits for it).
-Sharding the weights, gradients and optimizer state instead of copying them: 07_zero.py.
+Sharding the weights, gradients and optimizer state instead of copying them is ZeRO, a
+later lesson.
 """
 
 import argparse
