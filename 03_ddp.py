@@ -53,18 +53,16 @@ Sharding the weights, gradients and optimizer state instead of copying them is Z
 later lesson.
 """
 
-import argparse
 import contextlib
 import importlib
-import os
-import sys
 import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from support.distributed import init_distributed, print0, relaunch_with_torchrun
+from support import distributed
+from support.distributed import print0
 from support.handles import empty_when_freed, retire, weak_hook
 
 model_lib = importlib.import_module("02_model")
@@ -434,7 +432,7 @@ def train_step(model, opt, x, y) -> torch.Tensor:
     return loss.detach()
 
 
-def run_demo(rank: int, world: int, device) -> None:
+def run_demo(args, rank: int, world: int, device) -> None:
     config = model_lib.GPTConfig.from_preset(PRESET, vocab_size=256, block_size=T)
     batches = model_lib.byte_batches(T, B * world, STEPS, SEED, device)  # (N·B, T) each
     mine = slice(rank * B, (rank + 1) * B)  # this rank's rows of the global batch
@@ -511,22 +509,8 @@ def compression_demo(rank, world, config, device, steps=30, warmup=5) -> None:
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    # subtle: --ranks, not --nproc, which torchrun would take for its --nproc-per-node
-    parser.add_argument(
-        "--ranks", type=int, default=2, help="ranks to start (no torchrun)"
-    )
-    args = parser.parse_args(argv)
-    if args.ranks < 1:
-        parser.error("--ranks must be >= 1")
-    if "WORLD_SIZE" not in os.environ:
-        return relaunch_with_torchrun(args.ranks, argv, __file__)
-    rank, _, world, device = init_distributed()
-    try:
-        run_demo(rank, world, device)
-    finally:
-        dist.destroy_process_group()
+    """`--ranks N` ranks under torchrun (it relaunches itself), each running run_demo."""
+    distributed.run_on_ranks(run_demo, argv, __file__, __doc__)
 
 
 if __name__ == "__main__":
