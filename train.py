@@ -35,19 +35,20 @@ What changed from 07: nothing new is taught; 01-07 composed, with what a real ru
 import importlib
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from support import checkpoint, config, distributed, gpus, run_log, sharding
+from support import checkpoint, config, distributed, run_log, sharding
 from support import export as export_lib
 from support import grid as grid_lib
+from support import run as run_lib
 from support.checkpoint import load_checkpoint, save_checkpoint
 from support.config import ConfigError, TrainConfig, parse_args
 from support.grid import Grid
+from support.run import Run
 
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
@@ -124,28 +125,6 @@ def all_reduce_sum(t: torch.Tensor, group, size: int) -> torch.Tensor:
 
 
 # ------------ building: model (02) -> TP shards (04) -> pipeline chunks (05) -> DP (03)
-@dataclass
-class Run:
-    """Everything one training step needs, built once."""
-
-    cfg: TrainConfig
-    grid: Grid
-    gpt_config: object  # 02_model.GPTConfig
-    device: torch.device
-    dtype: torch.dtype
-    chunks: list  # This rank's model chunk(s), DP-wrapped when dp > 1.
-    optimizer: torch.optim.Optimizer
-    scaled: object  # What the scaler unscales and steps: the optimizer, ZeRO's shards.
-    scaler: object  # 06's DynamicLossScaler, enabled for fp16 only.
-    train: object  # 01's DataLoaders.
-    val: object
-    T: int  # Tokens per sequence.
-    m: int  # Microbatches per step per DP rank.
-
-    def modules(self):
-        return [getattr(c, "module", c) for c in self.chunks]
-
-
 def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device) -> list:
     # The same full model on every rank, before any sharding.
     torch.manual_seed(cfg.seed)
@@ -179,18 +158,8 @@ def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device):
     """AdamW (decay on matrices only, fused on CUDA) and, with dp > 1, 03's data
     parallelism at --zero's stage. Returns (DP-wrapped chunks, optimizer, what the
     scaler steps)."""
-    params = [p for c in chunks for p in c.parameters() if p.requires_grad]  # LoRA's.
     tied = [pp_lib.tied_parameter(c) for c in chunks] if grid.pp > 1 else []
-    # LoRA's frozen embedding is not the optimizer's.
-    tied = [t for t in tied if t is not None and t.requires_grad]
-    matrices = [p for p in params if p.dim() >= 2 and all(p is not t for t in tied)]
-    # subtle: ZeRO flattens each group apart, so alone in its group the tied matrix is
-    # cut alike on the first and last stage: their shards' gradients add (train_step).
-    groups = [
-        {"params": matrices, "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        {"params": tied, "weight_decay": cfg.weight_decay},
-    ]
+    groups = run_lib.adamw_groups(chunks, tied, cfg.weight_decay)
     AdamW = torch.optim.AdamW
     kw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
     if cfg.zero:  # (dp > 1: checked) One ZeroOptimizer over every chunk's units.
@@ -404,17 +373,11 @@ def sample(model_pt, prompt: str, n_tokens: int, seed: int = 0) -> str:
 
 # ------------------------------------------------------------------ the log and MFU
 def open_log(run: Run, start: int) -> run_log.Logger:
-    """metrics.jsonl from `start` on, told the FLOPs per token for MFU and HFU."""
-    cfg = run.cfg
+    """metrics.jsonl from `start` on, told 02's FLOPs per token for MFU and HFU."""
     flops = model_lib.flops_per_token(run.gpt_config, run.T)  # 6N + attention (02).
-    if cfg.lora_rank:  # No gradients of the frozen weights; the factors' instead.
-        N = model_lib.count_params(run.gpt_config, non_embedding=True)
-        flops = run_log.lora_flops_per_token(flops, N, run.gpt_config, cfg.lora_rank)
-    hfu = flops + gpus.recompute_flops_per_token(run.gpt_config, run.T, cfg.recompute)
+    n_params = model_lib.count_params(run.gpt_config, non_embedding=True)
     dtype = {v: k for k, v in mp_lib.DTYPES.items()}[run.dtype]
-    tokens = cfg.batch_size * run.T  # Per step.
-    args = (tokens, cfg.max_steps, flops, hfu, dtype, run.grid, run.device)
-    return run_log.Logger(cfg.out_dir, start, *args)
+    return run_log.open_log(run, start, flops, n_params, dtype)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -482,13 +445,7 @@ def main(argv=None) -> None:
     rank, _, world, device = distributed.init_distributed()
     try:
         run = build_run(cfg, gpt_config, build_grid(cfg, rank, world), device)
-        params = [p for m in run.modules() for p in m.parameters() if p.requires_grad]
-        layout = f"world {world} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} on {device}"
-        model = f"{run.gpt_config.n_layer}-layer GPT, {run.dtype}, {run.m} microbatches"
-        batch = f"of {cfg.micro_batch_size} x {run.T} per DP rank"
-        trains = f"{sum(p.numel() for p in params):,} parameters train on rank 0"
-        what = f"{model} {batch}, recompute {cfg.recompute}"
-        distributed.print0(f"{layout}; {what}; {trains}")
+        distributed.print0(run_lib.describe(run))
         train(run)
     finally:
         if created and dist.is_initialized():

@@ -151,3 +151,16 @@ def plot_losses(out_dir) -> Path:
     path = Path(out_dir) / "loss.png"
     ax.figure.savefig(path, dpi=120, bbox_inches="tight")
     return path
+
+
+def open_log(run, start: int, flops: int, n_params: int, dtype_name: str) -> Logger:
+    """A train.Run's Logger from step `start` on. `flops`: 02's FLOPs per token (6N +
+    attention); with LoRA, less the frozen weights' gradients (`n_params`: 02's N, the
+    non-embedding parameters); HFU adds what --recompute redoes (support/gpus.py)."""
+    cfg = run.cfg
+    if cfg.lora_rank:  # No gradients of the frozen weights; the factors' instead.
+        flops = lora_flops_per_token(flops, n_params, run.gpt_config, cfg.lora_rank)
+    hfu = flops + gpus.recompute_flops_per_token(run.gpt_config, run.T, cfg.recompute)
+    tokens = cfg.batch_size * run.T  # Per step.
+    args = (tokens, cfg.max_steps, flops, hfu, dtype_name, run.grid, run.device)
+    return Logger(cfg.out_dir, start, *args)
