@@ -1,0 +1,380 @@
+"""08_context_parallel.py: ring attention and the context-parallel GPT equal one process.
+
+A worked example of the zigzag split first: T = 8 tokens at cp = 2 are cut into 2cp = 4
+chunks of 2, [0 1 | 2 3 | 4 5 | 6 7]; rank 0 holds chunks 0 and 3, positions [0 1 6 7],
+rank 1 chunks 1 and 2, positions [2 3 4 5]. Causal attention over those ranks costs, in
+blocks of (T/cp)^2 = 16 scores, 1 (the diagonal) + 1/2 (half a block from the other
+rank) = 1.5 on each rank, where the contiguous split costs rank 0 one block and rank 1
+two.
+
+Then the proofs. In one process, a ring of threads (support/ring.ThreadRing) runs the
+lesson's own ring loops in fp64 and must give F.scaled_dot_product_attention(is_causal=
+True)'s output and gradients for both splits, while the blocks and bytes each thread
+computes and sends are counted against the formulas. On gloo, one world of 2 and one of 4
+ranks run every case in CASES once: the ring and the all-gather versions against SDPA,
+the GPT's logits, loss and every parameter's gradient against one process (gradients
+averaged over the CP ranks, as DP averages), a rank whose targets are all ignored, all of
+it again under tests/distributed.nccl_p2p_rules, the bytes of a GPT step per layer, CP
+on a tensor-parallel model (cp 2 x tp 2, with and without SP) and on 05's pipeline
+(cp 2 x pp 2, 1F1B), and PyTorch's own context_parallel where it runs.
+"""
+
+import copy
+import importlib
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from support.ring import ThreadRing
+from tests.distributed import case_results, nccl_p2p_rules, run_cases, run_ranks
+
+cp_lib = importlib.import_module("08_context_parallel")
+model_lib = importlib.import_module("02_model")
+
+B = 2
+T = 16  # divisible by 2cp for cp = 1, 2, 4, 8
+SPLITS = ("zigzag", "contiguous")
+
+
+def close(actual, expected, what, fp64=False):
+    """fp64: the ring adds the same products in another order than SDPA's kernel, so
+    results differ by ~1e-15 relative per addition; 1e-10 is far above that and far
+    below any bug. fp32: rounding ~1e-7 per addition, a few additions deep (observed
+    below 2e-6 on O(1) values); atol 1e-5 of the tensor's largest entry and rtol 1e-4
+    are well above it and far below a real bug (a missing block, a wrong mask, a
+    gradient summed on the wrong rank), which is off by the size of the values."""
+    scale = expected.detach().abs().max().item()
+    tol = 1e-10 if fp64 else 1e-5
+    torch.testing.assert_close(
+        actual,
+        expected,
+        rtol=tol if fp64 else 1e-4,
+        atol=tol * max(scale, 1e-12),
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+def sdpa_reference(q, k, v, dout):
+    """Full causal attention by PyTorch, and its three input gradients."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    out.backward(dout)
+    return out.detach(), [t.grad for t in leaves]
+
+
+# ------------------------------------------------------------ one process
+def test_zigzag_worked_example():
+    x = torch.arange(8).view(1, 8)
+    assert cp_lib.zigzag_split(x, 0, 2).tolist() == [[0, 1, 6, 7]]
+    assert cp_lib.zigzag_split(x, 1, 2).tolist() == [[2, 3, 4, 5]]
+    assert cp_lib.zigzag_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert cp_lib.zigzag_positions(8, 3, 4).tolist() == [3, 4]
+    for cp in (1, 2, 4):
+        parts = [cp_lib.zigzag_split(x, r, cp) for r in range(cp)]
+        assert torch.equal(cp_lib.zigzag_merge(parts, cp), x)
+    with pytest.raises(AssertionError, match="divisible by 2cp"):
+        cp_lib.zigzag_split(torch.zeros(1, 6), 0, 2)
+
+
+def test_formulas_by_hand():
+    """blocks_per_rank and ring_bytes_per_layer against numbers derived here."""
+    assert cp_lib.blocks_per_rank(4, "contiguous") == [1, 2, 3, 4]
+    assert cp_lib.blocks_per_rank(4, "zigzag") == [2.5] * 4
+    assert cp_lib.blocks_per_rank(1, "zigzag") == [1.0]
+    # B=2, T=16, C=8, cp=4: K or V of a rank's 4 tokens is 2*4*8 = 64 elements. Forward:
+    # 3 steps x (K and V) x 64 x 2 bytes (bf16) = 768. Backward: 768 again, plus dK and
+    # dV (fp32 accumulators) sent 4 times: 4 x 2 x 64 x 4 = 2048.
+    assert cp_lib.ring_bytes_per_layer(2, 16, 8, 4, 2) == (768, 768 + 2048)
+    assert cp_lib.ring_bytes_per_layer(2, 16, 8, 1, 4) == (0, 0)
+
+
+def simulate(cp, split, q, k, v, dout):
+    """The lesson's ring loops on cp threads: (out, dq, dk, dv) merged, the measured
+    blocks of (T/cp)^2 scores and the bytes each thread sent forward and backward."""
+    n = q.size(2) // cp
+    parts = [
+        [cp_lib.split_sequence(t, r, cp, split, 2) for t in (q, k, v, dout)]
+        for r in range(cp)
+    ]
+    scores = [0] * cp
+    attend = cp_lib.attend
+    me = threading.local()  # which rank this thread plays
+
+    def counting(q_b, k_b, v_b, mask=None):  # the scores each block computes
+        scores[me.rank] += q_b.size(2) * k_b.size(2)
+        return attend(q_b, k_b, v_b, mask)
+
+    def forward(rank, pass_on):
+        me.rank = rank
+        return cp_lib.ring_forward(*parts[rank][:3], rank, cp, split, pass_on)
+
+    ring = ThreadRing(cp)
+    cp_lib.attend = counting
+    try:
+        results = ring.run(forward)
+    finally:
+        cp_lib.attend = attend
+    sent_forward = [sum(s) for s in ring.sent]
+
+    def backward(rank, pass_on):
+        out, lse = results[rank]
+        return cp_lib.ring_backward(
+            *parts[rank][:3], out, lse, parts[rank][3], rank, cp, split, pass_on
+        )
+
+    ring = ThreadRing(cp)
+    grads = ring.run(backward)
+    merged = [cp_lib.merge_sequence([r[0] for r in results], cp, split, 2)]
+    for i in range(3):
+        merged.append(cp_lib.merge_sequence([g[i] for g in grads], cp, split, 2))
+    blocks = [s / n**2 for s in scores]
+    return merged, blocks, sent_forward, [sum(s) for s in ring.sent]
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_ring_simulated_in_fp64_equals_sdpa(split):
+    """cp threads run ring_forward and ring_backward; the merged output and the three
+    gradients are SDPA's, the blocks each rank computed are blocks_per_rank, and the
+    bytes each sent are ring_bytes_per_layer (fp64: 8 bytes, accumulators 8 too)."""
+    g = torch.Generator().manual_seed(0)
+    nh = 2
+    hs = 4
+    q, k, v, dout = (
+        torch.randn(B, nh, T, hs, dtype=torch.float64, generator=g) for _ in range(4)
+    )
+    out_want, grads_want = sdpa_reference(q, k, v, dout)
+    for cp in (1, 2, 4, 8):
+        merged, blocks, sent_f, sent_b = simulate(cp, split, q, k, v, dout)
+        for name, got, want in zip(
+            ("out", "dq", "dk", "dv"), merged, [out_want, *grads_want]
+        ):
+            close(got, want, f"cp={cp} {split} {name}", fp64=True)
+        assert blocks == cp_lib.blocks_per_rank(cp, split), (cp, split, blocks)
+        formula = cp_lib.ring_bytes_per_layer(B, T, nh * hs, cp, 8)
+        assert sent_f == [formula[0]] * cp, (cp, sent_f, formula)
+        assert sent_b == [formula[1]] * cp, (cp, sent_b, formula)
+
+
+def test_zigzag_balances_the_work():
+    """Zigzag: the same work on every rank; contiguous: the last rank does cp times the
+    first's. Measured by the simulation above, at cp = 4."""
+    q = torch.randn(1, 1, T, 4, dtype=torch.float64)
+    _, zigzag, _, _ = simulate(4, "zigzag", q, q, q, q)
+    _, contiguous, _, _ = simulate(4, "contiguous", q, q, q, q)
+    assert max(zigzag) == min(zigzag) == 2.5
+    assert contiguous[-1] == 4 * contiguous[0]
+
+
+# ------------------------------------------------------------ gloo worlds
+def tiny(**overrides):
+    base = dict(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=64)
+    return model_lib.GPTConfig(**{**base, **overrides})
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 64, (B, T), generator=g)
+    targets = torch.randint(0, 64, (B, T), generator=g)
+    targets[0, :3] = -1  # ignored positions take no part in the loss
+    return idx, targets
+
+
+def gather(t, group):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def world_group(world_size):
+    return dist.new_group(list(range(world_size)))
+
+
+def check_attention(rank, cp, group, fns):
+    """fns' outputs and dq, dk, dv, merged over the ranks, against SDPA (fp32)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (torch.randn(B, 4, T, 8, generator=g) for _ in range(4))
+    out_want, grads_want = sdpa_reference(q, k, v, dout)
+    for fn in fns:
+        for split in SPLITS:
+            mine = [
+                cp_lib.split_sequence(t, rank, cp, split, 2).clone().requires_grad_()
+                for t in (q, k, v)
+            ]
+            out = fn(*mine, group, split)
+            out.backward(cp_lib.split_sequence(dout, rank, cp, split, 2))
+            got = [out.detach()] + [t.grad for t in mine]
+            for name, a, want in zip(
+                ("out", "dq", "dk", "dv"), got, [out_want, *grads_want]
+            ):
+                whole = cp_lib.merge_sequence(gather(a, group), cp, split, 2)
+                close(whole, want, f"{fn.__name__} {split} {name}")
+    return True
+
+
+def case_attention(rank, world_size):
+    group = world_group(world_size)
+    return check_attention(
+        rank, world_size, group, [cp_lib.ring_attention, cp_lib.allgather_attention]
+    )
+
+
+def case_attention_nccl(rank, world_size):
+    group = world_group(world_size)
+    with nccl_p2p_rules():
+        return check_attention(rank, world_size, group, [cp_lib.ring_attention])
+
+
+def one_process(targets, seed=0, **config):
+    """The whole GPT on the whole batch: logits, mean loss, every gradient."""
+    torch.manual_seed(seed)
+    model = model_lib.GPT(tiny(**config))
+    idx, _ = batch()
+    logits, loss = model(idx, targets)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return model, logits.detach(), loss.detach(), grads
+
+
+def owner_of_tokens(cp, split):
+    """(B, T): the CP rank that holds each token."""
+    parts = [torch.full((B, T // cp), r) for r in range(cp)]
+    return cp_lib.merge_sequence(parts, cp, split)
+
+
+def check_gpt(rank, cp, group, split, targets):
+    """apply_context_parallel's GPT on this rank's chunks, stepped as cp_step does
+    (SUM / N over the CP ranks, backward x cp, gradients averaged): logits, loss and
+    every gradient against one process."""
+    full, logits_want, loss_want, grads_want = one_process(targets)
+    model = cp_lib.apply_context_parallel(copy.deepcopy(full), group, split)
+    model.zero_grad(set_to_none=True)
+    idx, _ = batch()
+    x = cp_lib.split_sequence(idx, rank, cp, split)
+    y = cp_lib.split_sequence(targets, rank, cp, split)
+    logits, loss = cp_lib.cp_step(model, x, y, group)
+    assert torch.isfinite(loss), f"rank {rank}: loss {loss}"
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    close(total, loss_want, f"{split} loss")
+    whole = cp_lib.merge_sequence(gather(logits.detach(), group), cp, split)
+    close(whole, logits_want, f"{split} logits")
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(names) == sorted(grads_want), "the state-dict names changed"
+    for name, p in model.named_parameters():
+        close(p.grad, grads_want[name], f"{split} grad of {name}")
+    return loss.item()
+
+
+def case_gpt(rank, world_size):
+    group = world_group(world_size)
+    _, targets = batch()
+    shares = {}
+    for split in SPLITS:
+        shares[split] = check_gpt(rank, world_size, group, split, targets)
+        # Megatron-LM #1764: every target on rank 0 ignored: no NaN, the same model.
+        ignored = targets.masked_fill(owner_of_tokens(world_size, split) == 0, -1)
+        shares[split + " rank 0 ignored"] = check_gpt(
+            rank, world_size, group, split, ignored
+        )
+    return shares
+
+
+def case_gpt_nccl(rank, world_size):
+    group = world_group(world_size)
+    with nccl_p2p_rules():
+        return check_gpt(rank, world_size, group, "zigzag", batch()[1])
+
+
+def case_blocks_and_bytes(rank, world_size):
+    """On real ranks: the blocks each rank computes (attend counted) and the bytes of a
+    GPT step's isends per layer (batch_isend_irecv counted), against the formulas."""
+    cp = world_size
+    group = world_group(world_size)
+    scores = []
+    attend = cp_lib.attend
+
+    def counting(q_b, k_b, v_b, mask=None):
+        scores.append(q_b.size(2) * k_b.size(2))
+        return attend(q_b, k_b, v_b, mask)
+
+    blocks = {}
+    cp_lib.attend = counting
+    try:
+        for split in SPLITS:
+            scores.clear()
+            q = torch.randn(1, 1, T // cp, 4)
+            cp_lib.ring_attention(q, q, q, group, split)
+            blocks[split] = sum(scores) / (T // cp) ** 2
+    finally:
+        cp_lib.attend = attend
+    for split in SPLITS:
+        assert blocks[split] == cp_lib.blocks_per_rank(cp, split)[rank], (split, blocks)
+    torch.manual_seed(0)
+    config = tiny()
+    model = cp_lib.apply_context_parallel(model_lib.GPT(config), group)
+    idx, targets = batch()
+    sent = []
+    real = dist.batch_isend_irecv
+
+    def counting_p2p(ops):
+        sent.extend(
+            op.tensor.numel() * op.tensor.element_size()
+            for op in ops
+            if op.op is dist.isend
+        )
+        return real(ops)
+
+    dist.batch_isend_irecv = counting_p2p
+    try:
+        x = cp_lib.zigzag_split(idx, rank, cp)
+        y = cp_lib.zigzag_split(targets, rank, cp)
+        cp_lib.cp_step(model, x, y, group)
+    finally:
+        dist.batch_isend_irecv = real
+    formula = sum(cp_lib.ring_bytes_per_layer(B, T, config.n_embd, cp, 4))
+    assert sum(sent) == config.n_layer * formula, (sum(sent), formula)
+    return blocks
+
+
+CASES = {
+    "attention": case_attention,
+    "attention_nccl": case_attention_nccl,
+    "gpt": case_gpt,
+    "gpt_nccl": case_gpt_nccl,
+    "blocks_and_bytes": case_blocks_and_bytes,
+}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"cp{n}")
+def world(request):
+    return request.param, run_ranks(run_cases, request.param, CASES, timeout=180)
+
+
+def test_ring_and_allgather_attention_equal_sdpa(world):
+    case_results(world[1], "attention")
+
+
+def test_ring_attention_under_nccl_rules(world):
+    case_results(world[1], "attention_nccl")
+
+
+def test_gpt_equals_one_process(world):
+    """Both splits, and with every target of rank 0 ignored (its share of the loss is
+    then exactly 0, not NaN)."""
+    shares = case_results(world[1], "gpt")
+    for split in SPLITS:
+        assert shares[0][split + " rank 0 ignored"] == 0.0
+
+
+def test_gpt_under_nccl_rules(world):
+    case_results(world[1], "gpt_nccl")
+
+
+def test_measured_blocks_and_bytes_match_the_formulas(world):
+    cp, per_rank = world
+    blocks = case_results(per_rank, "blocks_and_bytes")
+    assert [b["zigzag"] for b in blocks] == [(cp + 1) / 2] * cp
+    assert [b["contiguous"] for b in blocks] == list(range(1, cp + 1))
