@@ -52,8 +52,18 @@ Bits, sign|exponent|mantissa: fp32 1|8|23; bf16 1|8|7 (fp32's range, 2-3 digits)
    FLOPs utilisation (HFU) counts the extra 2N, model FLOPs utilisation (MFU) does not.
    Selective redoes only the elementwise ops, but it calls torch's policy in Python
    for every op.
+7. The loss without the (B, T, V) logits (Liger-Kernel's fused linear cross-entropy;
+   Wijmans et al. 2024, arXiv 2411.09009): 02's loss keeps the fp32 log-softmax, V
+   numbers a token (201 KB at GPT-2's V = 50,304: 6.6 GB at B = 32, T = 1,024), and
+   the logits and their gradient are as big. ChunkedLinearCrossEntropy runs lm_head
+   and the loss over chunks of tokens, forming each chunk's gradient in the forward,
+       dlogits = (softmax - onehot(target))·scale    dX = dlogits W    dW += dlogits^T X
+   so only dX (B, T, C) and dW (V, C) wait for the backward. apply_chunked_loss puts
+   it in a GPT through 02's head/loss_fn seam. At V = 4,032 the demo prints `plain
+   5138.3 5138.3 4066.0 8064.0` KB (held, formula, the loss's, logits and dlogits), and
+   `chunked 1608.2 1608.2 536.0 0.0`: its dX and dW, and nothing of size (B, T, V).
 
-Launch:  python 06_mixed_precision.py   (seconds on a CPU; --help): the six in order.
+Launch:  python 06_mixed_precision.py   (seconds on a CPU; --help): the seven in order.
 
 What changed from 05_pipeline.py: its microbatches come back as accumulation steps, and
 training gets a dtype; the new collective is the scaler's inf check, a 4-byte MAX over
@@ -67,13 +77,18 @@ import dataclasses
 import functools
 import importlib
 import math
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 
-from support.activations import note_kept, saved_activation_bytes
+from support import memory_demos
+from support.activations import note_kept, replaying_stream, saved_activation_bytes
+from support.precision import GradScalerState
+from support.precision import fp32 as _fp32
 
 model_lib = importlib.import_module("02_model")
 
@@ -94,12 +109,7 @@ def static_scale_example(S: float = 2.0**16):
 
 
 # -------------------------------------------------------- the dynamic loss scaler
-def _fp32(x: float) -> float:
-    """Round a Python float (a double) to fp32: GradScaler keeps its scale in fp32."""
-    return torch.tensor(x, dtype=torch.float32).item()
-
-
-class DynamicLossScaler:
+class DynamicLossScaler(GradScalerState):
     """torch.amp.GradScaler's algorithm, the inf check all-reduced over `group`:
 
         scaler.scale(loss).backward()   # gradients of S·L
@@ -109,11 +119,9 @@ class DynamicLossScaler:
         scaler.update()                 # inf: S *= backoff; growth_interval clean
                                         # steps in a row: S *= growth
 
-    It makes GradScaler's decisions and uses its state_dict keys. With enabled=False
-    (for bf16 and fp32) it does nothing: scale() returns the loss as it is, and step()
-    simply steps."""
-
-    KEYS = "scale growth_factor backoff_factor growth_interval _growth_tracker"
+    It makes GradScaler's decisions; its getters and state_dict keys are GradScaler's
+    (support/precision.py). With enabled=False (for bf16 and fp32) it does nothing:
+    scale() returns the loss as it is, and step() simply steps."""
 
     def __init__(
         self,
@@ -207,29 +215,6 @@ class DynamicLossScaler:
             else:
                 self._growth_tracker += 1
         self._per_optimizer = {}
-
-    def get_scale(self) -> float:
-        return self._scale if self.enabled else 1.0
-
-    def is_enabled(self) -> bool:
-        return self.enabled
-
-    def state_dict(self) -> dict:
-        """GradScaler's keys ("scale" is our _scale), so either loads the other's."""
-        if not self.enabled:
-            return {}
-        return {k: getattr(self, "_" + k.lstrip("_")) for k in self.KEYS.split()}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if not self.enabled:
-            return
-        if not state_dict:
-            raise RuntimeError("empty scaler state dict: saved from a disabled scaler?")
-        self._scale = _fp32(float(state_dict["scale"]))
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        self._growth_tracker = int(state_dict["_growth_tracker"])
 
 
 def make_scaler(dtype: torch.dtype, group=None, **kwargs) -> DynamicLossScaler:
@@ -371,7 +356,7 @@ def _recomputed(block, mode: str, x: torch.Tensor) -> torch.Tensor:
     # rewound here, only if it draws (torch.compile traces torch's generators only).
     stream = next((m.rng for m in block.modules() if hasattr(m, "rng")), None)
     if stream is not None and block.attn.dropout > 0:
-        contexts = functools.partial(_with_stream, contexts, stream)
+        contexts = functools.partial(replaying_stream, contexts, stream)
     kwargs = {"context_fn": contexts} if contexts else {}
     return ckpt.checkpoint(run, x, use_reentrant=False, **kwargs)
 
@@ -387,36 +372,19 @@ def _policy(keep_attention, ctx, op, *args, **kwargs):
     return ckpt.CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _with_stream(contexts, stream):
-    """Called as the forward starts: the stream's state now is the one to replay."""
-    forward, redo = contexts() if contexts else (contextlib.nullcontext(),) * 2
-    return forward, _replaying(redo, stream, stream.state)
-
-
-@contextlib.contextmanager
-def _replaying(inner, stream, state):
-    """Replay from `state` (04's fork replaces .state: a reference is a snapshot)."""
-    now = stream.state
-    stream.state = state
-    try:
-        with inner:
-            yield
-    finally:
-        stream.state = now
-
-
-def activation_formula(config, B: int, T: int, mode: str, recompute="none") -> int:
+def activation_formula(
+    config, B: int, T: int, mode: str, recompute="none", loss="plain"
+) -> int:
     """Bytes held for the backward of 02's GPT (dropout 0) in `mode` ("fp32", "bf16
     autocast", "fp16 autocast + scaler" or "fp16 by hand"). A layer: none keeps the
     LayerNorms' inputs, means and rstds, c_attn's input C, q|k|v 3C, attention's output
     C and log-sum-exp per head, c_fc's input C, GELU's input and output 8C; selective
     the block's input and the matmuls' and attention's outputs (3C, C, 4C, C, C); full
-    the block's input. Then ln_f, lm_head's input, the fp32 log-softmax V and the int64
-    ids and targets a token; the T positions and the loss's count a batch; under
-    autocast the 16-bit weights matmuls saved (a recomputed block casts again)."""
+    the block's input. Then ln_f and the int64 ids a token, the T positions a batch,
+    under autocast the 16-bit weights matmuls saved (a recomputed block casts again),
+    and what lm_head and the loss keep (loss_formula)."""
     C = config.n_embd
     L = config.n_layer
-    V = config.padded_vocab_size
     nh = config.n_head
     a = 4 if mode == "fp32" else 2  # matmul operands: 16-bit under autocast and by hand
     r = 2 if mode == "fp16 by hand" else 4  # residual stream: fp32 unless by hand
@@ -425,131 +393,165 @@ def activation_formula(config, B: int, T: int, mode: str, recompute="none") -> i
         "selective": C * r + 10 * C * a + 4 * nh,
         "full": C * r,
     }[recompute]
-    per_token = L * layer + (C + 2) * r + C * a + 4 * V + 16
-    copies = 0
-    if "autocast" in mode:
-        blocks = L * 12 * C * C if recompute == "none" else 0
-        copies = 2 * (blocks + V * C)
-    return B * T * per_token + 8 * T + 4 + copies
+    per_token = L * layer + (C + 2) * r + 8
+    copies = 2 * L * 12 * C * C if "autocast" in mode and recompute == "none" else 0
+    return B * T * per_token + 8 * T + copies + loss_formula(config, B, T, mode, loss)
+
+
+# ------------------------------------------------ the loss without the whole logits
+# The simple version is 02's: lm_head's (B, T, V) logits, an fp32 copy, its log-softmax
+# (kept for the backward), then dL/dlogits, (B, T, V) again. The chunked one ("Cut Your
+# Losses in Large-Vocabulary Language Models") never holds more than (chunk, V).
+def loss_formula(config, B: int, T: int, mode: str, loss="plain", bias=False) -> int:
+    """Bytes lm_head and the loss keep for the backward, from ln_f's output on. plain:
+    lm_head's input (C numbers of a bytes), the fp32 log-softmax (V_padded) and the
+    int64 targets a token, the loss's 4-byte count, under autocast W's 16-bit copy;
+    chunked: dX (C a token), dW (V·C) and the bias's V, in their inputs' dtype. On top,
+    not kept by autograd: plain's logits (B·T·V·a) and dL/dlogits (B·T·V·4)."""
+    C = config.n_embd
+    V = config.padded_vocab_size
+    a = 4 if mode == "fp32" else 2  # matmul operands, as in activation_formula
+    r = 2 if mode == "fp16 by hand" else 4  # ln_f's output and W: fp32 unless by hand
+    if loss == "chunked":
+        return B * T * C * r + V * C * r + (V * r if bias else 0)
+    copies = 2 * V * C if "autocast" in mode else 0
+    return B * T * (C * a + 4 * V + 8) + 4 + copies
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of x @ W^T + b chunk by chunk: the forward makes dX and dW, the
+    backward scales them. x (N, C), W (V, C), b (V,) or None, targets (N,)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, vocab_size, chunk_tokens, reduction):
+        device = x.device.type
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else x.dtype  # matmuls'
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]  # eval: the loss alone
+        w = weight.to(dtype)  # (V, C), as autocast casts it for lm_head
+        b = None if bias is None else bias.to(dtype)
+        valid = targets != IGNORE  # (N,)
+        # "mean" divides by the real targets, as 02's loss: a tensor, no host sync.
+        scale = 1.0 / valid.sum() if reduction == "mean" else 1.0
+        loss = torch.zeros((), device=x.device)  # fp32, the sum over every chunk
+        dx = torch.empty_like(x) if need_x else None  # (N, C)
+        dw = torch.zeros(weight.shape, device=x.device) if need_w else None  # fp32
+        db = torch.zeros(weight.size(0), device=x.device) if need_b else None
+        with torch.autocast(device, enabled=False):  # the dtypes are chosen above
+            for start in range(0, x.size(0), chunk_tokens):
+                rows = slice(start, start + chunk_tokens)
+                xc = x[rows].to(dtype)  # (n, C)
+                logits = F.linear(xc, w, b).float()  # (n, V): fp32 for the softmax
+                logits[:, vocab_size:] = -math.inf  # padding columns never win
+                lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (n, 1)
+                ok = valid[rows]  # (n,)
+                t = targets[rows].clamp(min=0).unsqueeze(1)  # (n, 1): -1 reads col 0
+                nll = lse.squeeze(1) - logits.gather(1, t).squeeze(1)  # (n,)
+                loss += torch.where(ok, nll, 0.0).sum()
+                if not (need_x or need_w or need_b):
+                    continue
+                g = logits.sub_(lse).exp_()  # softmax, in the logits' own storage
+                g.scatter_add_(1, t, torch.full_like(lse, -1.0))  # - onehot(target)
+                g.mul_((ok * scale).unsqueeze(1))  # (n, V): ignored rows 0; mean: /N
+                g16 = g.to(dtype)
+                if need_x:
+                    dx[rows] = g16 @ w  # (n, V) @ (V, C)
+                if need_w:
+                    dw += (g16.T @ xc).float()  # (V, n) @ (n, C), summed in fp32
+                if need_b:
+                    db += g.sum(dim=0)
+        dw = None if dw is None else dw.to(weight.dtype)
+        db = None if db is None else db.to(bias.dtype)
+        ctx.save_for_backward(dx, dw, db)  # nothing (N, V): the point of it all
+        return loss * scale
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        """dL/dx = grad_loss · dX, and the same for W and b: the chain rule's last step."""
+        grads = [None if g is None else g * grad_loss for g in ctx.saved_tensors]
+        return *grads, None, None, None, None
+
+
+def chunked_cross_entropy(
+    x, targets, reduction="mean", *, lm_head, vocab_size, chunk_tokens
+):
+    """02's loss_fn, from the hidden states: (B, T, C) x, (B, T) targets -> the loss.
+    Columns from vocab_size on are padding, as in 02's cross_entropy_loss."""
+    C = lm_head.weight.size(1)
+    if x.size(-1) != C:
+        msg = f"the chunked loss takes ln_f's (..., {C}) output, got {tuple(x.shape)}"
+        raise ValueError(msg + ": apply_chunked_loss to every pipeline chunk too")
+    assert reduction in ("sum", "mean"), f"reduction {reduction!r}: 'sum' or 'mean'"
+    flat = (x.reshape(-1, C), lm_head.weight, lm_head.bias, targets.reshape(-1))
+    return ChunkedLinearCrossEntropy.apply(*flat, vocab_size, chunk_tokens, reduction)
+
+
+def apply_chunked_loss(model: nn.Module, chunk_tokens: int = 1024) -> nn.Module:
+    """Make a GPT, or 05's last pipeline chunk, compute lm_head + loss chunk by chunk,
+    in place, through 02's seam: `head` becomes ln_f alone (the (B, T, C) normalised
+    hidden states) and `loss_fn` the chunked loss of them. A GPT then returns (None,
+    loss) when given targets (no logits are made) and real logits without (generate
+    samples as before). Other chunks of 05 have no head: unchanged. 1,024 tokens keep
+    the chunk's fp32 (1,024, V) block at 0.2 GB for GPT-2, matmuls big enough for a
+    GPU. Refused under 04's tensor parallelism (apply_tensor_parallel comes after)."""
+    loss = getattr(model.loss_fn, "func", model.loss_fn)
+    if loss not in (model_lib.cross_entropy_loss, chunked_cross_entropy):
+        raise ValueError(
+            f"apply_chunked_loss replaces 02's cross_entropy_loss, not {loss.__name__}: "
+            "04's rank holds V/tp logit columns, whose max and sum need an all-reduce"
+        )
+    assert chunk_tokens >= 1, f"chunk_tokens must be >= 1, got {chunk_tokens}"
+    if model.lm_head is None:  # 05's chunks before the last stage
+        return model
+    assert type(model.lm_head) is nn.Linear, f"a plain lm_head: {model.lm_head}"
+    model.head = model.transformer.ln_f.__call__  # (B, T, C): no logits
+    model.loss_fn = functools.partial(
+        chunked_cross_entropy,
+        lm_head=model.lm_head,
+        vocab_size=model.config.vocab_size,
+        chunk_tokens=chunk_tokens,
+    )
+    if isinstance(model, model_lib.GPT):  # 05's chunk hands head's output to loss_fn
+        model.forward = functools.partial(_chunked_forward, model)
+    return model
+
+
+def _chunked_forward(model, idx, targets=None, reduction="mean"):
+    """GPT.forward -> (None, loss) with targets, (real logits, None) without."""
+    hidden, loss = type(model).forward(model, idx, targets, reduction)  # (B, T, C)
+    return (model.lm_head(hidden), None) if targets is None else (None, loss)
 
 
 # ------------------------------------------------------------------------ the demo
-def underflow_demo(config, batches, args):
-    """After fp32 training, every Linear output's |grad| (the activation gradients) and
-    every parameter's, rounded to 16 bits without and with S: how many are 0?"""
-    torch.manual_seed(args.seed)
-    model = model_lib.GPT(config).to(args.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    fp32 = torch.float32
-    for x, y in batches[:-1]:
-        train_step(model, optimizer, make_scaler(fp32), None, fp32, x, y)
-    outputs = []  # every Linear's output: their gradients are the activation gradients
-    for linear in (m for m in model.modules() if isinstance(m, nn.Linear)):
-        linear.register_forward_hook(lambda module, inputs, out: outputs.append(out))
-    _, loss = model(*batches[-1])
-    g = torch.autograd.grad(loss, outputs + list(model.parameters()))
-    n = len(outputs)
-    S = args.init_scale
-    cases = (("fp16", 1.0), (f"fp16 x 2^{math.log2(S):.0f}", S), ("bf16", 1.0))
-    print(f"gradients after {len(batches) - 1} fp32 steps, rounded  0  subnormal  inf")
-    grads = {}  # The non-zeros, returned so that a caller can plot them.
-    for name, ts in (("activation grads", g[:n]), ("parameter grads", g[n:])):
-        flat = torch.cat([t.abs().flatten() for t in ts]).cpu()
-        flat = grads[name] = flat[flat > 0]
-        for label, s in cases:
-            dtype = DTYPES[label[:4]]
-            q = (flat * s).to(dtype)
-            zero = (q == 0).float().mean()
-            sub = ((q != 0) & (q.abs() < torch.finfo(dtype).tiny)).float().mean()
-            inf = q.isinf().float().mean()
-            print(f"{name:<17} to {label:<12} {zero:>7.2%} {sub:>10.2%} {inf:>4.0%}")
-        print(f"({name}: median |g| {flat.median():.1e})")
-    return grads
-
-
-def fp16_training_demo(config, batches, args):
-    """fp16 by hand under the scaler, started too high on purpose, beside fp32."""
-    print("\nfp16 by hand: MasterWeights + DynamicLossScaler(2^19, growth_interval=3)")
-    print("step  loss fp32  loss fp16  scale after  skipped")
-    runs = []
-    for dtype in (torch.float32, torch.float16):
+def loss_demo(config, args):
+    """The plain loss, then the chunked one, on one batch of a GPT with V >> C as
+    GPT-2's (V = 4,000 here): bytes held for the backward (counted, and the formula),
+    the loss's part of them, the (B, T, V) logits and dL/dlogits that live besides
+    (all in KB), and the loss and the gradients against the plain ones."""
+    config = dataclasses.replace(config, vocab_size=4000, pad_vocab_multiple=64)
+    T = config.block_size
+    B = args.batch_size
+    V = config.padded_vocab_size
+    [(x, y)] = model_lib.byte_batches(T, B, 1, args.seed, args.device)
+    y[0, : T // 2] = IGNORE  # a masked prompt: its targets do not count
+    tokens = f"{B * T} tokens, V = {V:,} ({config.vocab_size:,} real)"
+    print(f"\nthe loss, fp32, {tokens}, chunks of {args.chunk_tokens} tokens")
+    print("loss      held KB  formula the loss (B,T,V)s     loss  max |g - g_plain|")
+    grads = []
+    for loss in ("plain", "chunked"):
         torch.manual_seed(args.seed)
         model = model_lib.GPT(config).to(args.device)
-        master = MasterWeights(model, dtype) if dtype != torch.float32 else None
-        optimizer = torch.optim.AdamW((master or model).parameters(), lr=args.lr)
-        scaler = make_scaler(dtype, init_scale=2.0**19, growth_interval=3)
-        runs.append([])
-        for x, y in batches[: args.fp16_steps]:
-            loss = train_step(model, optimizer, scaler, master, torch.float32, x, y)
-            runs[-1].append((loss, scaler.get_scale(), scaler.last_step_skipped))
-    for step, (fp32, fp16) in enumerate(zip(*runs)):
-        scale = f"2^{math.log2(fp16[1]):.0f}"
-        print(f"{step:>4} {fp32[0]:>10.4f} {fp16[0]:>10.4f} {scale:>12} {fp16[2]!s:>8}")
-    print("(a skipped step changes no weight: fp16 has had that many fewer updates)\n")
-
-
-def accumulation_demo(config, args):
-    """k microbatches against one batch, then with T/(i+1) targets in microbatch i."""
-    k = args.accum
-    b = args.batch_size // k
-    T = config.block_size
-    torch.manual_seed(args.seed)
-    model = model_lib.GPT(config).to(args.device)
-    [(x, y)] = model_lib.byte_batches(T, k * b, 1, args.seed + 1, args.device)
-    padded = y.clone()  # (k·b, T)
-    for i in range(k):
-        padded[i * b : (i + 1) * b, T // (i + 1) :] = IGNORE
-
-    def grads(fn) -> torch.Tensor:
-        model.zero_grad(set_to_none=True)
-        fn()
-        return torch.cat([p.grad.flatten() for p in model.parameters()])
-
-    print(f"{k} microbatches of {b} rows vs one batch of {k * b}, max |g - g_batch|")
-    print("/ max |g_batch|:      token-normalised  mean of means  tokens each")
-    for label, targets in (("equal tokens", y), ("unequal tokens", padded)):
-        micro = list(zip(x.split(b), targets.split(b)))
-        one_batch = grads(lambda t=targets: model(x, t)[1].backward())
-        n = global_token_count(micro)
-        normalised = grads(lambda m=micro, n=n: accumulate_gradients(model, m, n))
-        mean_of_means = grads(lambda m=micro: accumulate_mean_of_means(model, m))
-        top = one_batch.abs().max()
-        ours = (normalised - one_batch).abs().max() / top
-        trap = (mean_of_means - one_batch).abs().max() / top
-        counts = [int(count_tokens(t)) for _, t in micro]
-        print(f"{label:<20} {ours:>17.1e} {trap:>14.1e}  {counts}")
-
-
-def recompute_demo(config, args):
-    """Each mode's bytes held for the backward, in all and a layer (L layers' less
-    L - 1's), beside the formula; with dropout 0.1, the gradients against none's."""
-    T = config.block_size
-    [(x, y)] = model_lib.byte_batches(T, args.batch_size, 1, args.seed, args.device)
-    B = args.batch_size
-    L = config.n_layer
-    tokens = f"{B * T} tokens, {L} blocks"
-    print(f"\napply_recomputation, fp32, {tokens}: bytes held for the backward")
-    print("mode        held KB  formula  a layer, bytes/token: held formula same grads")
-    reference = None
-    for mode in RECOMPUTE:
-        held = {}
-        for layers, dropout in ((L - 1, 0.0), (L, 0.0), (L, 0.1)):  # last: with masks
-            torch.manual_seed(args.seed)
-            changed = dataclasses.replace(config, dropout=dropout, n_layer=layers)
-            model = apply_recomputation(model_lib.GPT(changed).to(args.device), mode)
-            forward = functools.partial(model, x, y)
-            (_, loss), held[layers, dropout] = saved_activation_bytes(forward)
-        loss.backward()  # the last model's: dropout 0.1
-        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
-        reference = grads if reference is None else reference
-        same = torch.equal(grads, reference)
-        sizes = [dataclasses.replace(config, n_layer=n) for n in (L - 1, L)]
-        formula = [activation_formula(c, B, T, "fp32", mode) for c in sizes]
-        layer = (held[L, 0.0] - held[L - 1, 0.0]) / (B * T)
-        layer_formula = (formula[1] - formula[0]) / (B * T)
-        kb = f"{held[L, 0.0] / 1024:>8.1f} {formula[1] / 1024:>8.1f}"
-        print(f"{mode:<11} {kb} {layer:>26,.0f} {layer_formula:>7,.0f} {same!s:>10}")
-    print(f"(fp32, r = a = 4: 64C + 16 + 4nh, 44C + 4nh, 4C; C = {config.n_embd})")
+        if loss == "chunked":
+            apply_chunked_loss(model, args.chunk_tokens)
+        (_, value), held = saved_activation_bytes(functools.partial(model, x, y))
+        value.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        formula = activation_formula(config, B, T, "fp32", loss=loss)
+        share = loss_formula(config, B, T, "fp32", loss)
+        logits = 2 * B * T * V * 4 if loss == "plain" else 0  # logits, dL/dlogits
+        kb = "".join(f"{n / 1024:>9.1f}" for n in (held, formula, share, logits))
+        off = (grads[-1] - grads[0]).abs().max() / grads[0].abs().max()
+        print(f"{loss:<8}{kb} {value.item():>8.4f} {off:>18.1e}")
 
 
 def main(argv=None):
@@ -563,6 +565,7 @@ def main(argv=None):
     add("--lr", type=float, default=3e-3, help="AdamW's; high for a short run")
     add("--init-scale", type=float, default=2.0**16, help="S, the static loss scale")
     add("--accum", type=int, default=4, help="microbatches; 4 token counts")
+    add("--chunk-tokens", type=int, default=100, help="the chunked loss's; 256 tokens")
     add("--seed", type=int, default=1337, help="init and batch seed: runs repeat")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     add("--device", default=device, help="where it runs; a GPU when there is one")
@@ -574,10 +577,12 @@ def main(argv=None):
     batch = (config.block_size, args.batch_size, args.steps + 1, args.seed)
     batches = model_lib.byte_batches(*batch, args.device)
     static_scale_example(args.init_scale)
-    underflow_demo(config, batches, args)
-    fp16_training_demo(config, batches, args)
-    accumulation_demo(config, args)
-    recompute_demo(config, args)
+    lesson = sys.modules[__name__]  # the earlier sections' demos call this file's code
+    memory_demos.underflow_demo(lesson, config, batches, args)
+    memory_demos.fp16_training_demo(lesson, config, batches, args)
+    memory_demos.accumulation_demo(lesson, config, args)
+    memory_demos.recompute_demo(lesson, config, args)
+    loss_demo(config, args)
 
 
 if __name__ == "__main__":

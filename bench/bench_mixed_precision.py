@@ -47,6 +47,7 @@ sys.path.insert(
 model_lib = importlib.import_module("02_model")
 mp = importlib.import_module("06_mixed_precision")
 gpus = importlib.import_module("support.gpus")  # peak_flops, mfu
+memory_demos = importlib.import_module("support.memory_demos")  # 06's underflow table
 
 MODES = ("fp32", "tf32", "bf16 autocast", "fp16 autocast + scaler", "fp16 by hand")
 
@@ -469,8 +470,8 @@ def main(argv=None):
     print()
     scaler_comparison(tiny, tiny_batches[:16], demo)
     if args.underflow_figure:
-        plot_grad_histogram(mp.underflow_demo(tiny, tiny_batches, demo), demo.init_scale,
-                            args.underflow_figure)  # fmt: skip
+        grads = memory_demos.underflow_demo(mp, tiny, tiny_batches, demo)
+        plot_grad_histogram(grads, demo.init_scale, args.underflow_figure)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ checkpoint's own hooks take the place of ours, so 06's selective policy reports 
 outputs it keeps by calling note_kept.
 """
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -51,3 +53,24 @@ def saved_activation_bytes(fn):
     finally:
         _counting.pop()
     return out, sum(t.untyped_storage().nbytes() for t in kept.values())
+
+
+def replaying_stream(contexts, stream):
+    """A checkpoint's context_fn that also rewinds a per-rank random stream (an object with
+    a `.state`, as 04's RNGStateTracker) for the replay: called as the forward starts, so
+    the stream's state now is the one the recomputation must draw from again. `contexts`:
+    another context_fn (selective recomputation's) or None."""
+    forward, redo = contexts() if contexts else (contextlib.nullcontext(),) * 2
+    return forward, _replaying(redo, stream, stream.state)
+
+
+@contextlib.contextmanager
+def _replaying(inner, stream, state):
+    """Replay from `state` (04's fork replaces .state: a reference is a snapshot)."""
+    now = stream.state
+    stream.state = state
+    try:
+        with inner:
+            yield
+    finally:
+        stream.state = now

@@ -426,6 +426,28 @@ def test_selective_keeps_attention_only_when_it_draws_no_random_numbers():
         assert policy(True, None, op) == redo, op
 
 
+def test_selective_decides_to_redo_attention_whenever_dropout_draws():
+    """The decision the test above feeds in by hand, taken by 06's _recomputed on a CPU:
+    the keep_attention flag each Block hands the policy. Attention's dropout draws only
+    in training with dropout > 0: then False (a kept GPU attention output would skip its
+    draws); with dropout 0, or in eval mode with gradients on, True. Breaking the rule
+    (keep_attention = True, or `and` for `or`) makes a GPU run silently wrong: here red."""
+    flags = []
+    policy = mp._policy
+    mp._policy = lambda keep, *args, **kwargs: flags.append(keep) or policy(keep, *args, **kwargs)
+    x, y = random_batches(1, B=2, T=8)[0]
+    try:
+        for dropout, training, want in ((0.1, True, False), (0.0, True, True), (0.1, False, True)):
+            torch.manual_seed(0)
+            config = model_lib.GPTConfig.from_preset("tiny", dropout=dropout)
+            model = mp.apply_recomputation(model_lib.GPT(config).train(training), "selective")
+            flags.clear()
+            model(x, y)[1].backward()
+            assert flags and set(flags) == {want}, (dropout, training, set(flags))
+    finally:
+        mp._policy = policy
+
+
 # ---------------------------------------------------------------------------------------------
 # gradient accumulation == one bigger batch
 # ---------------------------------------------------------------------------------------------

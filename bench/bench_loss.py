@@ -1,0 +1,166 @@
+"""The plain loss against 06's chunked linear + cross-entropy at GPT-2 124M's shape (C = 768,
+V = 50,257 padded to 50,304, T = 1,024), side by side in one process: the bytes each keeps
+for the backward and the time of a step.
+
+    python bench/bench_loss.py                    # CPU: B = 16, 32 counted; B = 1 measured
+    python bench/bench_loss.py --measure 16,32    # a GPU: the whole model's step at B = 16, 32
+
+First, for every --batch-sizes B (no run, 06's loss_formula): the bytes lm_head and the loss
+keep for the backward, and the (B, T, V) logits and dL/dlogits that the plain loss holds
+beside them. Then, for every --measure B, both losses run: on a CPU lm_head + the loss alone,
+from a random (B, T, C) ln_f output (--scope head, the default there: GPT-2's whole step at
+T = 1,024 takes minutes on a laptop and its blocks are the same for both losses); on a GPU
+the whole model's forward and backward (--scope model). Each row prints the bytes kept,
+counted by 06's saved_activation_bytes beside the formula; the step's peak: on a CPU the most
+bytes the step's own tensors hold at once (bench_mixed_precision's StepPeak: weights left
+out), on a GPU torch.cuda.max_memory_allocated less the memory held before the step; and the
+median ms per step. A GPU step runs under bf16 autocast, a CPU step in fp32 (--dtype).
+"""
+
+import argparse
+import functools
+import importlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the numbered files live there
+model_lib = importlib.import_module("02_model")
+mp = importlib.import_module("06_mixed_precision")
+StepPeak = importlib.import_module("bench.bench_mixed_precision").StepPeak
+
+LOSSES = ("plain", "chunked")
+GB = 1e9
+
+
+def mode_of(dtype: str) -> str:
+    """06's name for the precision: its formulas take it."""
+    return "fp32" if dtype == "fp32" else f"{dtype} autocast"
+
+
+def print_formulas(config, T: int, batch_sizes, mode: str):
+    """Bytes kept for the backward by lm_head + loss, and the (B, T, V) tensors besides."""
+    V = config.padded_vocab_size
+    a = 4 if mode == "fp32" else 2
+    print(f"GPT-2 124M's head, T = {T:,}, V = {V:,}, {mode}: 06's formulas, GB")
+    print(f"{'B':>4} {'loss':<8} {'kept':>8} {'+ logits, dlogits':>18} {'all':>8}")
+    for B in batch_sizes:
+        for loss in LOSSES:
+            kept = mp.loss_formula(config, B, T, mode, loss)
+            besides = B * T * V * (a + 4) if loss == "plain" else 0
+            row = (
+                f"{kept / GB:>8.2f} {besides / GB:>18.2f} {(kept + besides) / GB:>8.2f}"
+            )
+            print(f"{B:>4} {loss:<8} {row}")
+
+
+def build(config, loss: str, B: int, args, device):
+    """A GPT with this loss, and the forward to measure: head+loss or the whole model."""
+    torch.manual_seed(args.seed)
+    model = model_lib.GPT(config).to(device)
+    if loss == "chunked":
+        mp.apply_chunked_loss(model, args.chunk_tokens)
+    T = config.block_size
+    x = torch.randint(0, config.vocab_size, (B, T), device=device)
+    y = torch.randint(0, config.vocab_size, (B, T), device=device)
+    if args.scope == "model":
+        return model, functools.partial(lambda m: m(x, y)[1], model)
+    hidden = torch.randn(B, T, config.n_embd, device=device, requires_grad=True)
+    return model, functools.partial(lambda m: m.loss_fn(m.head(hidden), y), model)
+
+
+def step(forward, model, dtype, device) -> float:
+    """One forward and backward; its seconds (a GPU is synchronised: this is a bench)."""
+    t0 = time.perf_counter()
+    with mp.autocast_context(dtype, device.type):
+        loss = forward()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def measure(config, B: int, args, device) -> list:
+    """Each loss at batch B: bytes kept and formula, the step's peak, ms per step."""
+    mode = mode_of(args.dtype)
+    dtype = mp.DTYPES[args.dtype]
+    T = config.block_size
+    rows = []
+    for loss in LOSSES:
+        model, forward = build(config, loss, B, args, device)
+        with mp.autocast_context(dtype, device.type):
+            kept = mp.saved_activation_bytes(forward)[1]
+        if args.scope == "model":
+            formula = mp.activation_formula(config, B, T, mode, loss=loss)
+        else:  # ln_f's input, mean and rstd come first: the head is ln_f + lm_head
+            formula = B * T * (config.n_embd + 2) * 4
+            formula += mp.loss_formula(config, B, T, mode, loss)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step(forward, model, dtype, device)
+            peak = torch.cuda.max_memory_allocated(device) - before
+        else:
+            with StepPeak() as watched:
+                step(forward, model, dtype, device)
+            peak = watched.peak
+        times = [step(forward, model, dtype, device) for _ in range(args.steps)]
+        ms = 1e3 * statistics.median(times)
+        rows.append((B, loss, kept, formula, peak, ms))
+        del model, forward
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cuda = torch.cuda.is_available()
+    add = parser.add_argument
+    add("--batch-sizes", default="16,32", help="B for the formulas' table")
+    add("--measure", default="16,32" if cuda else "1", help="B to run both losses at")
+    add("--scope", default="model" if cuda else "head", choices=("head", "model"))
+    add("--dtype", default="bf16" if cuda else "fp32", choices=tuple(mp.DTYPES))
+    add("--chunk-tokens", type=int, default=1024, help="apply_chunked_loss's default")
+    add("--steps", type=int, default=3, help="timed steps per loss, after one watched")
+    add("--block-size", type=int, default=1024, help="T")
+    add("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if cuda else "cpu")
+    T = args.block_size
+    config = model_lib.GPTConfig.from_preset(
+        "gpt2", block_size=T, pad_vocab_multiple=64
+    )
+    name = (
+        torch.cuda.get_device_name()
+        if cuda
+        else f"CPU, {torch.get_num_threads()} threads"
+    )
+    print(f"{name}, torch {torch.__version__}\n")
+    print_formulas(
+        config, T, [int(b) for b in args.batch_sizes.split(",")], mode_of(args.dtype)
+    )
+    scope = "lm_head + loss" if args.scope == "head" else "the whole model"
+    print(
+        f"\nmeasured, {scope}, {mode_of(args.dtype)}, chunks of {args.chunk_tokens:,}"
+    )
+    peak_name = "max_memory_allocated" if cuda else "StepPeak"
+    print(
+        f"{'B':>4} {'loss':<8} {'kept GB':>8} {'formula':>8} {peak_name + ' GB':>24} {'ms':>9}"
+    )
+    for B in [int(b) for b in args.measure.split(",")]:
+        for _, loss, kept, formula, peak, ms in measure(config, B, args, device):
+            same = "=" if kept == formula else "!="
+            bytes_kept = f"{kept / GB:>8.3f} {same} {formula / GB:>6.3f}"
+            print(f"{B:>4} {loss:<8} {bytes_kept} {peak / GB:>24.3f} {ms:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
