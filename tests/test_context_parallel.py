@@ -339,12 +339,101 @@ def case_blocks_and_bytes(rank, world_size):
     return blocks
 
 
+def case_cp_tp(rank, world_size):
+    """cp 2 x tp 2, grid arange(4).view(cp, tp): TP groups {0,1} {2,3}, CP groups {0,2}
+    {1,3}. 04 shards the model first (with and without SP), then CP wraps its attention
+    and positions: the logits, the loss and every gradient shard equal one process's."""
+    if world_size != 4:
+        return "4 ranks only"
+    tp_lib = importlib.import_module("04_tensor_parallel")
+    sharding = importlib.import_module("support.sharding")
+    tp_rank = rank % 2
+    cp_rank = rank // 2
+    tp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
+    cp_groups = [dist.new_group(r) for r in ([0, 2], [1, 3])]
+    tp_group = tp_groups[cp_rank]
+    cp_group = cp_groups[tp_rank]
+    idx, targets = batch()
+    full, logits_want, loss_want, grads_want = one_process(targets)
+    for sp in (False, True):
+        model = tp_lib.apply_tensor_parallel(copy.deepcopy(full), tp_group, sp)
+        model = cp_lib.apply_context_parallel(model, cp_group)
+        x = cp_lib.zigzag_split(idx, cp_rank, 2)
+        y = cp_lib.zigzag_split(targets, cp_rank, 2)
+        logits, loss = cp_lib.cp_step(model, x, y, cp_group)
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=cp_group)
+        close(total, loss_want, f"sp={sp} loss")
+        vocab = sharding.gather_logits(logits.detach(), tp_group)  # (B, T/cp, V)
+        whole = cp_lib.zigzag_merge(gather(vocab, cp_group), 2)
+        close(whole[..., :64], logits_want[..., :64], f"sp={sp} logits")
+        for name, p in model.named_parameters():
+            want = grads_want[name]
+            layout = tp_lib.tp_layout(name)
+            if layout:
+                want = tp_lib.shard_tensor(want, *layout, tp_rank, 2)
+            close(p.grad, want, f"sp={sp} grad of {name}")
+    return True
+
+
+def case_cp_pp(rank, world_size):
+    """cp 2 x pp 2, grid arange(4).view(pp, cp): CP groups {0,1} {2,3}, PP groups {0,2}
+    {1,3}. 05 cuts the context-parallel model into stages and runs 1F1B under NCCL's
+    rule, n_tokens counted over the CP ranks and dp_size = cp (CP averages as DP does)."""
+    if world_size != 4:
+        return "4 ranks only"
+    pp_lib = importlib.import_module("05_pipeline")
+    cp_rank = rank % 2
+    pp_rank = rank // 2
+    cp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
+    pp_ranks = [[0, 2], [1, 3]]
+    pp_groups = [dist.new_group(r) for r in pp_ranks]
+    embed_group = pp_lib.embedding_group(pp_ranks)
+    cp_group = cp_groups[pp_rank]
+    idx, targets = batch()
+    full, _, loss_want, grads_want = one_process(targets)
+    model = cp_lib.apply_context_parallel(copy.deepcopy(full), cp_group)
+    chunks = pp_lib.split_model(model, pp_rank, 2)
+    x = cp_lib.zigzag_split(idx, cp_rank, 2)
+    y = cp_lib.zigzag_split(targets, cp_rank, 2)
+    n = cp_lib.cp_token_count(y, cp_group)
+    with nccl_p2p_rules():
+        result = pp_lib.pipeline_step(
+            chunks,
+            (x, y),
+            2,
+            "1f1b",
+            pp_groups[cp_rank],
+            embed_group=embed_group,
+            n_tokens=n,
+            dp_size=2,
+        )
+    for chunk in chunks:
+        cp_lib.average_gradients(chunk, cp_group)
+    total = result.loss.detach().clone()
+    dist.all_reduce(total, group=cp_group)
+    if pp_rank == 1:  # the last stage holds the loss
+        close(total, loss_want, "cp x pp loss")
+    seen = []
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            tied = (
+                name == "lm_head.weight"
+            )  # the last stage's copy of wte: its gradient
+            want = grads_want["transformer.wte.weight" if tied else name]
+            close(p.grad, want, f"cp x pp grad of {name}")
+            seen.append(name)
+    return seen
+
+
 CASES = {
     "attention": case_attention,
     "attention_nccl": case_attention_nccl,
     "gpt": case_gpt,
     "gpt_nccl": case_gpt_nccl,
     "blocks_and_bytes": case_blocks_and_bytes,
+    "cp_tp": case_cp_tp,
+    "cp_pp": case_cp_pp,
 }
 
 
@@ -378,3 +467,18 @@ def test_measured_blocks_and_bytes_match_the_formulas(world):
     blocks = case_results(per_rank, "blocks_and_bytes")
     assert [b["zigzag"] for b in blocks] == [(cp + 1) / 2] * cp
     assert [b["contiguous"] for b in blocks] == list(range(1, cp + 1))
+
+
+def test_cp_times_tp_with_and_without_sp(world):
+    if world[0] != 4:
+        pytest.skip("cp 2 x tp 2 needs the 4-rank world")
+    case_results(world[1], "cp_tp")
+
+
+def test_cp_times_pp_1f1b(world):
+    if world[0] != 4:
+        pytest.skip("cp 2 x pp 2 needs the 4-rank world")
+    seen = case_results(world[1], "cp_pp")
+    names = {name for per_rank in seen for name in per_rank}
+    one = dict(model_lib.GPT(tiny()).named_parameters())
+    assert names - {"lm_head.weight"} == set(one), "some parameter is on no stage"
