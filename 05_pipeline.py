@@ -42,19 +42,17 @@ Left out on purpose: zero-bubble schedules (2401.10241), DualPipe, unbalanced st
 freeing sent outputs early, recomputation, overlapping messages with compute.
 """
 
-import argparse
 import contextlib
 import functools
 import importlib
 import os
-import sys
 import time
 from collections import defaultdict, namedtuple
 
 import torch
 import torch.distributed as dist
 
-from support import distributed, gantt, nccl_rule
+from support import distributed, gantt, nccl_rule, pipeline_report
 from support.nccl_rule import blocking_p2p  # ONE batch_isend_irecv group, waited whole
 
 model_lib = importlib.import_module("02_model")  # GPT, GPTConfig, byte_batches
@@ -161,7 +159,16 @@ class Microbatches:
     the activations each forward keeps for its backward (the stash), loss and Events."""
 
     def __init__(
-        self, chunks, batch, m, group, schedule, embed_group, shape=None, n_tokens=None
+        self,
+        chunks,
+        batch,
+        m,
+        group,
+        schedule,
+        embed_group,
+        shape=None,
+        n_tokens=None,
+        dtype=None,
     ):
         x, y = batch  # (B, T) ids and targets, the same on every stage
         self.p = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -181,30 +188,40 @@ class Microbatches:
         self.embed_group = embed_group
         self.xs = x.chunk(m)  # m microbatches of (b, T)
         self.ys = y.chunk(m)
-        # The loss averages the step's real targets (-1 is ignored), or a count passed in.
+        # The loss averages the step's real targets (-1 is ignored), or a count passed in
+        # (a tensor is checked by its maker: reading it here would make the CPU wait).
         self.n_tokens = int((y != -1).sum()) if n_tokens is None else n_tokens
-        assert self.n_tokens > 0, "every target of the step is -1: no loss to average"
+        ok = torch.is_tensor(self.n_tokens) or self.n_tokens > 0
+        assert ok, "every target of the step is -1: no loss to average"
         self.scale = 1.0
         # No message says its shape: both ends know it, (b, T, C), from the config.
         shape = shape or (x.size(0) // m, x.size(1), self.stages[0].config.n_embd)
-        like = dict(dtype=next(self.stages[0].parameters()).dtype, device=x.device)
+        # Forwards run in autocast's `dtype`; what they send travels in it (half fp32's).
+        self.param_dtype = next(self.stages[0].parameters()).dtype
+        self.wire = dtype or self.param_dtype
+        cast = dtype not in (None, torch.float32)
+        self.autocast = functools.partial(torch.autocast, x.device.type, dtype, cast)
+        like = dict(dtype=self.wire, device=x.device)
         self.new_act = functools.partial(torch.empty, shape, **like)
         self.stash = {}  # (microbatch, chunk) -> (input, output) until its backward
         self.peak = 0
         self.loss = torch.zeros((), device=x.device)
         self.events = []
-        if self.p > 1:  # a common t = 0 for every rank's Events
+        # A common t = 0 for the Events; not on GPUs, where a barrier is a host sync.
+        if self.p > 1 and x.device.type == "cpu":
             dist.barrier(group=group)
         self.t0 = time.perf_counter()
 
     def forward(self, mb: int, inp, chunk: int = 0):
         """Microbatch mb through one chunk, from stage s-1's activation (None on stage 0,
         which reads ids). -> the next stage's input, or on the last the loss to run."""
-        inp = self.xs[mb] if inp is None else inp.requires_grad_()  # its grad goes back
+        # Stage s-1's activation, from the wire's dtype; its grad goes back.
+        inp = self.xs[mb] if inp is None else inp.to(self.param_dtype).requires_grad_()
         start = time.perf_counter() - self.t0
-        out = self.chunks[chunk](inp)  # (b, T, C), or (b, T, V) logits on the last
+        with self.autocast():  # the forward only: autocast's docs keep backward out
+            out = self.chunks[chunk](inp)  # (b, T, C), or (b, T, V) logits on the last
         if self.stages[chunk].is_last:  # SUM over the step's targets: m shares add up
-            loss_sum = self.stages[chunk].loss_fn(out, self.ys[mb], "sum")
+            loss_sum = self.stages[chunk].loss_fn(out, self.ys[mb], "sum")  # fp32
             self.loss += loss_sum.detach() / self.n_tokens
             # `scale` multiplies only what backward sees, not the loss above: DP's size
             # (03's DataParallel averages) times a loss scale the caller may pass.
@@ -222,6 +239,7 @@ class Microbatches:
         wrapped = self.chunks[chunk]
         # 03's DataParallel all-reduces after every backward unless told not to.
         quiet = not sync and hasattr(wrapped, "no_sync")
+        grad = None if grad is None else grad.to(out.dtype)  # from the wire's dtype
         with wrapped.no_sync() if quiet else contextlib.nullcontext():
             torch.autograd.backward(out, grad_tensors=grad)  # grads add up in .grad
         self.events.append(Event("B", mb, chunk, start, time.perf_counter() - self.t0))
@@ -458,7 +476,7 @@ def run_plan(step: Microbatches, ticks: list[Tick]) -> None:
                 sync = a == last_backward[a.chunk]  # DP: all-reduce on the last one
                 out = step.backward(a.mb, grad, a.chunk, sync)
             if consumer_rank(a, step.rank, p, v) is not None:  # sent below, or p = 1
-                inbox[(a.op, a.mb, s)] = out.detach()
+                inbox[(a.op, a.mb, s)] = out.detach().to(step.wire)
         for _, msg in tick.recvs:
             inbox[msg] = step.new_act()
         ops = [(dist.isend, inbox.pop(msg), q) for q, msg in tick.sends]
@@ -487,6 +505,7 @@ def pipeline_step(
     n_tokens=None,
     dp_size: int = 1,
     forward_only: bool = False,
+    dtype=None,
 ) -> StepResult:
     """One step's m microbatches under `schedule`, gradients into .grad.
 
@@ -495,12 +514,13 @@ def pipeline_step(
     by default. The loss is token-normalised: its sum over the step's n_tokens real
     targets (this batch's by default) divided by their count. Backward starts from it
     times dp_size (03's DP averages) times `scale`, a loss scale the caller may pass.
-    forward_only: evaluation. -> .loss: this replica's share on the last stage, else 0
-    (SUM it); .events; .peak_in_flight: most (mb, chunk) alive."""
+    forward_only: evaluation. dtype: autocast's (bf16, fp16), for the forwards only;
+    activations and gradients travel in it. -> .loss: this replica's share on the last
+    stage, else 0 (SUM it); .events; .peak_in_flight: most (mb, chunk) alive."""
     v = len(chunks)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         setup = (chunks, batch, m, pp_group, schedule, embed_group, act_shape, n_tokens)
-        step = Microbatches(*setup)
+        step = Microbatches(*setup, dtype)
         step.scale = dp_size * scale
         run_plan(step, step_plan(schedule, step.p, m, v, forward_only)[step.rank])
         return step.result()
@@ -512,6 +532,7 @@ LOOPS = {"gpipe, naive": gpipe_naive, "1f1b, loop": one_f_one_b}  # the demo's r
 def demo(args, rank: int, p: int, device) -> None:
     """Both loops and every schedule on one batch, checked against one process and GPipe."""
     m = args.microbatches
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // p))  # a fair share of cores
     torch.manual_seed(0)  # the same model on every rank, cut afterwards
     # 8 blocks: one per stage at p·v = 8. C = 256, so that matmuls outweigh messages.
     config = dict(n_layer=8, n_head=4, n_embd=256, block_size=64, vocab_size=256)
@@ -522,12 +543,8 @@ def demo(args, rank: int, p: int, device) -> None:
     named = model.named_parameters(remove_duplicate=False)  # lm_head: the tied copy
     ref = {n: q.grad.clone() for n, q in named}
     embed_group = embedding_group([list(range(p))])
-    cores = os.cpu_count()
-    where = f"{cores} CPU cores" if device.type == "cpu" else "a GPU each"
-    print0 = distributed.print0
-    print0(f"p={p} stages on {where}; m={m} microbatches of 4x64 bytes, C=256")
-    print0(f"{'':15}{'loss':>8}{'vs 1 proc':>10}{'vs GPipe':>9}{'bubble':>8}", end="")
-    print0(f"{'simulated':>10}{'formula':>8}  peak alive (mb, chunk) per stage")
+    where = f"{os.cpu_count()} CPU cores" if device.type == "cpu" else "a GPU each"
+    pipeline_report.header(p, m, where)
     naive = {}
     for name in (*LOOPS, *SCHEDULES):
         schedule = name.split(",")[0]
@@ -554,46 +571,29 @@ def demo(args, rank: int, p: int, device) -> None:
         gathered = [None] * p  # every rank's Events and peak activations alive
         dist.all_gather_object(gathered, (result.events, result.peak_in_flight))
         timeline = [events for events, _ in gathered]
-        formula = bubble_formula(p, m, v)
-        label = f"{name} v={v}" if v > 1 else name
         ideal = bubble_fraction(simulate(schedule, p, m, v)[1])  # t_b = 2 t_f
-        gpipe = f"{diffs[1]:.1e}" if v == 1 else "-"
-        row = f"{label:<15}{loss:>8.4f}{diffs[0]:>10.1e}{gpipe:>9}"
-        row += f"{bubble_fraction(timeline):>8.1%}{ideal:>10.1%}{formula:>8.1%}"
-        print0(f"{row}  {[peak for _, peak in gathered]}")
-    print0("\nEvery row equals one process and naive GPipe (loss, gradients < 1e-5).")
-    print0("bubble: 1 - busy/span of one step as it ran; simulated: the same plan")
-    print0("under NCCL's rule, t_b = 2 t_f, messages free; formula: (p-1)/(v·m+p-1).")
-    if p > (cores or p):  # more ranks than cores: they time-share them
-        print0(f"{p} ranks time-share {cores} cores: measured differs from simulated.")
-        print0("Medians over steps, and the measured figure: bench/bench_pipeline.py")
+        bubbles = (bubble_fraction(timeline), ideal, bubble_formula(p, m, v))
+        peaks = [peak for _, peak in gathered]
+        pipeline_report.row(name, v, loss, diffs, bubbles, peaks)
+    pipeline_report.footer(p, os.cpu_count())
     if args.plot and rank == 0:  # the simulated timelines of the three schedules
         v = args.virtual_stages
         print(f"wrote {gantt.plot_simulated(simulate, bubble_fraction, p, m, v)}")
 
 
-def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, default=4, help="p: one stage each")
-    parser.add_argument("--microbatches", type=int, default=8, help="m (default 8)")
+def add_arguments(parser) -> None:
+    parser.set_defaults(ranks=4)  # p: one stage each
+    parser.add_argument("--microbatches", type=int, default=8, help="m")
     parser.add_argument("--virtual-stages", type=int, default=2, help="interleaved's v")
     parser.add_argument("--plot", action="store_true", help="draw the simulated PNG")
-    args = parser.parse_args(argv)
-    p = int(os.environ.get("WORLD_SIZE", args.ranks))  # under torchrun: the world
-    m = args.microbatches
-    try:  # interleaved asks the most: m % p == 0 and 8 blocks >= p·v
-        check_config("interleaved", p, m, args.virtual_stages, n_layer=8)
-    except AssertionError as e:
-        parser.error(str(e))
-    if "WORLD_SIZE" not in os.environ:
-        return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // p))  # a fair share of cores
-    rank, _, world_size, device = distributed.init_distributed()
-    try:
-        demo(args, rank, world_size, device)
-    finally:
-        dist.destroy_process_group()
+
+
+def check(args, p: int) -> None:  # interleaved asks the most: m % p == 0, 8 >= p·v
+    check_config("interleaved", p, args.microbatches, args.virtual_stages, n_layer=8)
+
+
+def main(argv=None) -> None:
+    distributed.run_on_ranks(demo, argv, __file__, __doc__, add_arguments, check)
 
 
 if __name__ == "__main__":

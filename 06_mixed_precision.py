@@ -283,23 +283,26 @@ def count_tokens(targets: torch.Tensor) -> torch.Tensor:
     return (targets != IGNORE).sum()
 
 
-def global_token_count(microbatches, group=None) -> int:
+def global_token_count(microbatches, group=None) -> torch.Tensor:
     """N: real target tokens in this step's microbatches, summed over the DP group: a
-    collective every DP rank calls before its first backward of the step."""
+    collective every DP rank calls before its first backward of the step. A 0-dim tensor
+    on the targets' device, never read on the host: reading it would make the CPU wait
+    for the GPU (a sync) every step. Its check runs on the device too (_assert_async:
+    on a CPU it raises at once, on a GPU a failure is a device-side assert)."""
     n = sum(count_tokens(y) for _, y in microbatches)  # 0-dim, on the targets' device
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
-    assert n.item() > 0, "this step has no target tokens: every target is IGNORE"
-    return int(n.item())
+    torch._assert_async(n > 0, "this step has no target tokens: every target is IGNORE")
+    return n
 
 
 def accumulate_gradients(
-    model, microbatches, global_tokens: int, dp_size=1, scaler=None, dtype=torch.float32
-) -> float:
+    model, microbatches, global_tokens, dp_size=1, scaler=None, dtype=torch.float32
+) -> torch.Tensor:
     """Backward over k microbatches so that .grad = d/dθ [(1/N) Σ_all tokens ℓ_t], one
-    batch's gradient. global_tokens: N (global_token_count). DP averages gradients, so
-    each rank's loss is x dp_size. Returns this rank's share of the step's mean loss."""
-    assert global_tokens > 0, f"global_tokens must be > 0, got {global_tokens}"
+    batch's gradient. global_tokens: N (global_token_count's tensor, or an int > 0). DP
+    averages gradients, so each rank's loss is x dp_size. Returns this rank's share of
+    the step's mean loss as a 0-dim tensor: no .item() per microbatch (a sync each)."""
     total = 0.0
     for i, (x, y) in enumerate(microbatches):  # x, y: (b, T)
         local = i < len(microbatches) - 1 and hasattr(model, "no_sync")  # no sync yet
@@ -309,7 +312,7 @@ def accumulate_gradients(
             # subtle: divide by the WHOLE step's N, not by this microbatch's own count
             loss = loss_sum * (dp_size / global_tokens)
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        total += loss_sum.item() / global_tokens
+        total += loss_sum.detach() / global_tokens  # A tensor from the first on.
     return total
 
 

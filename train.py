@@ -32,6 +32,7 @@ What changed from 07: nothing new is taught; 01-07 composed, with what a real ru
 (an LR schedule, global-norm clipping, evaluation, MFU). Plumbing lives in support/.
 """
 
+import functools
 import importlib
 import math
 import os
@@ -48,6 +49,7 @@ from support import run as run_lib
 from support.checkpoint import load_checkpoint, save_checkpoint
 from support.config import ConfigError, TrainConfig, parse_args
 from support.grid import Grid
+from support.prefetch import Prefetcher
 from support.run import Run
 
 data_lib = importlib.import_module("01_data")
@@ -90,6 +92,9 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
     Returns 02's GPTConfig: the preset, its context cut to --block-size (so no position
     goes untrained), its vocabulary padded for TP.
     """
+    if cfg.init_from and not cfg.model:  # No --model: the checkpoint's shape.
+        have = config.read_init_from(cfg, pretrained).config
+        config.shape_of_init_from(cfg, have, model_lib.PRESETS)
     check_flags(cfg, world_size)
     config.prepare_default_data(cfg, rank, data_lib.main)
     meta = config.read_data_meta(cfg)
@@ -104,9 +109,16 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
         raise ConfigError(f"--model {cfg.model} --tp {cfg.tp}: {e}") from None
     config.check_data(cfg, gpt_config.block_size, data_lib.DataLoader)
     if cfg.init_from:  # Last, since it reads the whole checkpoint.
-        config.check_init_from(cfg, meta, gpt_config, model_lib.GPT.load_pretrained)
+        config.check_init_from(cfg, meta, gpt_config, pretrained)
     checkpoint.check_out_dir(cfg)
     return gpt_config
+
+
+@functools.lru_cache(maxsize=1)
+def pretrained(path: str):
+    """--init-from's GPT (02 reads GPT-2's files), read once per rank: validate checks
+    its shape, build_chunks copies its weights and then empties this cache."""
+    return model_lib.GPT.load_pretrained(Path(path).resolve(strict=True))
 
 
 # ---------------------------------------------- the process grid (support/grid.py)
@@ -130,9 +142,10 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device) -> list:
     torch.manual_seed(cfg.seed)
     model = model_lib.GPT(gpt_config).to(device)
     if cfg.init_from:  # GPT-2's weights (wpe: its first T rows; vocab padding: init).
-        pretrained = model_lib.GPT.load_pretrained(cfg.init_from).state_dict()
+        weights = pretrained(cfg.init_from).state_dict()
         for name, t in model.state_dict().items():  # Detached: t shares the storage.
-            t[: len(pretrained[name])].copy_(pretrained[name][: len(t)])
+            t[: len(weights[name])].copy_(weights[name][: len(t)])
+        pretrained.cache_clear()  # Its memory back.
     if cfg.lora_rank:  # The base frozen as loaded; A alike on every rank (this seed).
         model_lib.apply_lora(model, cfg.lora_rank, cfg.lora_alpha)
     if grid.tp > 1:
@@ -190,9 +203,10 @@ def build_run(cfg: TrainConfig, gpt_config, grid: Grid, device) -> Run:
     wrapped = data_parallel(cfg, chunks, grid, device)
     scaler = mp_lib.make_scaler(dtype)  # Group None: all ranks skip a step together.
     per_rank = cfg.batch_size // cfg.dp  # This DP rank's share of every batch.
-    args = (per_rank, T, cfg.seed, grid.dp_rank, cfg.dp, device)
-    train = data_lib.DataLoader(cfg.data_dir, "train", *args)
-    val = data_lib.DataLoader(cfg.data_dir, "val", *args)
+    args = (per_rank, T, cfg.seed, grid.dp_rank, cfg.dp)
+    # The next step's batch read, pinned and copied during this one (support/prefetch).
+    train = Prefetcher(data_lib.DataLoader(cfg.data_dir, "train", *args), device)
+    val = data_lib.DataLoader(cfg.data_dir, "val", *args, device)
     m = per_rank // cfg.micro_batch_size
     return Run(cfg, grid, gpt_config, device, dtype, *wrapped, scaler, train, val, T, m)
 
@@ -202,19 +216,22 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     """The learning rate at `step`, a pure function of it (a resume continues it).
 
     Warm-up: hi·(step + 1)/w for step < w = warmup_steps. Then, with hi = lr, lo =
-    min_lr and p the fraction of the decay done, capped at 1:
-      cosine    lo + (hi - lo)(1 + cos πp)/2, p = (step - w)/(max_steps - w)   (GPT-2)
+    min_lr, L = max_steps - 1 the last step trained (at lo) and p the fraction of the
+    decay done, capped at 1:
+      cosine    lo + (hi - lo)(1 + cos πp)/2, p = (step - w)/(L - w)   (GPT-2)
       wsd       (warm-up, stable, decay: Hu et al. 2024, arXiv 2404.06395) hi until
-                s = max_steps - d, d = round(decay_fraction·max_steps) >= 1 (s >= w),
-                then lo + (hi - lo)(1 - p), p = (step - s)/(max_steps - s). Before s,
-                a checkpoint can go on with a larger --max-steps.
+                s = L - d, d = round(decay_fraction·max_steps) >= 1 (s >= w), then
+                lo + (hi - lo)(1 - p), p = (step - s)/(L - s): one step of decay is lo.
       cyclic    lo + (hi - lo)|1 - 2q|, q = ((step - w) mod cycle_steps)/cycle_steps
                 (Smith 2017, arXiv 1506.01186: his triangle, begun at its top)
       constant  hi
+    A resume with a larger --max-steps follows the longer schedule from its step on:
+    WSD's stable phase goes on unchanged, a cosine jumps up to the stretched curve.
     """
     w = cfg.warmup_steps
     hi = cfg.lr
     lo = cfg.min_lr
+    last = cfg.max_steps - 1
     if step < w:
         return hi * (step + 1) / w
     if cfg.lr_schedule == "cyclic":
@@ -222,11 +239,11 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
         return lo + (hi - lo) * abs(1 - 2 * q)
     if cfg.lr_schedule == "constant":
         return hi
-    start = w  # Cosine decays from the warm-up's end, wsd from max_steps - d.
+    start = w  # Cosine decays from the warm-up's end, wsd from L - d.
     if cfg.lr_schedule == "wsd":
         d = max(1, round(cfg.decay_fraction * cfg.max_steps))
-        start = max(w, cfg.max_steps - d)
-    p = min(1.0, max(0, step - start) / max(1, cfg.max_steps - start))
+        start = max(w, last - d)
+    p = min(1.0, max(0, step - start) / max(1, last - start))
     if cfg.lr_schedule == "wsd":
         return lo + (hi - lo) * (1 - p)
     return lo + (hi - lo) * 0.5 * (1 + math.cos(math.pi * p))
@@ -236,6 +253,7 @@ def pipeline(run: Run, x: torch.Tensor, y: torch.Tensor, **kwargs):
     """05's pipeline_step on this rank's chunks (activations: (b, T, C); SP: T/tp)."""
     T = run.T // run.grid.tp if run.cfg.sequence_parallel else run.T
     kwargs["act_shape"] = (run.cfg.micro_batch_size, T, run.gpt_config.n_embd)
+    kwargs["dtype"] = run.dtype  # Autocast's, in 05's forwards only; sent in it.
     args = (run.chunks, (x, y), run.m, run.cfg.schedule, run.grid.pp_group)
     return pp_lib.pipeline_step(*args, **kwargs)
 
@@ -277,26 +295,26 @@ def comm_bytes(run: Run) -> int:
 def train_step(run: Run, step: int) -> dict:
     """One optimizer step. Every microbatch's token losses are SUMmed and divided by the
     step's token count over all DP replicas (06), with PP or without, so ignored (-1)
-    targets weigh as in one big batch. The loss returned is the step's mean, on every
-    rank."""
+    targets weigh as in one big batch. Returns the stats: the step's mean loss (every
+    rank's) and grad_norm stay 0-dim device tensors, so a plain step never makes the CPU
+    wait for the GPU (a host-device sync): the log reads them, at its steps only."""
     cfg = run.cfg
     grid = run.grid
-    x, y = run.train.get_batch(step)  # (B/dp, T): this DP rank's share of the batch.
+    x, y = run.train.get_batch(step)  # (B/dp, T), prefetched; step + 1's starts now.
     sent = comm_bytes(run) if grid.dp > 1 else 0
     run.optimizer.zero_grad(set_to_none=True)
     b = cfg.micro_batch_size
     microbatches = list(zip(x.split(b), y.split(b)))
+    # 0-dim tensors from here on, never read on the host (a sync): see the docstring.
     n_tokens = mp_lib.global_token_count(microbatches, group=grid.dp_group)
     if grid.pp == 1:  # Accumulation over m microbatches (06).
         kwargs = dict(dp_size=grid.dp, scaler=run.scaler, dtype=run.dtype)
         model = run.chunks[0]
-        share = mp_lib.accumulate_gradients(model, microbatches, n_tokens, **kwargs)
-        loss = torch.tensor(share, device=run.device)
+        loss = mp_lib.accumulate_gradients(model, microbatches, n_tokens, **kwargs)
     else:  # The pipeline's microbatches (05): only the last stage's loss is not 0.
         kwargs = dict(embed_group=grid.embed_group, dp_size=grid.dp, n_tokens=n_tokens)
         kwargs["scale"] = run.scaler.get_scale()  # 06's fp16 loss scale
-        with mp_lib.autocast_context(run.dtype, run.device.type):
-            loss = pipeline(run, x, y, **kwargs).loss.clone()
+        loss = pipeline(run, x, y, **kwargs).loss.clone()
         loss = all_reduce_sum(loss, grid.pp_group, grid.pp)
     loss = all_reduce_sum(loss, grid.dp_group, grid.dp)  # The replicas' shares add up.
     grads = gradients(run)
@@ -307,15 +325,19 @@ def train_step(run: Run, step: int) -> dict:
             dist.all_reduce(piece, group=grid.embed_group)
     run.scaler.unscale_(run.scaled)  # True gradients, before measuring and clipping.
     norm = global_grad_norm(run, grads)
-    if cfg.grad_clip > 0:  # clip_grad_norm_'s scaling (never up), by the global norm.
+    if cfg.grad_clip > 0:  # x min(1, clip / (norm + 1e-6)) on the device: no branch.
         params = [p for group in run.scaled.param_groups for p in group["params"]]
         torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, norm)
     lr = lr_at(cfg, step)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    run.scaler.step(run.scaled)  # Skipped (on every rank) if fp16 gradients overflowed.
+    # fp16 only: skipped on every rank if gradients overflowed, which the host must
+    # know, so 06's scaler reads its flag, one sync a step (as torch's GradScaler).
+    run.scaler.step(run.scaled)
     run.scaler.update()
-    stats = {"loss": loss.item(), "lr": lr, "grad_norm": norm.item()}
+    stats = {"loss": loss, "lr": lr, "grad_norm": norm}  # Read at log steps only.
+    if run.scaler.is_enabled():  # A skipped step is always logged (train).
+        stats["skipped"] = run.scaler.last_step_skipped
     if grid.dp > 1:
         stats["comm_bytes"] = comm_bytes(run) - sent
     return stats
@@ -396,8 +418,8 @@ def train(run: Run) -> None:
     step = start - 1
     for step in range(start, stop):
         stats = train_step(run, step)
-        if step % cfg.log_interval == 0 or step == stop - 1:
-            log.train_row(step, stats)
+        if step % cfg.log_interval == 0 or step == stop - 1 or stats.get("skipped"):
+            log.train_row(step, stats)  # A sync: it reads the loss and the norm.
         if cfg.eval_interval and step % cfg.eval_interval == 0:  # Step 0: a baseline.
             val = evaluate(run, preempted)  # None: preempted while evaluating.
             if val is not None:
@@ -405,7 +427,9 @@ def train(run: Run) -> None:
         if cfg.ckpt_interval and (step + 1) % cfg.ckpt_interval == 0:
             saved = step
             save_checkpoint(run, step)
-        if preempted():
+        # A collective and a sync: every --vote-interval steps (alone: free, each step).
+        vote = run.grid.world == 1 or (step + 1) % cfg.vote_interval == 0
+        if vote and preempted():
             distributed.print0(f"preemption signal: saving at step {step} and exiting")
             if saved != step:
                 save_checkpoint(run, step)
@@ -417,6 +441,7 @@ def train(run: Run) -> None:
         if val is None:
             return  # Preempted in the last evaluation: saved already, so exit now.
         log.val_row(step, val)
+    run.train.close()
     if run.grid.rank == 0:  # One process exports the last checkpoint, plots, samples.
         model_pt = export(cfg.out_dir)
         plot = run_log.plot_losses(cfg.out_dir)
@@ -442,7 +467,8 @@ def main(argv=None) -> None:
     except ConfigError as e:
         raise SystemExit(f"train.py: error: {e}") from None
     created = not dist.is_initialized()
-    rank, _, world, device = distributed.init_distributed()
+    timeout_s = 60 * cfg.timeout_minutes  # Rank 0 saves alone, behind barriers.
+    rank, _, world, device = distributed.init_distributed(timeout_s)
     try:
         run = build_run(cfg, gpt_config, build_grid(cfg, rank, world), device)
         distributed.print0(run_lib.describe(run))

@@ -54,7 +54,7 @@ class TrainConfig:
     # The preset's context: a shorter one would leave positions untrained.
     block_size: int = flag(0, "tokens per sequence, the model's context; 0: preset")
     # The small preset (4 layers of 128) trains on a CPU in minutes.
-    model: str = flag("small", "02_model.py's preset")
+    model: str = flag("", "02_model.py's preset; none: small, or --init-from's shape")
     n_layer: int = flag(0, "number of blocks; 0: the preset's")
     init_from: str = flag("", "fine-tune a Hugging Face GPT-2 checkpoint")
     lora_rank: int = flag(0, "LoRA (02): train rank-r factors only; 0: off")
@@ -94,6 +94,13 @@ class TrainConfig:
     # For time-limited jobs: the LR schedule still runs to --max-steps.
     steps_this_run: int = flag(0, "stop after this many steps, with a checkpoint")
     seed: int = flag(1337, "seed of the model's init, the data order and dropout")
+    # A vote is an all-reduce and a sync. At 0.1-0.5 s a step on GPUs, 10 steps keep a
+    # signal's wait under ~5 s, far inside Slurm's usual warning of a minute or more.
+    vote_interval: int = flag(
+        10, "steps between the ranks' votes on a preemption signal"
+    )
+    # Rank 0 alone writes checkpoint metadata behind barriers, maybe on slow storage.
+    timeout_minutes: float = flag(10.0, "a collective waiting this long is an error")
 
 
 # The numeric flags that must be > 0; every other number must be >= 0.
@@ -112,6 +119,8 @@ POSITIVE = (
     "cycle_steps",
     "powersgd_rank",
     "lora_alpha",
+    "vote_interval",
+    "timeout_minutes",
 )
 
 
@@ -146,6 +155,8 @@ def parse_args(argv=None, description: str = "train.py", choices: dict | None = 
     # An empty --data-dir means the default data of --tokenizer ("" for an unknown one,
     # which check_flags reports).
     cfg.data_dir = cfg.data_dir or DEFAULT_DATA.get(cfg.tokenizer or "bpe", "")
+    if not cfg.model and not cfg.init_from:  # With --init-from: its shape (validate).
+        cfg.model = "small"
     return cfg, args
 
 
@@ -373,12 +384,7 @@ def check_init_from(cfg: TrainConfig, meta: dict, gpt_config, load_pretrained) -
         tokenizer = meta["tokenizer"]
         what = f"{cfg.data_dir} is {tokenizer}'s"
         raise ConfigError(f"--init-from needs data of --tokenizer gpt2; {what}")
-    try:
-        have = load_pretrained(Path(cfg.init_from).resolve(strict=True)).config
-    except Exception as e:  # noqa: BLE001 - whatever the reader raises: one line.
-        raise ConfigError(
-            f"--init-from {cfg.init_from}: {' '.join(str(e).split())}"
-        ) from None
+    have = read_init_from(cfg, load_pretrained).config
     keys = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "tie_embeddings")
     bad = [
         f"{k}={getattr(have, k)}"
@@ -393,3 +399,28 @@ def check_init_from(cfg: TrainConfig, meta: dict, gpt_config, load_pretrained) -
         raise ConfigError(
             f"--init-from {cfg.init_from} has {differ}: not --model {cfg.model}'s"
         )
+
+
+def read_init_from(cfg: TrainConfig, load_pretrained):
+    """`load_pretrained(--init-from)`: whatever it raises on a missing, foreign or
+    damaged file becomes one line."""
+    try:
+        return load_pretrained(cfg.init_from)
+    except Exception as e:  # noqa: BLE001 - whatever the reader raises: one line.
+        raise ConfigError(
+            f"--init-from {cfg.init_from}: {' '.join(str(e).split())}"
+        ) from None
+
+
+def shape_of_init_from(cfg: TrainConfig, have, presets: dict) -> None:
+    """Without --model: the preset of the checkpoint's width (`have`, its config: n_embd
+    and n_head), and its n_layer where the preset's differs (unless --n-layer says)."""
+    for name, preset in presets.items():
+        if (preset["n_embd"], preset["n_head"]) == (have.n_embd, have.n_head):
+            cfg.model = name
+            if not cfg.n_layer and preset["n_layer"] != have.n_layer:
+                cfg.n_layer = have.n_layer
+            return
+    shape = f"n_embd={have.n_embd}, n_head={have.n_head}"
+    what = f"--init-from {cfg.init_from} has {shape}, which no preset of 02 has"
+    raise ConfigError(f"{what}: pass --model and --n-layer")

@@ -1,6 +1,8 @@
 """What train.py writes as it runs: metrics.jsonl's rows, a printed line each, loss.png.
 
-A train row: step, loss, lr, grad_norm (and comm_bytes with dp > 1: the step's stats),
+A train row: step, loss (the logged step's own mean loss, not a mean since the last
+row), lr, grad_norm (and comm_bytes with dp > 1; with fp16, skipped: whether the loss
+scaler skipped the step, and a skipped step always gets a row),
 tokens seen, tokens/s (all ranks and per rank), MFU and HFU (support/gpus.py), peak
 memory (the GPU's allocator, or the CPU's peak RSS) and the ETA. A val row: step,
 val_loss, tokens. The model's FLOPs per token come from train.py, which knows the model.
@@ -98,7 +100,9 @@ class Logger:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def train_row(self, step: int, stats: dict) -> None:
-        """Log a train step: `stats` holds loss, lr, grad_norm (and comm_bytes)."""
+        """Log a train step: `stats` holds loss, lr, grad_norm (and comm_bytes; with
+        fp16, skipped), the loss and the norm as device tensors, read here (a sync)."""
+        stats = {k: v.item() if torch.is_tensor(v) else v for k, v in stats.items()}
         now = time.perf_counter()
         steps = step - self.step_last
         tok_s = self.tokens_per_step * steps / (now - self.t_last)

@@ -419,6 +419,7 @@ def _rank_main(rank, world):
         results["untied"] = _untied(rank, world)
         results["bad"] = _bad_configs(rank, world)
         results["scaled"] = _scaled_and_forward_only(rank, world)
+        results["dtype"] = _compute_dtype(rank, world)
     else:
         results["dp_pp"] = _dp_times_pp(rank, world)
         results["tp_pp"] = _tp_times_pp(rank, world)
@@ -445,6 +446,37 @@ def _scaled_and_forward_only(rank, p):
     evaluated = pp.pipeline_step(chunks, batch, 4, "1f1b", forward_only=True)
     no_grads = all(q.grad is None for c in chunks for q in c.parameters())
     return dict(scaled=scaled, eval_loss=evaluated.loss, no_grads=no_grads)
+
+
+def _compute_dtype(rank, p):
+    """bf16 autocast two ways, 1F1B, m = 4: the old train.py's (the whole step inside
+    torch.autocast, so activations and gradients travel in fp32) and dtype=bf16 (autocast
+    around the forwards only, messages in bf16). Returns each one's loss, gradients and the
+    bytes this rank's sends carried, counted at batch_isend_irecv."""
+    embed_group, batch = pp.embedding_group([list(range(p))]), make_batch(MICRO * 4)
+    real = dist.batch_isend_irecv
+    out = {}
+    for name in ("fp32 travel", "bf16 travel"):
+        sent = []
+
+        def counting(ops):
+            sent.extend(o.tensor.nbytes for o in ops if o.op is dist.isend)
+            return real(ops)
+
+        dist.batch_isend_irecv = counting
+        try:
+            model = make_model()
+            chunks = pp.split_model(model, rank, p)
+            kwargs = dict(embed_group=embed_group)
+            if name == "bf16 travel":
+                res = pp.pipeline_step(chunks, batch, 4, dtype=torch.bfloat16, **kwargs)
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    res = pp.pipeline_step(chunks, batch, 4, **kwargs)
+        finally:
+            dist.batch_isend_irecv = real
+        out[name] = dict(loss=res.loss, grads=_grads(chunks), bytes=sum(sent))
+    return out
 
 
 @functools.cache
@@ -489,6 +521,25 @@ def test_loss_scale_and_forward_only():
         sum(r["scaled"]["eval_loss"] for r in results), ref_loss, **TOL
     )
     assert all(r["scaled"]["no_grads"] for r in results)
+
+
+def test_bf16_activations_travel_in_bf16_at_half_the_bytes_and_equal_fp32_travel():
+    """dtype=bf16: forwards under autocast, backward outside it, and what stages send each
+    other (activations forward, their gradients back) in bf16: exactly half the bytes of
+    the fp32 messages the old train.py sent (its autocast around the whole step). The
+    results differ only by rounding each message to bf16 once (8 bits: 2^-9 relative) on
+    top of autocast's own bf16 matmuls: the loss within 1e-3 relative, each gradient within
+    2e-2 of its largest entry. A stage computing in fp32 or sending fp32 keeps the bytes."""
+    results = _world(2)
+    for rank, r in enumerate(results):
+        fp32 = r["dtype"]["fp32 travel"]
+        bf16 = r["dtype"]["bf16 travel"]
+        assert fp32["bytes"] > 0 and bf16["bytes"] * 2 == fp32["bytes"], (rank, r["dtype"])
+        torch.testing.assert_close(bf16["loss"], fp32["loss"], rtol=1e-3, atol=0)
+        for name, g in fp32["grads"].items():
+            scale = g.abs().max().item()
+            torch.testing.assert_close(bf16["grads"][name], g, rtol=0, atol=2e-2 * scale,
+                                       msg=lambda m, n=name: f"rank {rank} {n}: {m}")  # fmt: skip
 
 
 @pytest.mark.parametrize("p", [2, 4])

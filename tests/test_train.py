@@ -260,7 +260,7 @@ def _straight_and_resumed(rank, world, data_dir, tmp, extra):
 @pytest.mark.parametrize(
     "world, extra",
     [(1, ["--micro-batch-size", "4", "--dropout", "0.1", "--lr-schedule", "wsd",
-          "--decay-fraction", "0.5"]),  # the resume at step 3 is where WSD's decay starts
+          "--decay-fraction", "0.5"]),  # the resume at step 3 is inside WSD's decay (steps 2..5)
      (4, ["--dp", "2", "--tp", "2", "--micro-batch-size", "2", "--dropout", "0.1"]),
      (2, ["--dp", "2", "--zero", "3", "--micro-batch-size", "2", "--dropout", "0.1"]),
      (2, ["--dp", "2", "--micro-batch-size", "2", "--grad-compression", "powersgd",
@@ -269,7 +269,7 @@ def _straight_and_resumed(rank, world, data_dir, tmp, extra):
 )  # fmt: skip
 def test_resume_is_bit_identical(data_dir, tmp_path, world, extra):
     """Dropout on, so the RNG states must be restored too. Losses and gradient norms are
-    compared with == (the 1-rank case resumes where WSD's decay starts)."""
+    compared with == (the 1-rank case resumes inside WSD's decay)."""
     if world == 1:
         straight, split = _straight_and_resumed(0, 1, data_dir, str(tmp_path), extra)
     else:
@@ -431,24 +431,29 @@ def test_resume_loads_shards_to_the_cpu_whatever_the_run_device(data_dir, tmp_pa
 
 
 def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
-    """1. SIGTERM to rank 1 only, during step 1 of 6: returns the checkpoints each rank sees.
+    """1. SIGTERM to rank 1 only, after step 2 of 6, at dp 2 and at pp 2, the ranks voting
+    every 2 steps (after steps 1, 3, 5): returns the checkpoints each rank sees per layout.
     2. Rank 1's shard of the newest checkpoint truncated: returns the step each rank resumes at."""
-    common = BASE + ["--data-dir", data_dir, "--dp", "2", "--micro-batch-size", "2"]
+    common = BASE + ["--data-dir", data_dir, "--micro-batch-size", "2"]
     real_step = train.train_step
 
     def step_then_signal(run, step):
         stats = real_step(run, step)
-        if rank == 1 and step == 1:
+        if rank == 1 and step == 2:
             os.kill(os.getpid(), signal.SIGTERM)  # this process only, as a node's kill would
         return stats
 
     train.train_step = step_then_signal
-    train.main(common + ["--out-dir", f"{tmp}/sigterm", "--max-steps", "6"])
+    saved = {}
+    for name in ("dp", "pp"):
+        out_dir = f"{tmp}/sigterm-{name}"
+        train.main(common + [f"--{name}", "2", "--out-dir", out_dir, "--max-steps", "6",
+                             "--vote-interval", "2"])  # fmt: skip
+        ckpts = checkpoint.complete_checkpoints(out_dir)
+        saved[name] = [(c.name, sorted(p.name for p in c.glob("rank_*.pt"))) for c in ckpts]
     train.train_step = real_step
-    ckpts = checkpoint.complete_checkpoints(f"{tmp}/sigterm")
-    saved = [(c.name, sorted(p.name for p in c.glob("rank_*.pt"))) for c in ckpts]
 
-    argv = common + ["--out-dir", f"{tmp}/corrupt", "--ckpt-interval", "2"]
+    argv = common + ["--dp", "2", "--out-dir", f"{tmp}/corrupt", "--ckpt-interval", "2"]
     train.main(argv)  # checkpoints at steps 1 and 3
     dist.barrier()
     if rank == 1:
@@ -465,12 +470,17 @@ def test_two_ranks_agree_when_only_one_is_signalled_or_damaged(data_dir, tmp_pat
     """Cross-rank agreement (MAX of the preemption flag, MIN of the load vote), which a world of
     one cannot test. Without it, a signal to rank 1 alone makes it save while rank 0 trains
     (mismatched collectives: a hang, then this test's timeout), and a shard damaged on rank 1
-    alone makes rank 0 resume at step 4 and rank 1 at step 2."""
-    results = run_ranks(_one_rank_of_two_damaged, 2, data_dir, str(tmp_path), timeout=120)
+    alone makes rank 0 resume at step 4 and rank 1 at step 2. The vote runs every
+    --vote-interval steps (a plain step makes no sync): the signal after step 2 stops both
+    ranks after step 3, the next vote, at dp 2 and at pp 2 (a vote every step would stop at
+    2, none at all would train to step 5)."""
+    results = run_ranks(_one_rank_of_two_damaged, 2, data_dir, str(tmp_path), timeout=180)
     for saved, resumed in results:
-        assert saved == [("step_0000001", ["rank_00000.pt", "rank_00001.pt"])]  # both, at once
+        for name in ("dp", "pp"):  # both shards, at once
+            assert saved[name] == [("step_0000003", ["rank_00000.pt", "rank_00001.pt"])], name
         assert resumed == 2  # the previous checkpoint (step 1) on both ranks
-    assert [r["step"] for r in metrics(tmp_path / "sigterm")] == [0, 1]
+    for name in ("dp", "pp"):
+        assert [r["step"] for r in metrics(tmp_path / f"sigterm-{name}")] == [0, 1, 2, 3]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,16 +32,16 @@ def build(argv, rank, world):
 # The learning rate: derived by hand
 # ---------------------------------------------------------------------------------------------
 def test_lr_schedule_at_the_warmup_and_decay_edges():
-    """lr 6, min_lr 1, 10 warm-up steps, 110 steps. Warm-up is linear and reaches the peak on its
-    last step: lr(s) = 6 (s+1)/10, so 0.6 at step 0 (not 0: no wasted step) and 6 at step 9.
-    Then cosine from 6 to 1 over the 100 steps 10..110: lr = 1 + 2.5 (1 + cos(pi (s-10)/100)),
-    so 6 at step 10, 3.5 at 60 (halfway), 1 + 2.5 (1 + cos(0.99 pi)) at the last step 109, and 1
-    (min_lr, never below, never rising again) from 110 on. Catches an off-by-one warm-up (0 at
-    step 0, or the peak a step late), a decay that starts at min_lr or overshoots past max_steps."""
+    """lr 6, min_lr 1, 10 warm-up steps, 110 steps (0..109). Warm-up is linear and reaches the
+    peak on its last step: lr(s) = 6 (s+1)/10, so 0.6 at step 0 (not 0: no wasted step) and 6
+    at step 9. Then cosine from 6 to 1 over the 99 steps 10..109: lr = 1 + 2.5 (1 + cos(pi
+    (s-10)/99)), so 6 at step 10, 1 + 2.5 x 1.5 = 4.75 at 43 (a third: cos(pi/3) = 1/2), and 1
+    (min_lr) at the last step trained, 109, never below, never rising again. Catches an
+    off-by-one warm-up (0 at step 0, or the peak a step late), a decay that starts at min_lr,
+    overshoots past max_steps, or reaches min_lr only at step 110, which never trains."""
     cfg, _ = train.parse_args(["--lr", "6", "--min-lr", "1", "--warmup-steps", "10",
                                "--max-steps", "110"])  # fmt: skip
-    last = 1 + 2.5 * (1 + math.cos(0.99 * math.pi))
-    expected = {0: 0.6, 4: 3.0, 9: 6.0, 10: 6.0, 60: 3.5, 109: last, 110: 1.0, 111: 1.0,
+    expected = {0: 0.6, 4: 3.0, 9: 6.0, 10: 6.0, 43: 4.75, 109: 1.0, 110: 1.0, 111: 1.0,
                 10_000: 1.0}  # fmt: skip
     for step, lr in expected.items():
         assert train.lr_at(cfg, step) == pytest.approx(lr, rel=1e-12), f"step {step}"  # float math
@@ -51,13 +51,13 @@ def test_lr_schedule_at_the_warmup_and_decay_edges():
 
 @pytest.mark.parametrize(
     "schedule, extra, expected",
-    [  # WSD: decay 0.2 x 110 = 22 steps, 88..110: lr = 1 + 5 (1 - (s - 88)/22)
-     ("wsd", [], {9: 6.0, 10: 6.0, 60: 6.0, 87: 6.0, 88: 6.0, 99: 3.5, 109: 1 + 5 / 22,
-                  110: 1.0, 500: 1.0}),
-     # WSD with decay 1: linear from the warm-up's end (10..110), never before it
-     ("wsd", ["--decay-fraction", "1"], {9: 6.0, 10: 6.0, 60: 3.5, 110: 1.0}),
-     # WSD with a decay of round(0.11) steps: one, not none (min_lr from max_steps on)
-     ("wsd", ["--decay-fraction", "0.001"], {108: 6.0, 109: 6.0, 110: 1.0, 500: 1.0}),
+    [  # WSD: decay round(0.2 x 110) = 22 steps, 87..109: lr = 1 + 5 (1 - (s - 87)/22)
+     ("wsd", [], {9: 6.0, 10: 6.0, 60: 6.0, 86: 6.0, 87: 6.0, 98: 3.5, 108: 1 + 5 / 22,
+                  109: 1.0, 110: 1.0, 500: 1.0}),
+     # WSD with decay 1: linear from the warm-up's end (10..109), never before it
+     ("wsd", ["--decay-fraction", "1"], {9: 6.0, 10: 6.0, 43: 1 + 5 * 2 / 3, 109: 1.0}),
+     # WSD with a decay of round(0.11) steps: one, not none: the last step trained is at min_lr
+     ("wsd", ["--decay-fraction", "0.001"], {107: 6.0, 108: 6.0, 109: 1.0, 500: 1.0}),
      # cyclic, 20 steps a triangle from 10: 6 at 10, 30, 50; 1 at 20, 40; rising 0.5 a step
      ("cyclic", ["--cycle-steps", "20"], {9: 6.0, 10: 6.0, 15: 3.5, 20: 1.0, 25: 3.5, 30: 6.0,
                                          40: 1.0, 109: 5.5, 1000: 1.0}),  # 109: a step below a top
