@@ -17,11 +17,14 @@ incremental (`train_bpe`: a merge recounts only its words; a heap gives the next
 
 Clean data (as FineWeb, Penedo et al. 2024): --quality gopher keeps prose by Gopher's
 rules (Rae et al. 2021). --dedup drops a document seen before: exact (the same text up
-to case and spacing), or minhash (Broder 1997), near copies too. For word 5-gram sets
-A and B, J = |A∩B|/|A∪B|; the least hash over A is the least over B iff the least over
-A∪B is in A∩B: P = J. 112 hashes in 14 bands of 8 (LSH: a key a band; a shared key is
-a match) match with P = 1 - (1 - J^8)^14: 92% at J = 0.8, 5% at 0.5. The first of a
-cluster stays; 15 keys of ~75 B a document: 17 GB for 10B tokens.
+to case and spacing), or minhash (Broder 1997), near copies too; or --dedup lines drops
+each line seen twice in the corpus (CCNet, Wenzek et al. 2019: pass 1 counts hashes).
+For word 5-gram sets A and B, J = |A∩B|/|A∪B|; the least hash over A is the least over
+B iff the least over A∪B is in A∩B: P = J. 112 hashes in 14 bands of 8 (LSH: a key a
+band) make a candidate with P = 1 - (1 - J^8)^14: 92% at J = 0.8, 5% at 0.5 (the
+S-curve's midpoint: (1/14)^(1/8) = 0.72). A candidate is a duplicate only when its share
+of equal hashes, J's estimate, is >= --dedup-threshold (0.8). The first of a cluster
+stays; ~1.9 KB a document (its signature and keys): ~25 GB for 10B tokens of prose.
 
 Who holds what (nothing is distributed yet, except who reads which window):
 
@@ -29,18 +32,18 @@ Who holds what (nothing is distributed yet, except who reads which window):
     each shard is [header | t0 ... t(n-1)] (np.memmap, n <= --shard-tokens), cut into
     windows of T+1 tokens at stride T that never cross a shard, W of them in all:
         \\_window_/\\_window_/ ...
-    step s, epoch e = s // steps_per_epoch:  perm_e = permutation(W, seed=(seed, e))
+    step s, epoch e = s // steps_per_epoch:  perm_e = permutation(W, seed=(seed, e)),
+    computed a window at a time, never stored (a Feistel network: support/shuffle.py)
         dp_rank 0 -> perm_e[k*dp*B + 0*B : ... + B]    x = window[:-1], y = window[1:]
         dp_rank 1 -> perm_e[k*dp*B + 1*B : ... + B]    (disjoint from rank 0's)
 
 Launch: `python 01_data.py` (a 4,096-token BPE on the standard library's source, shards
 in data/; --source FILES.jsonl for a real corpus; timings: bench/bench_data.py). The
-plumbing is in support/ (sources.py, files.py, token_files.py, progress.py). Left out
-on purpose: Unicode normalisation, fast trainers, packing masks, language ID, URL and
-repetition filters.
+plumbing is in support/ (sources, files, token_files, progress, dedup_store, shuffle,
+data_flags). Left out on purpose: Unicode normalisation, fast trainers, packing masks,
+language ID, URL and repetition filters.
 """
 
-import argparse
 import hashlib
 import heapq
 import time
@@ -53,11 +56,14 @@ import regex
 import tiktoken
 import torch
 
+from support import data_flags, dedup_store, progress, shuffle, sources, token_files
 from support import files as files_lib
-from support import sources, token_files
 from support.files import atomic_write, fsync_dir  # noqa: F401 - callers use data.*
 from support.sources import split_document, val_cut
-from support.token_files import RollingWriter
+
+# A shard is a header of four int64s (magic, version, bytes per id, number of ids), then
+# the ids: support/token_files.py writes and memory-maps it.
+from support.token_files import SHARD_MAGIC, read_shard, shard_header  # noqa: F401
 
 # GPT-2's pre-tokenization, as tiktoken's: 's 't 're 've 'm 'll 'd, ?letters, ?digits,
 # ?other symbols, trailing whitespace, whitespace before a space, a single whitespace.
@@ -66,10 +72,6 @@ GPT2_SPLIT_PATTERN = (
     r"""|\s++$|\s+(?!\S)|\s"""
 )
 EOT = "<|endoftext|>"
-# A shard's header: four int64s (magic, version, bytes per id, number of ids).
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-HEADER_INTS = 4
 SPLITS = ("train", "val")
 # Ids per shard at most, as llm.c and build-nanogpt: 200 MB in uint16.
 SHARD_TOKENS = 100_000_000
@@ -322,12 +324,7 @@ def get_tokenizer(name: str):
     if name != "gpt2":
         allowed = "use 'gpt2', 'char' or a saved BPE's path"
         raise ValueError(f"unknown tokenizer {name!r}: {allowed}")
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except Exception as e:  # noqa: BLE001 - a network or cache failure: say what to do.
-        fix = "offline: TIKTOKEN_CACHE_DIR=a folder with its files, or --tokenizer char"
-        why = f"{type(e).__name__}: {e}"
-        raise RuntimeError(f"cannot load GPT-2's tokenizer ({why}); {fix}") from e
+    return token_files.gpt2_encoding()  # tiktoken's, or one line that says what to do.
 
 
 # --- Clean data: quality rules, then duplicates (exact, then near: MinHash, LSH) ----
@@ -337,7 +334,8 @@ SYMBOLS = regex.compile(r"[^\w\s]+")
 LETTERED = regex.compile(r"\w*\p{L}\w*")
 STOP = regex.compile(rf"\b(?:{STOP_WORDS})\b", regex.I)
 QUALITY = ("none", "gopher")  # The choices of --quality.
-DEDUP = ("none", "exact", "minhash")  # The choices of --dedup.
+DEDUP = ("none", "exact", "minhash", "lines")  # The choices of --dedup.
+LINE = regex.compile(r"[^\n]*\n|[^\n]+")  # A line and its newline, as a file gives it.
 
 
 def gopher_rule_broken(text: str) -> str | None:
@@ -369,68 +367,87 @@ def _digest(raw: bytes) -> bytes:
 
 
 class Deduplicator:
-    """Every text's keys, in a set (~75 B a key; packed and sorted: 8 B, 1.8 GB for 10B
-    tokens). Exact mode keeps one key a text; minhash adds one key per band."""
+    """--dedup exact: one key a text (its digest, up to case and spacing) in a set (~75 B).
+    minhash adds its signature and a key per band (support/dedup_store.py: ~1.9 KB a text).
+    lines: two passes, `count_lines` over the corpus first (a dict of 64-bit line hashes,
+    ~100 B a distinct line), then `unique_lines` keeps each text's lines counted once."""
 
-    def __init__(self, mode: str, hashes: int = 112, bands: int = 14):
+    def __init__(self, mode: str, threshold=0.8, hashes=112, bands=14, ngram=5):
+        assert hashes % bands == 0, f"{hashes} hashes do not split in {bands} bands"
         rng = np.random.default_rng(SHARD_MAGIC)  # A fixed seed: the same removals.
         # a is odd, so a·s mod 2^64 is one-to-one. Each has shape (hashes, 1).
         self.a, self.b = rng.integers(0, 2**64, (2, hashes, 1), np.uint64) | 1
         self.mode = mode
+        self.threshold = threshold
         self.bands = bands
-        self.seen = set()
+        self.rows = (
+            hashes // bands
+        )  # A band is `rows` consecutive hashes of a signature.
+        self.ngram = ngram
+        self.exact = set()
+        self.store = dedup_store.SignatureStore(hashes)
+        self.line_counts = {}
 
-    def minhash(self, text: str, n: int = 5) -> np.ndarray | None:
-        """(hashes,): entry i = min over the text's lowercase word n-grams s of
-        (a_i·s + b_i) >> 32, multiply-shift mod 2^64. A word is hashed by crc32, since
-        hash() varies by process. None: the text has under n words."""
+    def ngram_hashes(self, text: str) -> np.ndarray:
+        """(k,): a 64-bit hash of each of the text's k lowercase word n-grams, in order. A
+        word is hashed by crc32 (hash() varies by process), an n-gram as a polynomial of
+        its words' hashes, base 2^64/φ (odd)."""
         crcs = [zlib.crc32(w.encode()) for w in WORD.findall(text.lower())]
         words = np.array(crcs, np.uint64)
-        k = len(words) - n + 1
-        if k < 1:  # No n-gram: only the exact key, or all such texts would match.
+        k = max(0, len(words) - self.ngram + 1)
+        hashes = words[:k].copy()
+        for i in range(1, self.ngram):
+            hashes = hashes * np.uint64(0x9E3779B97F4A7C15) + words[i : i + k]
+        return hashes
+
+    def minhash(self, text: str) -> np.ndarray | None:
+        """(hashes,): entry i = min over the n-gram hashes s of (a_i·s + b_i) >> 32,
+        multiply-shift mod 2^64. None: the text has under n words."""
+        shingles = self.ngram_hashes(text)
+        if len(shingles) == 0:  # Only the exact key, or all such texts would match.
             return None
-        # (k,): a polynomial hash of each n-gram, base 2^64/φ (odd).
-        shingles = words[:k].copy()
-        for i in range(1, n):
-            shingles = shingles * np.uint64(0x9E3779B97F4A7C15) + words[i : i + k]
         sig = np.full(len(self.a), np.iinfo(np.uint64).max, np.uint64)
-        for c in range(0, k, 4096):  # (hashes, 4,096) at a time: bounded memory.
+        for c in range(0, len(shingles), 4096):  # (hashes, 4,096) at a time.
             hashed = self.a * shingles[c : c + 4096] + self.b
             sig = np.minimum(sig, hashed.min(1))
         # The top 32 bits are the well-mixed ones, and min(x >> 32) = min(x) >> 32.
-        return sig >> 32
+        return (sig >> 32).astype(np.uint32)
+
+    def band_keys(self, sig: np.ndarray) -> list[bytes]:
+        """A key per band of `rows` hashes, its index in front: band 2 never meets 5."""
+        bands = sig.reshape(self.bands, self.rows)
+        return [_digest(bytes([i]) + band.tobytes()) for i, band in enumerate(bands)]
 
     def why_duplicate(self, text: str) -> str | None:
-        """What duplicate `text` is, or None; its keys are kept either way, so a chain
-        of near copies goes too."""
-        normal = " ".join(text.lower().split())
-        keys = [("exact duplicate", _digest(normal.encode()))]
+        """What duplicate `text` is, or None. A shared band key makes a candidate; it is a
+        near duplicate when the share of equal hashes (an estimate of the Jaccard
+        similarity) is >= threshold. Kept either way, so a chain of near copies goes."""
+        key = _digest(" ".join(text.lower().split()).encode())
+        if key in self.exact:
+            return "exact duplicate"
+        self.exact.add(key)
         sig = self.minhash(text) if self.mode == "minhash" else None
-        if sig is not None:
-            # A key per band, its index in front: band 2 never meets band 5.
-            for i, band in enumerate(sig.reshape(self.bands, -1)):
-                keys.append(("near duplicate", _digest(bytes([i]) + band.tobytes())))
-        why = next((why for why, key in keys if key in self.seen), None)
-        self.seen.update(key for _, key in keys)
-        return why
+        if sig is None:
+            return None
+        keys = self.band_keys(sig)
+        docs = self.store.candidates(keys)
+        similar = (self.store.sigs[docs] == sig).mean(1).max() if docs else 0.0
+        self.store.add(sig, keys)
+        return "near duplicate" if similar >= self.threshold else None
 
+    def count_lines(self, texts) -> None:
+        """Pass 1 of --dedup lines: count each line over the corpus (capped at 2)."""
+        for text in texts:
+            for line in LINE.findall(text):
+                key = hash(line)  # 64 bits; salted per process: both passes run here.
+                self.line_counts[key] = 2 if key in self.line_counts else 1
 
-# --- Shards: a small header, then the ids; written whole or not at all ----------------
-def shard_header(dtype, n: int) -> bytes:
-    """Four int64s: magic, version, bytes per id (2: uint16, 4: uint32), id count."""
-    fields = [SHARD_MAGIC, SHARD_VERSION, np.dtype(dtype).itemsize, n]
-    return np.array(fields, np.int64).tobytes()
-
-
-def read_shard(path) -> np.ndarray:
-    """Memory-map a shard: its ids are read from disk only when a batch needs them."""
-    header = np.fromfile(path, np.int64, count=HEADER_INTS)
-    ours = len(header) == HEADER_INTS and header[0] == SHARD_MAGIC
-    not_ours = f"{path} is not a token shard of version {SHARD_VERSION}"
-    assert ours and header[1] == SHARD_VERSION, not_ours
-    dtype = {2: np.uint16, 4: np.uint32}[int(header[2])]
-    n = int(header[3])
-    return np.memmap(path, dtype, mode="r", offset=HEADER_INTS * 8, shape=(n,))
+    def unique_lines(self, text: str, seen: Counter) -> str:
+        """Pass 2: the text without its lines seen twice in the corpus, first copy too."""
+        lines = LINE.findall(text)
+        kept = [line for line in lines if self.line_counts[hash(line)] == 1]
+        seen["duplicate lines"] += len(lines) - len(kept)
+        return "".join(kept)
 
 
 # --- Prepare: documents -> cleaned -> token shards on disk ----------------------------
@@ -446,6 +463,7 @@ def prepare(
     text_field="text",
     quality="none",
     dedup="exact",
+    dedup_threshold=0.8,
 ) -> dict:
     """Stream `source` (files, a folder, a glob; .jsonl lines), cleaned, by `tokenizer`
     into shards of <= `shard_tokens` ids a split, in OUT/meta.json; idempotent, atomic.
@@ -456,7 +474,7 @@ def prepare(
     files = sources.source_files(source)
     settings = dict(val_fraction=val_fraction, block_size=block_size)
     settings.update(shard_tokens=shard_tokens, text_field=text_field)
-    settings.update(quality=quality, dedup=dedup)
+    settings.update(quality=quality, dedup=dedup, dedup_threshold=dedup_threshold)
     assert quality in QUALITY, f"quality {quality!r} unknown"
     assert dedup in DEDUP, f"dedup {dedup!r} unknown"
     merges = repr(getattr(tok, "merges", ""))  # The same name, other merges: other ids.
@@ -469,38 +487,40 @@ def prepare(
     return files_lib.build_once(out_dir, inputs, build, before_write, "*.bin")
 
 
-def clean(docs, quality: str, dedup: str, seen: Counter, removed: Counter):
+def clean(docs, quality: str, deduper: Deduplicator, seen: Counter, removed: Counter):
     """The documents that pass the quality rules and are no duplicates. `seen` counts
     every document (and its bytes), `removed` the others, by reason."""
-    deduper = Deduplicator(dedup)
-    for doc in docs:
-        text = doc[2]
+    for start, end, text, whole in docs:
         seen.update(documents=1, bytes=len(text.encode()), text=bool(text.strip()))
-        # The quality rules go first: a document they remove adds no keys.
-        why = quality == "gopher" and gopher_rule_broken(text)
-        if not why and dedup != "none":
+        why = None
+        if deduper.mode == "lines":  # As CCNet: lines first; the rules judge the rest.
+            had_text = bool(text.strip())
+            text = deduper.unique_lines(text, seen)
+            why = had_text and not text.strip() and "every line a duplicate"
+        # The quality rules go before the document keys: a text they remove adds none.
+        why = why or (quality == "gopher" and gopher_rule_broken(text))
+        if not why and deduper.mode in ("exact", "minhash"):
             why = deduper.why_duplicate(text)
         if why:
             removed[why] += 1  # Its bytes still count towards the val cut.
         else:
-            yield doc
+            yield start, end, text, whole
 
 
 def write_shards(source, tok, files, stage, settings: dict) -> dict:
     """Every document cleaned and encoded into shards in `stage`; then the checks that
     there was text and that each split holds a block. Returns meta.json's fields."""
     cut = val_cut(files, settings["val_fraction"])
+    total = val_cut(files, 0.0)  # The source's text bytes, for the progress line.
     skipped = []  # The binary files go here.
     seen = Counter()
     removed = Counter()
-    dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
-    limit = settings["shard_tokens"]
-    writers = {}  # Each renames a shard into place only when it is whole.
-    for split in SPLITS:
-        writers[split] = RollingWriter(stage, split, dtype, limit, shard_header)
-
+    deduper = Deduplicator(settings["dedup"], settings["dedup_threshold"])
+    if settings["dedup"] == "lines":  # Pass 1 of 2: count every line of the corpus.
+        again = sources.iter_documents(files, [], settings["text_field"])
+        deduper.count_lines(text for _, _, text, _ in again)
     docs = sources.iter_documents(files, skipped, settings["text_field"])
-    docs = clean(docs, settings["quality"], settings["dedup"], seen, removed)
+    docs = clean(docs, settings["quality"], deduper, seen, removed)
 
     def pieces():  # Yields (split, text, the source's bytes read so far).
         for doc in docs:
@@ -508,23 +528,19 @@ def write_shards(source, tok, files, stage, settings: dict) -> dict:
                 yield split, text, doc[1]
 
     enc = tok.to_tiktoken() if isinstance(tok, Tokenizer) else tok  # The fast encoder.
-    token_files.encode_documents(enc, pieces(), writers, val_cut(files, 0.0))
+    dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32  # GPT-2's ids: 16 bits.
+    writers = token_files.writers(stage, SPLITS, dtype, settings["shard_tokens"])
+    token_files.encode_documents(enc, pieces(), writers, total)
     kept = seen["documents"] - removed.total()
-    lost = ", ".join(f"{why} ({n:,})" for why, n in removed.items()) or "none"
-    binary = f"; skipped {len(skipped)} of {len(files)} files as binary"
-    cleaning = f"--quality {settings['quality']}, --dedup {settings['dedup']}"
-    summary = f"kept {kept:,} of {seen['documents']:,} documents"
-    print(f"cleaning ({cleaning}): {summary}; ", end="")
-    print(f"removed: {lost}{binary if skipped else ''}")
+    flags = f"--quality {settings['quality']}, --dedup {settings['dedup']}"
+    progress.report_cleaning(flags, seen, removed, len(skipped), len(files))
     sources.check_some_text(source, files, skipped, seen["text"])
-    counts = token_files.split_counts(writers, settings["block_size"], kept)
-    shards = {split: w.shards for split, w in writers.items()}
-    meta = dict(vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source)
-    meta.update(shards=shards, dtype=np.dtype(dtype).name, n_bytes=seen["bytes"])
-    meta.update(documents_in=seen["documents"], documents_kept=kept)
-    meta["removed"] = dict(removed)
-    meta.update(train_tokens=counts["train"], val_tokens=counts["val"])
-    meta["files"] = [s["file"] for split in shards.values() for s in split]
+    meta = token_files.splits_meta(writers, settings["block_size"], kept)
+    meta.update(vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source)
+    meta.update(n_bytes=seen["bytes"], documents_in=seen["documents"])
+    meta["documents_kept"] = kept
+    meta["removed"] = dict(removed)  # Documents, by reason.
+    meta["duplicate_lines_removed"] = seen["duplicate lines"]  # --dedup lines only.
     return meta
 
 
@@ -558,8 +574,6 @@ class DataLoader:
         # The first window of each shard, then the total.
         self.first = np.cumsum([0, *windows])
         self.n_windows = int(self.first[-1])
-        self._perm_epoch = -1  # The epoch whose permutation is cached in _perm.
-        self._perm = None
         self.steps_per_epoch = self.n_windows // (dp_size * batch_size)
         if self.steps_per_epoch < 1:
             where = f"{paths[0].parent}/{split}: {len(paths)} shard(s)"
@@ -574,12 +588,11 @@ class DataLoader:
     def window_ids(self, step: int) -> np.ndarray:
         """The B windows this rank reads at `step`."""
         epoch, k = self.position(step)
-        if epoch != self._perm_epoch:  # One permutation per epoch, cached.
-            rng = np.random.default_rng([self.seed, epoch])
-            self._perm = rng.permutation(self.n_windows)
-            self._perm_epoch = epoch
         first = (k * self.dp_size + self.dp_rank) * self.B
-        return self._perm[first : first + self.B]
+        # perm_e[first : first + B], computed, not stored: a stored permutation of all W
+        # windows grows with the corpus (support/shuffle.py: a Feistel network).
+        positions = np.arange(first, first + self.B)
+        return shuffle.shuffled(positions, self.n_windows, self.seed, epoch)
 
     def get_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         windows = self.window_ids(step)
@@ -599,38 +612,11 @@ class DataLoader:
 
 
 # --- The demo: each lesson printed with its check -------------------------------------
-def parse_args(argv=None) -> argparse.Namespace:
-    formatter = argparse.ArgumentDefaultsHelpFormatter
-    description = __doc__.split("\n")[0]
-    parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
-    arg = parser.add_argument
-    sources_help = "stdlib (Python's source), a file, folder or glob (.jsonl lines)"
-    arg("--source", default="stdlib", help=sources_help)
-    arg("--tokenizer", default="bpe", help="bpe (trained here), gpt2, char, X.tiktoken")
-    arg("--vocab-size", type=int, default=4096, help="BPE vocabulary: seconds to learn")
-    arg("--block-size", type=int, default=1024, help="GPT-2's context (a split: 1+)")
-    arg("--val-fraction", type=float, default=0.05, help="the tail held out for val")
-    arg("--text-field", default="text", help="the field of a .jsonl line with the text")
-    arg("--shard-tokens", type=int, default=SHARD_TOKENS, help="ids per shard at most")
-    arg("--bpe-sample-mb", type=float, default=16, help="train text the BPE learns on")
-    arg("--quality", default="none", choices=QUALITY, help="gopher: Gopher's rules")
-    arg("--dedup", default="exact", choices=DEDUP, help="minhash: near copies too")
-    arg("--out", help="output folder; data/SOURCE-TOKENIZER when not given")
-    args = parser.parse_args(argv)
-    # A BPE needs the 256 bytes and <|endoftext|>; a window never crosses a shard.
-    small_vocab = args.tokenizer == "bpe" and args.vocab_size < 257
-    positive = min(args.block_size, args.bpe_sample_mb) > 0
-    fits = args.shard_tokens > args.block_size
-    if small_vocab or not positive or not fits or not 0 < args.val_fraction < 1:
-        need = "--vocab-size >= 257 for bpe, 0 < --val-fraction < 1, sizes > 0"
-        parser.error(f"need {need} and --shard-tokens > --block-size")
-    return args
-
-
 def main(argv=None) -> None:
     """Train a BPE (naive == incremental, ours == tiktoken), clean and write the shards,
     show two DP ranks' batches. Bad input: one line, and --out untouched."""
-    args = parse_args(argv)
+    description = __doc__.split("\n")[0]
+    args = data_flags.parse_args(argv, description, SHARD_TOKENS, QUALITY, DEDUP)
     bpe = args.tokenizer == "bpe"
     label = f"bpe{args.vocab_size}" if bpe else Path(args.tokenizer).stem
     out = Path(args.out or f"data/{Path(args.source).stem}-{label}")
@@ -643,6 +629,7 @@ def main(argv=None) -> None:
             name = args.tokenizer
         save = (lambda: tok.save(name)) if bpe else None  # Runs once checks pass.
         flags = "val_fraction block_size shard_tokens text_field quality dedup"
+        flags += " dedup_threshold"
         options = {key: getattr(args, key) for key in flags.split()}  # Passed as is.
         options.update(tokenizer_name=name, before_write=save)
         meta = prepare(args.source, tok, out, **options)

@@ -13,12 +13,34 @@ import time
 from pathlib import Path
 
 import numpy as np
+import tiktoken
 
 from support.files import atomic_write
 from support.progress import progress
 
 # Text per tiktoken call: this bounds the memory of encode_documents.
 ENCODE_BATCH_CHARS = 8_000_000
+# A shard's header: four int64s (magic, version, bytes per id, number of ids).
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 4
+
+
+def shard_header(dtype, n: int) -> bytes:
+    """Four int64s: magic, version, bytes per id (2: uint16, 4: uint32), id count."""
+    fields = [SHARD_MAGIC, SHARD_VERSION, np.dtype(dtype).itemsize, n]
+    return np.array(fields, np.int64).tobytes()
+
+
+def read_shard(path) -> np.ndarray:
+    """Memory-map a shard: its ids are read from disk only when a batch needs them."""
+    header = np.fromfile(path, np.int64, count=HEADER_INTS)
+    ours = len(header) == HEADER_INTS and header[0] == SHARD_MAGIC
+    not_ours = f"{path} is not a token shard of version {SHARD_VERSION}"
+    assert ours and header[1] == SHARD_VERSION, not_ours
+    dtype = {2: np.uint16, 4: np.uint32}[int(header[2])]
+    n = int(header[3])
+    return np.memmap(path, dtype, mode="r", offset=HEADER_INTS * 8, shape=(n,))
 
 
 class RollingWriter:
@@ -67,20 +89,30 @@ class RollingWriter:
         self.file = None  # The next add() opens the next file.
 
 
-def split_counts(writers: dict, block_size: int, kept: int) -> dict:
-    """Each split's ids, or a one-line error when a split holds no block of
+def writers(folder, splits, dtype, limit: int) -> dict:
+    """A RollingWriter per split, of shards with `shard_header`."""
+    return {
+        split: RollingWriter(folder, split, dtype, limit, shard_header)
+        for split in splits
+    }
+
+
+def splits_meta(writers: dict, block_size: int, kept: int) -> dict:
+    """meta.json's shard fields; or a one-line error when a split holds no block of
     block_size + 1 ids (a window of x and its shifted y)."""
-    counts = {}
+    meta = {"shards": {split: w.shards for split, w in writers.items()}}
     for split, w in writers.items():
-        counts[split] = sum(s["tokens"] for s in w.shards)
-        if counts[split] < block_size + 1:
-            n = counts[split]
+        n = sum(s["tokens"] for s in w.shards)
+        meta[f"{split}_tokens"] = n
+        if n < block_size + 1:
             few = f"{n} tokens, fewer than one block of {block_size}+1"
             fix = (
                 "more text or --val-fraction, less cleaning, or a smaller --block-size"
             )
             raise ValueError(f"the {split} split has {few} ({kept:,} kept): {fix}")
-    return counts
+    meta["dtype"] = np.dtype(next(iter(writers.values())).dtype).name
+    meta["files"] = [s["file"] for w in writers.values() for s in w.shards]
+    return meta
 
 
 def encode_documents(enc, pieces, writers: dict, total_bytes: int) -> None:
@@ -173,3 +205,13 @@ def load_bpe(path) -> tuple[dict, list, list]:
     for s, i in meta["special_tokens"].items():
         vocab[i] = s.encode("utf-8")
     return vocab, merges, list(meta["special_tokens"])
+
+
+def gpt2_encoding():
+    """tiktoken's GPT-2 encoding, or a one-line error that says what to do offline."""
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # noqa: BLE001 - a network or cache failure: say what to do.
+        fix = "offline: TIKTOKEN_CACHE_DIR=a folder with its files, or --tokenizer char"
+        why = f"{type(e).__name__}: {e}"
+        raise RuntimeError(f"cannot load GPT-2's tokenizer ({why}); {fix}") from e

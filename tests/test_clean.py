@@ -173,3 +173,121 @@ def test_unknown_cleaning_is_refused_by_the_command_line(flag, value, capsys):
     with pytest.raises(SystemExit):
         data.main([flag, value])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_bands_times_rows_is_the_signature_and_the_s_curve_sits_where_01_says():
+    """112 hashes = 14 bands x 8 rows. A pair is a candidate iff, in some band, all 8 hashes
+    agree: P = 1 - (1 - J^8)^14. Worked: at J = 0.8, 0.8^8 = 0.16777, (1 - 0.16777)^14 =
+    0.0765, so P = 0.9235; the S-curve's midpoint (1/b)^(1/r) = (1/14)^(1/8) = e^(-ln 14 / 8)
+    = e^(-0.3299) = 0.719 (01's docstring says 92% and 0.72). On planted signatures: equal on
+    hashes 0..7 (band 0) is a candidate; equal on 0..6 only, or on all but one hash of every
+    band, is not. (16 bands of 7 would make 0..6 a whole band: a candidate.)"""
+    d = data.Deduplicator("minhash")
+    assert (d.bands, d.rows, len(d.a)) == (14, 8, 112)
+    assert (1 / d.bands) ** (1 / d.rows) == pytest.approx(0.719, abs=5e-4)
+    assert 1 - (1 - 0.8**d.rows) ** d.bands == pytest.approx(0.9235, abs=5e-4)
+    base = np.arange(112, dtype=np.uint32)
+    d.store.add(base, d.band_keys(base))
+    band0 = base.copy()
+    band0[8:] += 1000  # hashes 0..7 equal: band 0 whole
+    seven = base.copy()
+    seven[7:] += 1000  # hashes 0..6 equal: no band whole
+    one_off = base.copy()
+    one_off[::8] += 1000  # 98 of 112 equal, yet one hash differs in each band
+    assert len(d.band_keys(base)) == 14
+    assert d.store.candidates(d.band_keys(band0)) == [0]
+    assert d.store.candidates(d.band_keys(seven)) == []
+    assert d.store.candidates(d.band_keys(one_off)) == []
+
+
+def test_ngrams_are_the_word_5_grams_written_out_by_hand():
+    """"The cat sat on the mat today" is 7 lowercase words, so 3 word 5-grams:
+        the cat sat on the | cat sat on the mat | sat on the mat today
+    Its n-gram hashes are those of the three 5-word texts (one each, in order), its signature
+    their elementwise minimum (MinHash of a set: the least over its members); a 4-word text
+    has no 5-gram. With 4-grams each 5-word text would have 2, and the text 4."""
+    d = data.Deduplicator("minhash")
+    grams = ["the cat sat on the", "cat sat on the mat", "sat on the mat today"]
+    each = [d.ngram_hashes(g).tolist() for g in grams]
+    assert [len(h) for h in each] == [1, 1, 1]
+    text = "The cat sat on the mat today"
+    assert d.ngram_hashes(text).tolist() == [h[0] for h in each]
+    least = np.minimum.reduce([d.minhash(g) for g in grams])
+    assert np.array_equal(d.minhash(text), least)
+    assert len(d.ngram_hashes("the cat sat on")) == 0
+
+
+def rewrite(r, words: list, n_changed: int) -> list:
+    """`words` with `n_changed` of them, at random places, replaced by new words."""
+    out = list(words)
+    for i in r.choice(len(words), n_changed, replace=False):
+        out[i] = "zz" + VOCAB[r.integers(len(VOCAB))]
+    return out
+
+
+def test_a_candidate_below_the_threshold_is_kept_and_one_above_is_dropped():
+    """A shared band key only nominates a pair. 400 words, 15 of them rewritten: each 5-gram
+    survives with p ~ (1 - 15/400)^5 = 0.83, J = p / (2 - p) ~ 0.71; such a pair shares a band
+    with P = 1 - (1 - J^8)^14 ~ 0.6, so the first of a few random pairs that does is taken (a
+    fixed seed). Its J, counted on the test's own 5-gram sets, is < 0.75, its estimate < 0.8:
+    kept (unverified LSH dropped it). 4 words rewritten: J ~ 0.9, dropped. At the boundary the
+    rule is >=: a threshold equal to the pair's estimate drops it, one hash's worth more keeps
+    it."""
+    r = np.random.default_rng(11)
+    for _ in range(20):
+        a = [VOCAB[i] for i in r.integers(len(VOCAB), size=400)]
+        low = rewrite(r, a, 15)
+        d = data.Deduplicator("minhash")
+        assert d.why_duplicate(" ".join(a)) is None
+        sig = d.minhash(" ".join(low))
+        if d.store.candidates(d.band_keys(sig)):
+            break
+    else:
+        pytest.fail("no pair at J ~ 0.7 shared a band in 20 tries (P ~ 1e-8)")
+    j = len(shingles(" ".join(a)) & shingles(" ".join(low)))
+    j /= len(shingles(" ".join(a)) | shingles(" ".join(low)))
+    estimate = float(np.mean(d.minhash(" ".join(a)) == sig))
+    assert j < 0.75 and estimate < 0.8, (j, estimate)
+    assert d.why_duplicate(" ".join(low)) is None, "a candidate below 0.8 is kept"
+    high = rewrite(r, a, 4)
+    assert d.why_duplicate(" ".join(high)) == "near duplicate"
+    for threshold, why in [(estimate, "near duplicate"), (estimate + 1 / 112, None)]:
+        d = data.Deduplicator("minhash", threshold=threshold)
+        d.why_duplicate(" ".join(a))
+        assert d.why_duplicate(" ".join(low)) == why, threshold
+
+
+LINE_DOCS = [  # a worked example of --dedup lines: menus and footers repeat, content does not
+    "Home | About\nOur cats are the best.\nShare this\n",
+    "Home | About\nDogs bark at night and sleep all day long.\nShare this\n",
+    "Share this\nHome | About\n",
+    "A line that appears only here.\nAnother line seen once",
+    "Home | About\nThe fish swim in circles all afternoon.\nShare this\n",
+    "The end of the corpus.\n",  # short and last: the val split (the last 20% of bytes)
+]
+
+
+def test_line_dedup_drops_every_line_seen_twice_in_the_corpus(tmp_path):
+    """Pass 1 counts the lines (with their newlines, as a file gives them): "Home | About\\n"
+    4 times, "Share this\\n" 4, every other line once. Pass 2 keeps the lines counted once, so
+    each page keeps only its own sentence, the first page's menu goes too (no copy is "the
+    first"), the third page loses both its lines and is removed as empty, the fourth stays
+    whole: 8 lines dropped, 1 document removed, 5 kept, in meta.json and in the shards."""
+    d = data.Deduplicator("lines")
+    d.count_lines(LINE_DOCS)
+    seen = Counter()
+    kept = [d.unique_lines(text, seen) for text in LINE_DOCS]
+    want = [
+        "Our cats are the best.\n",
+        "Dogs bark at night and sleep all day long.\n",
+        "",
+        LINE_DOCS[3],
+        "The fish swim in circles all afternoon.\n",
+        LINE_DOCS[5],
+    ]
+    assert kept == want and seen["duplicate lines"] == 8
+    meta, texts = prepare(tmp_path, LINE_DOCS, "lines", dedup="lines")
+    assert meta["removed"] == {"every line a duplicate": 1}
+    assert meta["duplicate_lines_removed"] == 8
+    assert meta["documents_in"] == 6 and meta["documents_kept"] == 5
+    assert texts == [t for t in want if t]

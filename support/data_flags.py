@@ -1,0 +1,38 @@
+"""01_data.py's command line: its flags, their defaults and the checks made before any
+file is read (a bad flag costs one line, not a minute of BPE training)."""
+
+import argparse
+
+
+def parse_args(argv, description: str, shard_tokens: int, quality, dedup):
+    """The flags of `python 01_data.py`; `quality` and `dedup` are the allowed choices."""
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
+    arg = parser.add_argument
+    sources_help = "stdlib (Python's source), a file, folder or glob (.jsonl lines)"
+    arg("--source", default="stdlib", help=sources_help)
+    arg("--tokenizer", default="bpe", help="bpe (trained here), gpt2, char, X.tiktoken")
+    arg("--vocab-size", type=int, default=4096, help="BPE vocabulary: seconds to learn")
+    arg("--block-size", type=int, default=1024, help="GPT-2's context (a split: 1+)")
+    arg("--val-fraction", type=float, default=0.05, help="the tail held out for val")
+    arg("--text-field", default="text", help="the field of a .jsonl line with the text")
+    arg("--shard-tokens", type=int, default=shard_tokens, help="ids per shard at most")
+    arg("--bpe-sample-mb", type=float, default=16, help="train text the BPE learns on")
+    arg("--quality", default="none", choices=quality, help="gopher: Gopher's rules")
+    what = "exact: copies; minhash: near copies too; lines: lines seen twice (CCNet)"
+    arg("--dedup", default="exact", choices=dedup, help=what)
+    near = "minhash: a candidate pair whose estimated Jaccard similarity is >= this is"
+    near += " a near duplicate (0.8: the usual FineWeb-style setting)"
+    arg("--dedup-threshold", type=float, default=0.8, help=near)
+    arg("--out", help="output folder; data/SOURCE-TOKENIZER when not given")
+    args = parser.parse_args(argv)
+    # A BPE needs the 256 bytes and <|endoftext|>; a window never crosses a shard.
+    small_vocab = args.tokenizer == "bpe" and args.vocab_size < 257
+    positive = min(args.block_size, args.bpe_sample_mb) > 0
+    fits = args.shard_tokens > args.block_size
+    fractions = 0 < args.val_fraction < 1 and 0 < args.dedup_threshold <= 1
+    if small_vocab or not positive or not fits or not fractions:
+        need = "--vocab-size >= 257 for bpe, 0 < --val-fraction < 1, sizes > 0"
+        need += ", 0 < --dedup-threshold <= 1"
+        parser.error(f"need {need} and --shard-tokens > --block-size")
+    return args
