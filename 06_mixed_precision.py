@@ -455,7 +455,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     continue
                 g = logits.sub_(lse).exp_()  # softmax, in the logits' own storage
                 g.scatter_add_(1, t, torch.full_like(lse, -1.0))  # - onehot(target)
-                g.mul_((ok * scale).unsqueeze(1))  # (n, V): ignored rows 0; mean: /N
+                g.mul_(torch.where(ok, scale, 0.0).unsqueeze(1))  # ignored rows: 0
                 g16 = g.to(dtype)
                 if need_x:
                     dx[rows] = g16 @ w  # (n, V) @ (V, C)

@@ -1,20 +1,22 @@
-"""The plain loss against 06's chunked linear + cross-entropy at GPT-2 124M's shape (C = 768,
-V = 50,257 padded to 50,304, T = 1,024), side by side in one process: the bytes each keeps
-for the backward and the time of a step.
+"""The plain loss against 06's chunked linear + cross-entropy at GPT-2 124M's shape
+(C = 768, V = 50,257 padded to 50,304, T = 1,024), side by side in one process: the
+bytes each keeps for the backward and the time of a step.
 
-    python bench/bench_loss.py                    # CPU: B = 16, 32 counted; B = 1 measured
-    python bench/bench_loss.py --measure 16,32    # a GPU: the whole model's step at B = 16, 32
+    python bench/bench_loss.py                  # CPU: B = 16, 32 counted; B = 1 run
+    python bench/bench_loss.py --measure 16,32  # a GPU: the whole model's step
 
-First, for every --batch-sizes B (no run, 06's loss_formula): the bytes lm_head and the loss
-keep for the backward, and the (B, T, V) logits and dL/dlogits that the plain loss holds
-beside them. Then, for every --measure B, both losses run: on a CPU lm_head + the loss alone,
-from a random (B, T, C) ln_f output (--scope head, the default there: GPT-2's whole step at
-T = 1,024 takes minutes on a laptop and its blocks are the same for both losses); on a GPU
-the whole model's forward and backward (--scope model). Each row prints the bytes kept,
-counted by 06's saved_activation_bytes beside the formula; the step's peak: on a CPU the most
-bytes the step's own tensors hold at once (bench_mixed_precision's StepPeak: weights left
-out), on a GPU torch.cuda.max_memory_allocated less the memory held before the step; and the
-median ms per step. A GPU step runs under bf16 autocast, a CPU step in fp32 (--dtype).
+First, for every --batch-sizes B (no run, 06's loss_formula): the bytes lm_head and the
+loss keep for the backward, and the (B, T, V) logits and dL/dlogits that the plain loss
+holds beside them. Then, for every --measure B, both losses run: on a CPU lm_head + the
+loss alone, from a random (B, T, C) ln_f output (--scope head, the default there:
+GPT-2's whole step at T = 1,024 takes minutes on a laptop, and its blocks are the same
+for both losses); on a GPU the whole model's forward and backward (--scope model). Each
+row prints the bytes kept, counted by 06's saved_activation_bytes, beside the formula;
+the step's peak: on a CPU the most bytes the step's own tensors hold at once
+(bench_mixed_precision's StepPeak: weights left out), on a GPU
+torch.cuda.max_memory_allocated less the memory held before the step; and the median ms
+per step. A GPU step runs under bf16 autocast, a CPU step in fp32 (--dtype). The CUDA
+branch has not run yet (no GPU on the development VMs).
 """
 
 import argparse
@@ -44,7 +46,7 @@ def mode_of(dtype: str) -> str:
 
 
 def print_formulas(config, T: int, batch_sizes, mode: str):
-    """Bytes kept for the backward by lm_head + loss, and the (B, T, V) tensors besides."""
+    """Bytes lm_head + loss keep for the backward, and the (B, T, V) tensors besides."""
     V = config.padded_vocab_size
     a = 4 if mode == "fp32" else 2
     print(f"GPT-2 124M's head, T = {T:,}, V = {V:,}, {mode}: 06's formulas, GB")
@@ -60,7 +62,7 @@ def print_formulas(config, T: int, batch_sizes, mode: str):
 
 
 def build(config, loss: str, B: int, args, device):
-    """A GPT with this loss, and the forward to measure: head+loss or the whole model."""
+    """A GPT with this loss, and the forward to measure: head + loss, or the model."""
     torch.manual_seed(args.seed)
     model = model_lib.GPT(config).to(device)
     if loss == "chunked":
@@ -75,7 +77,7 @@ def build(config, loss: str, B: int, args, device):
 
 
 def step(forward, model, dtype, device) -> float:
-    """One forward and backward; its seconds (a GPU is synchronised: this is a bench)."""
+    """One forward and backward; its seconds (a GPU synchronised: this is a bench)."""
     t0 = time.perf_counter()
     with mp.autocast_context(dtype, device.type):
         loss = forward()
@@ -151,10 +153,8 @@ def main(argv=None):
     print(
         f"\nmeasured, {scope}, {mode_of(args.dtype)}, chunks of {args.chunk_tokens:,}"
     )
-    peak_name = "max_memory_allocated" if cuda else "StepPeak"
-    print(
-        f"{'B':>4} {'loss':<8} {'kept GB':>8} {'formula':>8} {peak_name + ' GB':>24} {'ms':>9}"
-    )
+    peak = "max_memory_allocated GB" if cuda else "StepPeak GB"
+    print(f"{'B':>4} {'loss':<8} {'kept GB':>8} {'formula':>8} {peak:>24} {'ms':>9}")
     for B in [int(b) for b in args.measure.split(",")]:
         for _, loss, kept, formula, peak, ms in measure(config, B, args, device):
             same = "=" if kept == formula else "!="

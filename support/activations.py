@@ -1,4 +1,5 @@
 """Bytes kept for the backward: the measuring tool behind 06's recomputation numbers.
+(And replaying_stream, 06's recomputation rewinding a per-rank dropout stream.)
 
 saved_activation_bytes(fn) runs fn under autograd's saved-tensors hooks and adds up the
 distinct storages that autograd keeps for the backward. Inside torch's checkpoint, the
@@ -56,10 +57,10 @@ def saved_activation_bytes(fn):
 
 
 def replaying_stream(contexts, stream):
-    """A checkpoint's context_fn that also rewinds a per-rank random stream (an object with
-    a `.state`, as 04's RNGStateTracker) for the replay: called as the forward starts, so
-    the stream's state now is the one the recomputation must draw from again. `contexts`:
-    another context_fn (selective recomputation's) or None."""
+    """A checkpoint's context_fn that also rewinds a per-rank random stream (an object
+    with a `.state`, as 04's RNGStateTracker) for the replay: called as the forward
+    starts, so the stream's state now is the one the recomputation must draw from
+    again. `contexts`: another context_fn (selective recomputation's) or None."""
     forward, redo = contexts() if contexts else (contextlib.nullcontext(),) * 2
     return forward, _replaying(redo, stream, stream.state)
 

@@ -1,8 +1,8 @@
-"""06's demos of its earlier sections, each printing what README's 06 section lists: what
-underflows in fp16, fp16 by hand under the loss scaler, accumulation against one batch, and
-the bytes each recomputation mode keeps. The lesson's own code is what they call; they live
-here to keep 06 within its line budget, and take the lesson module as their first argument,
-since support/ imports no numbered file. 06's chunked-loss demo stays in 06.
+"""06's demos of its earlier sections, each printing what README's 06 section lists:
+what underflows in fp16, fp16 by hand under the loss scaler, accumulation against one
+batch, and the bytes each recomputation mode keeps. They call the lesson's own code and
+live here to keep 06 within its line budget; each takes the lesson module as its first
+argument, since support/ imports no numbered file. The chunked loss's demo is in 06.
 """
 
 import dataclasses

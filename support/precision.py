@@ -1,8 +1,8 @@
-"""Plumbing for 06's mixed precision: torch.amp.GradScaler's state format, and the share of
-numbers that rounding to 16 bits turns into 0, subnormals or inf.
+"""Plumbing for 06's mixed precision: torch.amp.GradScaler's state format, and the
+share of numbers that rounding to 16 bits turns into 0, subnormals or inf.
 
-06's DynamicLossScaler makes GradScaler's decisions; what it inherits from here only lets a
-checkpoint written by either load into the other.
+06's DynamicLossScaler makes GradScaler's decisions; what it inherits from here only
+lets a checkpoint written by either load into the other.
 """
 
 import torch
@@ -14,8 +14,8 @@ def fp32(x: float) -> float:
 
 
 class GradScalerState:
-    """GradScaler's public getters and state_dict keys ("scale" is our _scale), so either
-    scaler loads the other's checkpoint. The subclass sets enabled, _scale,
+    """GradScaler's public getters and state_dict keys ("scale" is our _scale), so
+    either scaler loads the other's checkpoint. The subclass sets enabled, _scale,
     _growth_factor, _backoff_factor, _growth_interval and _growth_tracker."""
 
     KEYS = "scale growth_factor backoff_factor growth_interval _growth_tracker"
@@ -44,7 +44,7 @@ class GradScalerState:
 
 
 def rounding_shares(flat: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
-    """Shares of |flat| · scale that round to 0, to a subnormal, and to inf in `dtype`."""
+    """Shares of |flat| · scale that round to 0, a subnormal and inf in `dtype`."""
     q = (flat * scale).to(dtype)
     zero = (q == 0).float().mean()
     subnormal = ((q != 0) & (q.abs() < torch.finfo(dtype).tiny)).float().mean()

@@ -64,7 +64,7 @@ def plain_and_chunked(x, weight, bias, y, vocab_size, chunk, reduction):
             loss = model_lib.cross_entropy_loss(
                 logits, y, reduction, vocab_size=vocab_size
             )
-        loss.backward()
+        (loss * 2.5).backward()  # an incoming gradient: the backward must scale by it
         out.append((loss, *[None if t is None else t.grad for t in leaves]))
     return out
 
@@ -103,6 +103,20 @@ def test_chunked_equals_plain_loss_and_gradients(chunk, reduction, bias):
     assert torch.equal(chunked[1][:7], torch.zeros(7, 32)), "ignored tokens' dX"
 
 
+def test_every_target_ignored_gives_torchs_answer():
+    """No target counts: "sum" is 0 and "mean" 0/0 = NaN, as torch's cross-entropy, and in
+    both the gradients are exactly 0 (a NaN there would poison the whole step)."""
+    torch.manual_seed(0)
+    y = torch.full((48,), mp.IGNORE)
+    for reduction in ("sum", "mean"):
+        plain, chunked = plain_and_chunked(
+            torch.randn(48, 32), torch.randn(256, 32), None, y, 250, 7, reduction
+        )
+        torch.testing.assert_close(chunked[0], plain[0], equal_nan=True)
+        assert torch.equal(chunked[1], plain[1]) and torch.equal(chunked[2], plain[2])
+        assert not chunked[1].any() and not chunked[2].any(), reduction
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_a_gpt_with_the_chunked_loss_equals_the_plain_one(tied):
     """A whole GPT (padding columns, ignored targets, chunks of 7 that do not divide
@@ -134,6 +148,31 @@ def test_a_gpt_with_the_chunked_loss_equals_the_plain_one(tied):
     assert torch.equal(chunked.generate(prompt, 8, 0.0), plain.generate(prompt, 8, 0.0))
     with torch.no_grad():  # evaluation: the loss alone, no gradient formed
         torch.testing.assert_close(chunked(x, y)[1], plain(x, y)[1], **FP32)
+
+
+def test_accumulation_with_the_chunked_loss_equals_the_plain_one():
+    """06's accumulate_gradients back-propagates each microbatch's summed loss x 1/N (N:
+    the whole step's targets): the chunked loss's backward scales its saved dX and dW by
+    that incoming 1/N. Three microbatches with unequal target counts, every gradient."""
+    x, y = batch(B=3)
+    y[1, 4:] = mp.IGNORE
+    micro = list(zip(x.split(1), y.split(1)))
+    grads = []
+    for loss_kind in ("plain", "chunked"):
+        torch.manual_seed(0)
+        model = model_lib.GPT(PADDED)
+        if loss_kind == "chunked":
+            mp.apply_chunked_loss(model, chunk_tokens=5)
+        mp.accumulate_gradients(model, micro, mp.global_token_count(micro))
+        grads.append([p.grad for p in model.parameters()])
+    for p, q in zip(*grads):
+        torch.testing.assert_close(q, p, **FP32)
+
+
+def _note_size(sizes: list, t: torch.Tensor) -> torch.Tensor:
+    """A saved-tensors pack hook that notes each saved tensor's element count."""
+    sizes.append(t.numel())
+    return t
 
 
 def test_bf16_autocast_keeps_the_loss_and_softmax_in_fp32():
@@ -189,9 +228,8 @@ def test_bytes_kept_equal_the_formula_and_no_tensor_is_b_t_v(mode):
                 functools.partial(head_and_loss, hidden)
             )
             _, held_gpt = mp.saved_activation_bytes(functools.partial(model, x, y))
-            with torch.autograd.graph.saved_tensors_hooks(
-                lambda t: largest.append(t.numel()) or t, lambda t: t
-            ):
+            pack = functools.partial(_note_size, largest)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 head_and_loss(hidden)
         # ln_f's own input, mean and rstd are part of the hidden path: counted apart.
         ln_f = B * T * (C + 2) * (2 if mode == "fp16 by hand" else 4)
