@@ -19,7 +19,7 @@ import tiktoken
 import tiktoken.load
 import torch
 
-from support import files, sources, token_files
+from support import files, shuffle, sources, token_files
 
 data = importlib.import_module("01_data")
 EOT = data.EOT
@@ -855,6 +855,106 @@ def test_every_epoch_reads_every_window_once_in_a_new_order(tmp_path):
             assert sorted(order) == list(range(n_windows)), f"dp={dp} epoch {e}: {order}"
         assert orders[0] != orders[1] != orders[2] != orders[0], f"dp={dp}: one order {orders}"
         assert [int(w) for w in epoch(0)] == orders[0], "back to epoch 0: the same order again"
+
+
+def test_window_count_is_hand_computed_and_every_last_window_is_read(tmp_path):
+    """T = 8, a window is T + 1 = 9 tokens at stride 8. A shard of 96 tokens holds
+    (96 - 1) // 8 = 11 windows (starts 0, 8, ..., 80; one at 88 would need token 96, which
+    is not there); one of 97 holds 12 (the last starts at 88 and ends on token 96, the
+    shard's last). Over the two shards: 23. An epoch at B = 1 reads each window once, every
+    row is 9 consecutive tokens of one shard (the second shard's tokens start at 1000, so a
+    row across the two would jump), and both shards' last windows (80 and 1088) are read."""
+    T = 8
+    lengths = [96, 97]
+    shards = []
+    for k, (n, first) in enumerate(zip(lengths, [0, 1000])):
+        name = f"train_{k:06d}.bin"
+        write_shard(tmp_path / name, np.arange(first, first + n, dtype=np.uint16))
+        shards.append({"file": name, "tokens": n})
+    meta = {"shards": {"train": shards, "val": []}}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    loader = data.DataLoader(tmp_path, "train", 1, T, seed=4)
+    assert loader.n_windows == 11 + 12 and loader.steps_per_epoch == 23
+    starts = []
+    for step in range(23):
+        x, y = loader.get_batch(step)
+        row = torch.cat([x[0], y[0, -1:]]).tolist()  # the window's 9 tokens
+        assert row == list(range(row[0], row[0] + T + 1)), f"step {step}: {row}"
+        starts.append(row[0])
+    want = [8 * i for i in range(11)] + [1000 + 8 * i for i in range(12)]
+    assert sorted(starts) == want and 80 in starts and 1088 in starts
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 12, 16, 17, 1000, 4097])
+def test_the_computed_shuffle_is_a_permutation_for_any_size(n):
+    """Cycle-walking restricts the Feistel network's bijection of range(4^h) to range(n):
+    every item once, whatever n (a power of 4 or not, 1 and 2 included); the same order for
+    the same (seed, epoch), another for another seed or epoch (n > 3: 2 of 3 orders of 3
+    may coincide by chance, 1 in 6)."""
+    order = shuffle.shuffled(np.arange(n), n, seed=1, epoch=0).tolist()
+    assert sorted(order) == list(range(n))
+    assert shuffle.shuffled(np.arange(n), n, 1, 0).tolist() == order
+    if n > 3:
+        assert shuffle.shuffled(np.arange(n), n, 1, 1).tolist() != order
+        assert shuffle.shuffled(np.arange(n), n, 2, 0).tolist() != order
+
+
+def test_the_computed_shuffle_spreads_each_position_evenly():
+    """Over 3,000 (seed, epoch) keys, position 0 of range(10) lands on each item ~300 times:
+    binomial sd sqrt(3000 * 0.1 * 0.9) = 16.4, so within 300 +- 90 (5.5 sd; a miss by chance
+    ~1e-7 per item). A network whose keys do not reach the rounds, or a fixed-point-heavy
+    walk, puts it on one item or a few."""
+    hits = np.zeros(10, int)
+    for key in range(3000):
+        hits[shuffle.shuffled([0], 10, seed=key, epoch=key % 7)[0]] += 1
+    assert np.abs(hits - 300).max() <= 90, hits
+
+
+PEAK_CHILD = """
+import importlib, sys
+from support import token_files
+token_files.ENCODE_BATCH_CHARS = 1_000_000  # a small batch: the corpus's share shows early
+importlib.import_module("01_data").main(sys.argv[1:])
+status = open("/proc/self/status").read().splitlines()
+print("VmHWM", [int(x.split()[1]) for x in status if x.startswith("VmHWM")][0])
+"""
+
+
+def prepare_in_a_child(tmp_path, megabytes: int) -> int:
+    """`python 01_data.py --tokenizer char` on a generated .jsonl of `megabytes` MB, in a
+    fresh process: its peak resident memory in KiB (VmHWM, the child's own; getrusage's
+    ru_maxrss would carry the pytest parent's pages over the fork)."""
+    r = np.random.default_rng(megabytes)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(r.choice(letters, r.integers(3, 10))) for _ in range(5000)]
+    tmp_path.mkdir()
+    src = tmp_path / "corpus.jsonl"
+    with open(src, "w") as f:
+        while f.tell() < megabytes * 1e6:  # documents of ~600 words, ~4 KB
+            doc = " ".join(words[i] for i in r.integers(len(words), size=600))
+            f.write(json.dumps({"text": doc}) + "\n")
+    argv = ["--source", str(src), "--tokenizer", "char", "--out", str(tmp_path / "o")]
+    argv = [*argv, "--shard-tokens", "2000000"]
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "-c", PEAK_CHILD, *argv], cwd=root, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    return int(run.stdout.split("VmHWM")[-1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux's /proc")
+def test_preparation_memory_does_not_grow_with_the_corpus(tmp_path):
+    """01's whole run (clean, encode, shards, then the demo's two loaders) on 3 MB and on
+    9 MB of .jsonl, one id a byte (char): the peaks differ by under 6 MiB. What may grow:
+    the exact-dedup key set (~75 B a document: 0.1 MB for the 1,500 more here) and malloc's
+    noise (~1 MiB measured). The loaders' stored permutations of every window (8 B a window
+    of 8 ids, two loaders: 2 B an id, and the shuffle's temporaries) grew by 17 MiB for
+    these 6M more ids (measured; issue 30's 0.8 MB per MB of GPT-2 tokens), so 6 MiB is a
+    third of the old growth and several times the new."""
+    small = prepare_in_a_child(tmp_path / "small", 3)
+    large = prepare_in_a_child(tmp_path / "large", 9)
+    assert large - small < 6 * 1024, f"peak {small / 1024:.0f} -> {large / 1024:.0f} MiB"
 
 
 def test_loader_errors_are_clear(tmp_path, shard_dir):
