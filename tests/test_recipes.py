@@ -1,0 +1,157 @@
+"""Recipes (support/recipe.py, recipes/*.toml): every recipe parses, validates against
+train.py's TrainConfig and fits the GPU its [plan] names by 09's plan; `base =` and the
+command line override in that order; bad files are one-line errors naming file and key;
+the resolved settings write back as TOML; and cpu-demo.toml runs through train.py.
+"""
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support import recipe
+from support.config import TrainConfig, parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
+plan_lib = importlib.import_module("09_plan")
+data_lib = importlib.import_module("01_data")
+
+
+def gpt_config(cfg: TrainConfig):
+    """The model train.py would build for cfg: the preset, its vocabulary from the
+    tokenizer (GPT-2's 50,257 or the default BPE's 4,096), overrides applied."""
+    sizes = dict(vocab_size=50257 if cfg.tokenizer == "gpt2" else 4096)
+    if cfg.block_size:
+        sizes["block_size"] = cfg.block_size
+    if cfg.n_layer:
+        sizes["n_layer"] = cfg.n_layer
+    return plan_lib.model_config(cfg.model, **sizes)
+
+
+def test_the_recipes_folder_holds_the_five_recipes():
+    names = {p.name for p in RECIPES}
+    want = {"cpu-demo", "gpt2-124m-1gpu", "gpt2-124m-8gpu", "gpt2-xl-16gpu"}
+    assert {f"{n}.toml" for n in want | {"finetune-lora"}} <= names
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_parses_validates_and_fits_its_gpu(path):
+    values, plan = recipe.load(path)
+    cfg = TrainConfig(**values)  # every key a field, every value of its type
+    text = path.read_text()
+    assert text.startswith("# "), f"{path.name} opens with its comment"
+    for part in ("Launch:", "Needs:", "Predicted by 09", "Measured:"):
+        assert part in text, f"{path.name}'s comment says nothing under {part!r}"
+    p = plan_lib.plan_run(
+        cfg, gpt_config(cfg), plan["gpu"], plan.get("gpus_per_node", 8)
+    )
+    assert p.fits, f"{path.name}: {p.memory['total'] / 2**30:.1f} GiB > {p.capacity}"
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def test_base_is_overridden_by_the_file_and_the_file_by_the_command_line(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write(
+        tmp_path,
+        "base.toml",
+        "[optimizer]\nlr = 0.01\nmax_steps = 7\n[run]\nseed = 3\n",
+    )
+    child = write(
+        tmp_path / "sub",
+        "child.toml",
+        'base = "../base.toml"\n[optimizer]\nlr = 0.02\n',
+    )
+    values, _ = recipe.load(child)
+    assert values == {"lr": 0.02, "max_steps": 7, "seed": 3}  # the file over its base
+    assert recipe.merge({"lr": 1, "seed": 2}, {"lr": 3}) == {"lr": 3, "seed": 2}
+    cfg, _ = parse_args(recipe.recipe_to_argv(child) + ["--lr", "0.5"])
+    assert (cfg.lr, cfg.max_steps, cfg.seed) == (0.5, 7, 3)  # the flag over the file
+    path, rest = recipe.split_config_flag(
+        ["--dp", "2", "--config", "x.toml", "--lr", "1"]
+    )
+    assert (path, rest) == ("x.toml", ["--dp", "2", "--lr", "1"])
+
+
+BAD = {
+    "unknown key": (
+        "[optimizer]\nlearning_rate = 0.1\n",
+        "[optimizer] learning_rate: unknown",
+    ),
+    "wrong type": (
+        '[batch]\nbatch_size = "32"\n',
+        "[batch] batch_size: expected int, got str",
+    ),
+    "bool as int": ("[layout]\ndp = true\n", "[layout] dp: expected int, got bool"),
+    "wrong table": ("[run]\nlr = 0.1\n", "[run] lr: belongs in [optimizer]"),
+    "unknown table": ("[training]\nlr = 0.1\n", "[training]: unknown table"),
+    "malformed": ("[optimizer\nlr = 0.1\n", "malformed TOML"),
+    "out of range": ("[batch]\nbatch_size = 0\n", "--batch-size must be > 0, got 0"),
+    "plan key": ('[plan]\ngpu = "h100"\nnodes = 2\n', "[plan] nodes: unknown"),
+    "missing base": ('base = "nowhere.toml"\n', "nowhere.toml: cannot read"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_bad_recipe_is_one_line_naming_the_file_and_key(tmp_path, case):
+    text, expected = BAD[case]
+    path = write(tmp_path, "bad.toml", text)
+    with pytest.raises(recipe.RecipeError) as raised:
+        recipe.load(path)
+    message = str(raised.value)
+    assert "\n" not in message and expected in message, message
+    assert "bad.toml" in message or "nowhere.toml" in message, message
+
+
+def test_settings_write_back_as_toml_and_load_the_same(tmp_path):
+    cfg = TrainConfig(lr=0.25, compile=True, out_dir='out/"quoted"', model="gpt2")
+    path = recipe.write(cfg, tmp_path / "config.toml")
+    values, _ = recipe.load(path)
+    assert TrainConfig(**values) == cfg
+    assert "[optimizer]\n" in path.read_text() and "lr = 0.25" in path.read_text()
+
+
+def test_cpu_demo_runs_through_train_py_for_two_steps(tmp_path):
+    """The recipe as flags, then flags of this test that win: a tiny char corpus."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for d in range(12):
+        lines = [f"def f{d}_{i}(x):\n    return x * {i} + {d}\n" for i in range(60)]
+        (src / f"doc{d}.py").write_text("".join(lines))
+    data_lib.prepare(str(src), "char", tmp_path / "data", block_size=32)
+    argv = recipe.recipe_to_argv(ROOT / "recipes" / "cpu-demo.toml")
+    assert "--batch-size" in argv and "--model" in argv
+    flags = [
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--block-size",
+        "32",
+        "--max-steps",
+        "2",
+        "--eval-interval",
+        "0",
+        "--ckpt-interval",
+        "0",
+        "--sample-tokens",
+        "0",
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--log-interval",
+        "1",
+    ]
+    run = subprocess.run(
+        [sys.executable, "train.py", *argv, *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert (tmp_path / "out" / "metrics.jsonl").exists()
