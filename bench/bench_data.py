@@ -19,6 +19,13 @@
    time per GB, what was removed, the peak resident memory of that process (target: under 1
    GiB, whatever the corpus size), and the extrapolation to a corpus of 10 billion tokens.
 
+5. `--memory-mb 300,900`: 01's whole run (`python 01_data.py --tokenizer gpt2 --shard-tokens
+   20000000`: clean, encode, shards, the demo's loaders) on one generated .jsonl file of each
+   size (random words, in data/bench-memory/, deleted after), in a fresh process each: the peak
+   resident memory of each (VmHWM), and the difference (issue 30: within 100 MB of each other,
+   each under 1 GiB). Before the loader's shuffle was computed (support/shuffle.py), a stored
+   permutation of every window grew ~0.8 MB per MB of text.
+
 `--shakespeare` runs them on tiny-shakespeare instead (downloaded once into data/downloads/, the
 only network use; then `python 01_data.py --source data/downloads/tinyshakespeare.txt`).
 """
@@ -66,7 +73,12 @@ def main(argv=None):
     parser.add_argument(
         "--corpus-gb", type=float, default=0, help="[4]: a corpus this big (0: skip)"
     )
+    parser.add_argument(
+        "--memory-mb", default="", help="[5] alone: peak RSS at these sizes, e.g. 300,900"
+    )
     args = parser.parse_args(argv)
+    if args.memory_mb:
+        return peak_memory([float(mb) for mb in args.memory_mb.split(",")])
     print(f"machine: {gpus.machine()}, Python {platform.python_version()}")
     files = [sources.download_shakespeare()] if args.shakespeare else sources.stdlib_files()
     docs = [text for _, _, text, _ in sources.iter_documents(files, [])]
@@ -190,6 +202,53 @@ def at_scale(corpus: str, gb: float, folder="data/bench-prose"):
               f"({took / base:.2f}x the uncleaned time); peak RSS {meta['peak'] / 2**10:.0f} MiB "
               f"(target < 1,024); 10 billion tokens ({10e9 / tokens_per_gb:.0f} GB of such text): "
               f"{10e9 / tokens_per_gb * per_gb / 3600:.1f} h on these {os.cpu_count()} cores")  # fmt: skip
+
+
+PEAK_CHILD = """
+import importlib, sys
+importlib.import_module("01_data").main(sys.argv[1:])
+status = open("/proc/self/status").read().splitlines()
+print("VmHWM", [int(x.split()[1]) for x in status if x.startswith("VmHWM")][0])
+"""
+
+
+def random_jsonl(path: Path, mb: float, seed: int = 0) -> None:
+    """`mb` MB of .jsonl documents of ~700 random words (a 20,000-word vocabulary)."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    vocab = ["".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(20_000)]
+    vocab += ["the", "of", "and", "to", "be", "that", "have", "with"]  # Gopher's stop words
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        while f.tell() < mb * 1e6:
+            words = rng.integers(len(vocab), size=rng.integers(300, 1100))
+            f.write(json.dumps({"text": " ".join(vocab[i] for i in words)}) + "\n")
+
+
+def peak_memory(sizes_mb: list, folder=Path("data/bench-memory")) -> None:
+    """[5]: 01's whole run on one .jsonl of each size, in a fresh process: its peak RSS."""
+    print(f"machine: {gpus.machine()}, Python {platform.python_version()}")
+    root = Path(__file__).resolve().parents[1]
+    peaks = []
+    for mb in sizes_mb:
+        src = folder / f"random_{mb:g}mb.jsonl"
+        out = folder / f"out_{mb:g}mb"
+        random_jsonl(src, mb)
+        argv = ["--source", str(src), "--tokenizer", "gpt2", "--shard-tokens", "20000000"]
+        start = time.perf_counter()
+        run = subprocess.run([sys.executable, "-c", PEAK_CHILD, *argv, "--out", str(out)],
+                             cwd=root, capture_output=True, text=True)  # fmt: skip
+        took = time.perf_counter() - start
+        shutil.rmtree(out, ignore_errors=True)
+        src.unlink()
+        if run.returncode:
+            raise SystemExit(f"[5] {mb:g} MB failed: {run.stderr.strip().splitlines()[-1]}")
+        peaks.append(int(run.stdout.split("VmHWM")[-1]) / 1024)
+        print(f"[5] {mb:g} MB of .jsonl, gpt2: {took:.0f} s ({mb / took:.1f} MB/s), "
+              f"peak RSS {peaks[-1]:.0f} MiB (target < 1,024)", flush=True)  # fmt: skip
+    spread = max(peaks) - min(peaks)
+    print(f"[5] peaks {', '.join(f'{p:.0f}' for p in peaks)} MiB: spread {spread:.0f} MiB "
+          f"(issue 30: within 100 MB)")  # fmt: skip
 
 
 if __name__ == "__main__":

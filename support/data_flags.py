@@ -1,11 +1,11 @@
-"""01_data.py's command line: its flags, their defaults and the checks made before any
-file is read (a bad flag costs one line, not a minute of BPE training)."""
+"""01_data.py's command line: its flags, their defaults and the checks made before
+any file is read (a bad flag costs one line, not a minute of BPE training)."""
 
 import argparse
 
 
 def parse_args(argv, description: str, shard_tokens: int, quality, dedup):
-    """The flags of `python 01_data.py`; `quality` and `dedup` are the allowed choices."""
+    """The flags of `python 01_data.py`; `quality`, `dedup`: the allowed choices."""
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
     arg = parser.add_argument

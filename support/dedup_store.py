@@ -1,12 +1,10 @@
 """What deduplication remembers of the documents it has seen: hashes, never the text.
 
-Plumbing for 01_data.py, which teaches the decisions (what a key is, when a candidate is a
-duplicate). Memory per document is fixed, whatever its length:
-
-- MinHash: its signature (112 uint32: 448 bytes) in a growing array, and one entry per band
-  key in a dict (~100 bytes each: 1.4 KB for 14 bands). About 1.9 KB a document: 0.6 GB for
-  the 305K documents of 1 GB of prose.
-- Lines: one count per distinct line, keyed by its 64-bit hash (~100 bytes a line).
+Plumbing for 01_data.py, which teaches the decisions (what a key is, when a candidate
+is a duplicate). MinHash's memory per document is fixed, whatever its length: the
+signature (112 uint32: 448 bytes) in a growing array, and one entry per band key in a
+dict (~100 bytes each: 1.4 KB for 14 bands). About 1.9 KB a document: 0.6 GB for the
+305K documents of 1 GB of prose.
 """
 
 import numpy as np
@@ -15,8 +13,8 @@ import numpy as np
 class SignatureStore:
     """MinHash signatures by document number, and which documents hold each band key.
 
-    A key maps to the first document that had it; the rare later ones (near copies, or two
-    bands that collide by chance) go to a side list, so no candidate is ever lost.
+    A key maps to the first document that had it; the rare later ones (near copies, or
+    two bands that collide by chance) go to a side list, so no candidate is ever lost.
     """
 
     def __init__(self, n_hashes: int):
