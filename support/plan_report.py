@@ -43,8 +43,10 @@ def why_best(plans: list) -> list[str]:
         parts = [k for k in best.time if k != "total"]
         worse = max(parts, key=lambda k: rival.time[k] - best.time[k])
         slower = 1 - rival.tokens_per_s / best.tokens_per_s
-        if slower < 0.005:  # a tie: the ranking took the simpler layout
-            reasons.append(f"{mine}: {theirs} is as fast, {mine} is simpler")
+        if slower < 0.005:  # a tie: the ranking took the simpler, then the smaller
+            smaller = best.memory["total"] < rival.memory["total"]
+            why = "needs less memory" if smaller else "is simpler"
+            reasons.append(f"{mine}: {theirs} is as fast, {mine} {why}")
             continue
         reasons.append(f"{mine}: {theirs} is {slower:.0%} slower (more {worse})")
     return reasons
