@@ -71,10 +71,10 @@ from support.distributed import print0, run_on_ranks
 from support.ring import count_p2p
 
 model_lib = importlib.import_module("02_model")
-mp_lib = importlib.import_module("06_mixed_precision")  # count_tokens, IGNORE
+mp_lib = importlib.import_module("06_mixed_precision")  # count_tokens
 
 SPLITS = ("zigzag", "contiguous")
-HEAD_DIM = 2  # q, k, v: (B, nh, T/cp, hs); the sequence is dim 2 here, dim 1 in (B, T)
+SEQ_DIM = 2  # q, k, v: (B, nh, T/cp, hs); the sequence is dim 2 here, dim 1 in (B, T)
 
 
 # ------------------------------------------------------------ the split of a sequence
@@ -209,9 +209,11 @@ def ring_forward(q, k, v, rank, cp, split, pass_on, work=None):
     """This rank's out (B, nh, n, hs) and fp32 lse (B, nh, n), n = T/cp, in cp ring
     steps. pass_on(t) posts a ring step (ring_pass, or a ThreadRing's). work, a list,
     gets the query-key scores of each block computed."""
-    n = q.size(HEAD_DIM)
+    B, nh, n, hs = q.shape
     dtype = torch.promote_types(q.dtype, torch.float32)
-    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    # Laid out (B, T/cp, nh, hs), as flash kernels lay theirs: the caller's reshape to
+    # (B, T/cp, C) is then a view, and the backward keeps one copy, not two.
+    out = torch.zeros(B, n, nh, hs, dtype=dtype, device=q.device).transpose(1, 2)
     lse = torch.full(q.shape[:-1], -math.inf, dtype=dtype, device=q.device)
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     kv = torch.stack([k, v])  # (2, B, nh, n, hs): one message a step
@@ -228,7 +230,7 @@ def ring_forward(q, k, v, rank, cp, split, pass_on, work=None):
             )
             merge(out, lse, rows, out_b, lse_b)
             if work is not None:
-                work.append(out_b.size(HEAD_DIM) * k_b.size(HEAD_DIM))
+                work.append(out_b.size(SEQ_DIM) * k_b.size(SEQ_DIM))
         if transfer is not None:
             kv = transfer.wait()  # src - 1's K/V, for the next step
     return out.to(q.dtype), lse
@@ -238,7 +240,7 @@ def ring_backward(q, k, v, out, lse, dout, rank, cp, split, pass_on):
     """(dq, dk, dv) of this rank's tokens. K/V go around the ring again; beside them
     each block's fp32 dK/dV accumulator collects every rank's share, and one last step
     brings it home. Its transfer overlaps the next block's compute."""
-    n = q.size(HEAD_DIM)
+    n = q.size(SEQ_DIM)
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (B, nh, n): D
     dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
@@ -313,8 +315,8 @@ class AllGatherAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()  # (2, B, nh, T/cp, hs)
         parts = [torch.empty_like(kv) for _ in range(cp)]
         dist.all_gather(parts, kv, group=group)  # every rank's tokens: cp-1 parts sent
-        kv_all = merge_sequence(parts, cp, split, dim=1 + HEAD_DIM)  # (2, B, nh, T, hs)
-        T = kv_all.size(1 + HEAD_DIM)
+        kv_all = merge_sequence(parts, cp, split, dim=1 + SEQ_DIM)  # (2, B, nh, T, hs)
+        T = kv_all.size(1 + SEQ_DIM)
         mine = sequence_positions(T, rank, cp, split, q.device)  # (T/cp,)
         mask = torch.arange(T, device=q.device) <= mine.unsqueeze(-1)  # (T/cp, T)
         out, lse = attend(q, kv_all[0], kv_all[1], mask)
@@ -330,9 +332,7 @@ class AllGatherAttention(torch.autograd.Function):
         delta = (dout.to(lse.dtype) * out).sum(-1)
         dq, dk, dv = attend_backward(q, kv_all[0], kv_all[1], mask, lse, dout, delta)
         dkv = torch.stack([dk, dv])  # our queries' share of every token's dK, dV
-        pieces = [
-            split_sequence(dkv, r, cp, ctx.split, 1 + HEAD_DIM) for r in range(cp)
-        ]
+        pieces = [split_sequence(dkv, r, cp, ctx.split, 1 + SEQ_DIM) for r in range(cp)]
         pieces = [piece.contiguous() for piece in pieces]
         summed = torch.empty_like(pieces[0])
         dist.reduce_scatter(
@@ -343,8 +343,7 @@ class AllGatherAttention(torch.autograd.Function):
 
 def allgather_attention(q, k, v, group, split="zigzag"):
     """ring_attention's result, with the whole sequence's K and V on every rank."""
-    assert split in SPLITS, f"split must be one of {SPLITS}, got {split!r}"
-    return AllGatherAttention.apply(q, k, v, group, split)
+    return AllGatherAttention.apply(q, k, v, group, split)  # split checked in there
 
 
 # ------------------------------------------------------------ formulas
@@ -482,22 +481,20 @@ def demo_attention(args, group, device):
     want = F.scaled_dot_product_attention(*full, is_causal=True)
     want.backward(dout)
     C = args.heads * args.head_size
-    B = args.batch_size
-    T = args.seq_len
-    formula = ring_bytes_per_layer(B, T, C, cp, 4)  # fp32: 4 bytes
+    formula = ring_bytes_per_layer(args.batch_size, args.seq_len, C, cp, 4)  # fp32
     print0(f"attention, (B, nh, T, hs) = {shape}, fp32, cp = {cp}:")
     for name, fn in (("all-gather", allgather_attention), ("ring", ring_attention)):
         for split in SPLITS:
-            mine = [split_sequence(t, rank, cp, split, HEAD_DIM) for t in (q, k, v)]
+            mine = [split_sequence(t, rank, cp, split, SEQ_DIM) for t in (q, k, v)]
             mine = [t.clone().requires_grad_() for t in mine]
             with count_p2p() as sent_forward:
                 out = fn(*mine, group, split)
             with count_p2p() as sent_backward:
-                out.backward(split_sequence(dout, rank, cp, split, HEAD_DIM))
+                out.backward(split_sequence(dout, rank, cp, split, SEQ_DIM))
             pairs = [(out, want)] + [(a.grad, b.grad) for a, b in zip(mine, full)]
             diffs = {}
             for label, (a, b) in zip(("out", "dq", "dk", "dv"), pairs):
-                whole = merge_sequence(gather(a.detach(), group), cp, split, HEAD_DIM)
+                whole = merge_sequence(gather(a.detach(), group), cp, split, SEQ_DIM)
                 diffs[label] = (whole - b).abs().max()
             worst = sharding.equal_over_ranks(diffs, group, f"{name} attention")
             print0(f"  {name:<10} {split:<10} == SDPA(is_causal=True): max |Δ| {worst}")

@@ -426,6 +426,32 @@ def case_cp_pp(rank, world_size):
     return seen
 
 
+def case_torch_context_parallel(rank, world_size):
+    """PyTorch's own CP, torch.distributed.tensor.experimental.context_parallel, on the
+    same q, k, v. In torch 2.13 it does not run on CPU: SDPA dispatches there to
+    aten._scaled_dot_product_flash_attention_for_cpu, for which CP registers no sharding
+    strategy (it has the CUDA flash, efficient and cuDNN kernels only), so the call raises
+    NotImplementedError. Should a later torch run it, its head-tail load balancer is our
+    zigzag split, and its output must equal this rank's zigzag chunks of SDPA's."""
+    if world_size != 2:
+        return "2 ranks only"
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(B, 4, T, 8, generator=g) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    buffers = [q.clone(), k.clone(), v.clone()]  # sharded in place by the context
+    try:
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+            out = F.scaled_dot_product_attention(*buffers, is_causal=True)
+    except NotImplementedError as e:
+        return f"unsupported: {e}"
+    close(out, cp_lib.zigzag_split(want, rank, world_size, 2), "torch's CP")
+    return "ran"
+
+
 CASES = {
     "attention": case_attention,
     "attention_nccl": case_attention_nccl,
@@ -434,6 +460,7 @@ CASES = {
     "blocks_and_bytes": case_blocks_and_bytes,
     "cp_tp": case_cp_tp,
     "cp_pp": case_cp_pp,
+    "torch_cp": case_torch_context_parallel,
 }
 
 
@@ -482,3 +509,13 @@ def test_cp_times_pp_1f1b(world):
     names = {name for per_rank in seen for name in per_rank}
     one = dict(model_lib.GPT(tiny()).named_parameters())
     assert names - {"lm_head.weight"} == set(one), "some parameter is on no stage"
+
+
+def test_against_torch_context_parallel(world):
+    if world[0] != 2:
+        pytest.skip("compared in the 2-rank world")
+    verdicts = case_results(world[1], "torch_cp")
+    if verdicts[0].startswith("unsupported"):
+        assert "for_cpu" in verdicts[0], verdicts[0]  # the reason the docstring gives
+        pytest.skip(f"torch's context_parallel does not run on CPU: {verdicts[0]}")
+    assert verdicts == ["ran", "ran"]

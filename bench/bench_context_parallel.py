@@ -1,0 +1,196 @@
+"""bench/bench_context_parallel.py: what context parallelism saves and costs, measured.
+
+On 4 ranks (torchrun, started for you), a GPT of 2 layers (C = 64, nh = 4, V = 256,
+fp32) whose context reaches 2,048 tokens, run whole (cp = 1, on each rank), and over CP
+groups of 2 and 4 ranks (08's zigzag ring):
+- activations: the bytes one rank keeps for backward (support/activations.py's
+  saved_activation_bytes) at T = 256 ... 2,048, against 06's activation_formula / cp;
+- the ring: the bytes one rank sends per layer in a step, against ring_bytes_per_layer;
+- time: the median forward + backward step at cp = 1, 2, 4, and the share of the ring's
+  communication hidden behind the blocks' compute: 1 - (time waiting on ring steps
+  during the step) / (time the same ring steps take alone, with nothing to overlap).
+
+Run:  python bench/bench_context_parallel.py [--steps 5]   (~1-2 min on 2 CPU cores)
+On CPU the 4 ranks share the machine's cores, so the step times show what the ring
+costs here, not a speed-up; the ratios that carry over to GPUs are the bytes.
+"""
+
+import argparse
+import importlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# The repo root, where the numbered files are.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from support import distributed
+from support.activations import saved_activation_bytes
+from support.ring import count_p2p
+
+model_lib = importlib.import_module("02_model")
+mp_lib = importlib.import_module("06_mixed_precision")
+cp_lib = importlib.import_module("08_context_parallel")
+print0 = distributed.print0
+CPS = (1, 2, 4)
+
+
+def make_model(seed, T_max, group):
+    torch.manual_seed(seed)
+    sizes = dict(n_layer=2, n_head=4, n_embd=64, block_size=T_max, vocab_size=256)
+    model = model_lib.GPT(model_lib.GPTConfig(**sizes))
+    return model if group is None else cp_lib.apply_context_parallel(model, group)
+
+
+def step(model, x, y, group):
+    """One forward + backward: the whole model, or this rank's zigzag chunks."""
+    if group is None:
+        _, loss = model(x, y)
+        loss.backward()
+        return
+    cp = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    cp_lib.cp_step(
+        model, cp_lib.zigzag_split(x, rank, cp), cp_lib.zigzag_split(y, rank, cp), group
+    )
+
+
+def activations(model, x, y, group):
+    """Bytes this rank keeps for backward in one forward."""
+    if group is not None:
+        rank = dist.get_rank(group)
+        cp = dist.get_world_size(group)
+        x = cp_lib.zigzag_split(x, rank, cp)
+        y = cp_lib.zigzag_split(y, rank, cp)
+    _, kept = saved_activation_bytes(lambda: model(x, y, reduction="sum"))
+    return kept
+
+
+class WaitClock:
+    """Time spent in ring steps' wait(): the communication the compute did not hide."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.real = cp_lib.Transfer.wait
+        clock = self
+
+        def wait(transfer):
+            t0 = time.perf_counter()
+            try:
+                return clock.real(transfer)
+            finally:
+                clock.seconds += time.perf_counter() - t0
+
+        cp_lib.Transfer.wait = wait
+
+    def close(self):
+        cp_lib.Transfer.wait = self.real
+
+
+def ring_alone(sizes, group) -> float:
+    """Seconds for the same ring steps (message sizes in bytes) posted and waited one by
+    one: no compute to hide behind."""
+    dist.barrier(group)
+    t0 = time.perf_counter()
+    for n in sizes:
+        cp_lib.ring_pass(torch.empty(n // 4), group).wait()
+    return time.perf_counter() - t0
+
+
+def bench(args, rank, world_size, device):
+    groups = {1: None}
+    for cp in CPS[1:]:
+        ranks = [list(range(i, i + cp)) for i in range(0, world_size, cp)]
+        made = [dist.new_group(r) for r in ranks]  # every rank makes every group
+        groups[cp] = made[rank // cp]
+    B = args.batch_size
+    T_max = max(args.seq_lens)
+    batches = model_lib.byte_batches(T_max, B, seed=args.seed, device=device)
+    x_all, y_all = batches[0]
+    print0(
+        f"GPT L=2 C=64 nh=4 V=256, B={B}, fp32, {world_size} gloo ranks on {device.type}, {torch.get_num_threads()} thread(s) each"
+    )
+    print0(
+        "\nactivations kept for backward per rank, MB (measured | 06's formula / cp)"
+    )
+    print0(f"{'T':>6} " + " ".join(f"{'cp=' + str(cp):>21}" for cp in CPS))
+    for T in args.seq_lens:
+        x = x_all[:, :T].contiguous()
+        y = y_all[:, :T].contiguous()
+        cells = []
+        for cp in CPS:
+            model = make_model(args.seed, T_max, groups[cp])
+            kept = activations(model, x, y, groups[cp])
+            formula = mp_lib.activation_formula(model.config, B, T, "fp32") / cp
+            cells.append(f"{kept / 2**20:9.3f} | {formula / 2**20:9.3f}")
+        print0(f"{T:>6} " + " ".join(f"{c:>21}" for c in cells))
+    T = args.time_seq_len
+    x = x_all[:, :T].contiguous()
+    y = y_all[:, :T].contiguous()
+    print0(f"\nT = {T}: ring bytes per layer and rank, a step's time, the ring hidden")
+    for cp in CPS:
+        group = groups[cp]
+        model = make_model(args.seed, T_max, group)
+        with count_p2p() as sent:
+            step(model, x, y, group)
+        per_layer = sum(sent) / model.config.n_layer
+        formula = sum(cp_lib.ring_bytes_per_layer(B, T, model.config.n_embd, cp, 4))
+        times = []
+        waited = []
+        for i in range(args.warmup + args.steps):
+            model.zero_grad(set_to_none=True)
+            clock = WaitClock()
+            if group is not None:
+                dist.barrier(group)
+            t0 = time.perf_counter()
+            try:
+                step(model, x, y, group)
+            finally:
+                clock.close()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+                waited.append(clock.seconds)
+        ms = statistics.median(times) * 1e3
+        line = f"  cp={cp}: {per_layer:>10,.0f} B sent per layer | formula {formula:>10,}   step {ms:7.1f} ms"
+        if group is not None:
+            alone = statistics.median(
+                ring_alone(sent, group) for _ in range(args.steps)
+            )
+            exposed = statistics.median(waited)
+            hidden = max(0.0, 1 - exposed / alone)
+            line += f"   ring alone {alone * 1e3:6.1f} ms, waited {exposed * 1e3:6.1f} ms: {hidden:.0%} hidden"
+        print0(line)
+        dist.barrier()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=4, help="ranks: a multiple of 4")
+    parser.add_argument("--batch-size", type=int, default=2, help="B")
+    parser.add_argument(
+        "--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048]
+    )
+    parser.add_argument(
+        "--time-seq-len", type=int, default=1024, help="T of the timing"
+    )
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--seed", type=int, default=1337, help="model and batch")
+    args = parser.parse_args(argv)
+    if "WORLD_SIZE" not in os.environ:
+        return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
+    rank, _, world_size, device = distributed.init_distributed()
+    assert world_size % 4 == 0, f"{world_size} ranks: need a multiple of 4 (cp 1, 2, 4)"
+    try:
+        bench(args, rank, world_size, device)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
