@@ -9,6 +9,7 @@ the lessons' own lists of choices.
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -54,7 +55,7 @@ class TrainConfig:
     # The preset's context: a shorter one would leave positions untrained.
     block_size: int = flag(0, "tokens per sequence, the model's context; 0: preset")
     # The small preset (4 layers of 128) trains on a CPU in minutes.
-    model: str = flag("", "02_model.py's preset; none: small, or --init-from's shape")
+    model: str = flag("small", "02_model.py's preset (not given: --init-from's shape)")
     n_layer: int = flag(0, "number of blocks; 0: the preset's")
     init_from: str = flag("", "fine-tune a Hugging Face GPT-2 checkpoint")
     lora_rank: int = flag(0, "LoRA (02): train rank-r factors only; 0: off")
@@ -155,8 +156,10 @@ def parse_args(argv=None, description: str = "train.py", choices: dict | None = 
     # An empty --data-dir means the default data of --tokenizer ("" for an unknown one,
     # which check_flags reports).
     cfg.data_dir = cfg.data_dir or DEFAULT_DATA.get(cfg.tokenizer or "bpe", "")
-    if not cfg.model and not cfg.init_from:  # With --init-from: its shape (validate).
-        cfg.model = "small"
+    argv = sys.argv[1:] if argv is None else argv
+    named = any(a == "--model" or a.startswith("--model=") for a in argv)
+    if cfg.init_from and not named:  # The checkpoint's shape: validate reads it.
+        cfg.model = ""
     return cfg, args
 
 

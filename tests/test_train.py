@@ -673,7 +673,8 @@ def test_help_lists_the_presets_and_every_recompute_mode(capsys):
         train.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     presets = ", ".join(train.model_lib.PRESETS)
-    assert f"--model MODEL 02_model.py's preset: {presets} (default: small)" in text
+    preset = "02_model.py's preset (not given: --init-from's shape)"
+    assert f"--model MODEL {preset}: {presets} (default: small)" in text
     assert "(06): none, selective, full (default: none)" in text
 
 

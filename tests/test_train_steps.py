@@ -15,6 +15,9 @@ import torch.nn.functional as F
 
 from support import checkpoint
 from tests.distributed import run_ranks
+from tests.test_finetune import FLAGS as FINETUNE_FLAGS
+from tests.test_finetune import checkpoint as snapshot  # noqa: F401 (a fixture)
+from tests.test_finetune import gpt2_data  # noqa: F401 (a fixture)
 from tests.test_train import BASE, assert_same_curve, data_dir, metrics, run_main  # noqa: F401
 
 train = importlib.import_module("train")
@@ -398,3 +401,31 @@ def test_compile_trains_like_eager(data_dir, tmp_path):  # noqa: F811
     got = run_ranks(_compiled_zero3, 2, zero3, timeout=300)[0]
     torch.testing.assert_close(torch.tensor([r["loss"] for r in got]),
                                torch.tensor([r["loss"] for r in eager]), rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# --init-from: read once per rank, and its shape without --model
+# ---------------------------------------------------------------------------------------------
+def test_init_from_is_read_once_and_gives_the_shape_without_model(gpt2_data, snapshot,  # noqa: F811
+                                                                  tmp_path, monkeypatch):  # fmt: skip
+    """test_finetune's GPT-2-layout snapshot (the tiny preset's width, 2 blocks) without
+    --model: train.py takes the preset of its width (tiny) and trains from it, reading the
+    file once (validate checks it, build_chunks copies it). Before: --model's default, small,
+    was refused ("has n_layer=2 ...: not --model small's"), and with --model the checkpoint
+    was read twice per rank."""
+    reads = []
+    real = train.model_lib.GPT.load_pretrained
+
+    def spy(path, *args, **kwargs):
+        reads.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(train.model_lib.GPT, "load_pretrained", spy)
+    flags = [f for f in FINETUNE_FLAGS if f not in ("--model", "tiny")]
+    assert "--model" not in flags
+    train.main(flags + ["--init-from", snapshot, "--data-dir", gpt2_data, "--out-dir",
+                        str(tmp_path)])  # fmt: skip
+    assert len(reads) == 1, reads
+    meta = checkpoint.complete_checkpoints(tmp_path)[0] / "meta.json"
+    assert json.loads(meta.read_text())["config"]["model"] == "tiny"
+    assert metrics(tmp_path)[0]["step"] == 0
