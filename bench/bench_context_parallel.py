@@ -103,10 +103,10 @@ def ring_alone(sizes, group) -> float:
 
 def bench(args, rank, world_size, device):
     groups = {1: None}
-    for cp in CPS[1:]:
+    for cp in CPS:
         ranks = [list(range(i, i + cp)) for i in range(0, world_size, cp)]
         made = [dist.new_group(r) for r in ranks]  # every rank makes every group
-        groups[cp] = made[rank // cp]
+        groups[cp if cp > 1 else "1, by hand"] = made[rank // cp]
     B = args.batch_size
     T_max = max(args.seq_lens)
     batches = model_lib.byte_batches(T_max, B, seed=args.seed, device=device)
@@ -132,8 +132,9 @@ def bench(args, rank, world_size, device):
     x = x_all[:, :T].contiguous()
     y = y_all[:, :T].contiguous()
     print0(f"\nT = {T}: ring bytes per layer and rank, a step's time, the ring hidden")
-    for cp in CPS:
-        group = groups[cp]
+    print0("(cp=1: the whole model with SDPA; '1, by hand': 08's blocks, no ring)")
+    for label, group in groups.items():
+        cp = 1 if group is None else dist.get_world_size(group)
         model = make_model(args.seed, T_max, group)
         with count_p2p() as sent:
             step(model, x, y, group)
@@ -155,8 +156,8 @@ def bench(args, rank, world_size, device):
                 times.append(time.perf_counter() - t0)
                 waited.append(clock.seconds)
         ms = statistics.median(times) * 1e3
-        line = f"  cp={cp}: {per_layer:>10,.0f} B sent per layer | formula {formula:>10,}   step {ms:7.1f} ms"
-        if group is not None:
+        line = f"  cp={label:<10} {per_layer:>10,.0f} B sent per layer | formula {formula:>10,}   step {ms:7.1f} ms"
+        if cp > 1:
             alone = statistics.median(
                 ring_alone(sent, group) for _ in range(args.steps)
             )
