@@ -34,7 +34,7 @@ Run it:  python 09_plan.py    (a worked example beside its hand calculation, a s
              --tokens 10e9 [--price 2.5]
 
 What changed from 07_zero.py: nothing runs; the lessons' formulas are summed. Left out
-on purpose: context parallelism (no 08 yet: cp = 1), TP and PP messages overlapping
+on purpose: context parallelism (08's ring is not in it: cp = 1), TP and PP messages overlapping
 compute, offload, fp8, fragmentation (a plan fits in 90% of the memory), and eager
 mode's temporaries (the calibrating runs were compiled).
 """
@@ -377,7 +377,7 @@ def check_layout(config, layout: Layout, batch: int, n_gpus: int) -> int:
         sizes = f"dp {L.dp} x tp {L.tp} x pp {L.pp} x cp {L.cp} = {world}"
         raise PlanError(f"{sizes} does not fill {n_gpus} GPUs")
     if L.cp > 1:
-        raise PlanError("cp > 1 needs 08_context_parallel.py, not written yet")
+        raise PlanError("cp > 1: the planner does not model 08's ring yet")
     split = f"micro_batch {L.micro_batch} x dp {L.dp} x m"
     if batch % (L.micro_batch * L.dp):
         raise PlanError(f"batch {batch} is not {split}")
