@@ -398,10 +398,11 @@ class PowerSGD:
         return {"steps": self.steps, "qs": self.qs, "errors": self.errors}
 
     def load_state_dict(self, state: dict) -> None:
+        """Any step's state. subtle: saved in the warm-up, qs is [] (none drawn yet), and
+        the first sketch draws the seed's, as the run that never stopped does."""
         self.steps = state["steps"]
         pairs = zip(state["errors"], self.matrices, strict=True)
         self.errors = [e.to(p.device) for e, p in pairs]
-        # Saved before the first sketch, qs is [].
         pairs = zip(state["qs"], self.matrices, strict=bool(state["qs"]))
         self.qs = [q.to(p.device) for q, p in pairs]
 

@@ -35,18 +35,32 @@ import sys
 import traceback
 from datetime import timedelta
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+sys.path.insert(
+    0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)  # repo root
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.optim import SGD  # noqa: E402
 
-SGD([torch.zeros(1, requires_grad=True)])  # imports torch._dynamo here, once (see above)
+SGD(
+    [torch.zeros(1, requires_grad=True)]
+)  # imports torch._dynamo here, once (see above)
 
 ddp = importlib.import_module("03_ddp")
 zero_lib = importlib.import_module("07_zero")
 SWITCH_S = float(os.environ.get("SWITCH_S", 0.5))  # the amplifier: see rank_main
+if (
+    os.environ.get("RETIRE", "1") == "0"
+):  # the workaround off (bench/bench_exit.py's control):
+    import collections  # noqa: E402
+
+    from support import handles  # noqa: E402
+
+    handles._RETIRED = collections.deque(
+        maxlen=0
+    )  # retire() now drops every handle at once
 
 
 class LateLayer(nn.Module):
@@ -59,7 +73,9 @@ class LateLayer(nn.Module):
     def __init__(self):
         super().__init__()
         self.late = nn.Linear(8, 1)
-        blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2))
+        blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)
+        )
         self.transformer = nn.ModuleDict({"h": blocks})
         self.head = nn.Linear(8, 1)
 
@@ -85,11 +101,16 @@ def rank_main(rank: int, port: int, kind: str) -> None:
     try:
         torch.manual_seed(0)
         if kind == "DP":
-            model, opt = ddp.DataParallel(LateLayer(), bucket_mb=1e-7), None  # a bucket each
+            model, opt = (
+                ddp.DataParallel(LateLayer(), bucket_mb=1e-7),
+                None,
+            )  # a bucket each
         else:
             module = LateLayer()
             stage = int(kind[-1])
-            model, opt = zero_lib.zero_data_parallel(module, stage, module.parameters(), SGD, lr=0.1)
+            model, opt = zero_lib.zero_data_parallel(
+                module, stage, module.parameters(), SGD, lr=0.1
+            )
         for _ in range(3):  # later passes (steps) release the earlier ones' handles
             with model.no_sync():
                 model(torch.randn(4, 8), late=True).sum().backward()
@@ -114,7 +135,9 @@ def start_job(kind: str) -> list[int]:
     port, pids = free_port(), []
     for rank in range(2):
         pid = os.fork()
-        if pid == 0:  # the rank: run, then exit through the interpreter's normal finalisation
+        if (
+            pid == 0
+        ):  # the rank: run, then exit through the interpreter's normal finalisation
             try:
                 rank_main(rank, port, kind)
             except BaseException:
@@ -144,7 +167,12 @@ def main(jobs: int, kinds: list[str], in_flight: int = 2) -> int:
     counts = ", ".join(f"{kind} {len(failed[kind])} of {runs[kind]}" for kind in runs)
     lines = [line for kind in runs for line in failed[kind]]
     n_failed = len(lines)
-    print(f"{n_failed} of {jobs} two-rank jobs failed ({counts})", *lines, sep="\n", flush=True)
+    print(
+        f"{n_failed} of {jobs} two-rank jobs failed ({counts})",
+        *lines,
+        sep="\n",
+        flush=True,
+    )
     return 1 if n_failed else 0
 
 

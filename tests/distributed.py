@@ -11,7 +11,9 @@ Failure handling, because a distributed test that hangs is worse than one that f
 - an exception on any rank fails the call with that rank's full traceback;
 - when one rank fails, the others are given a few seconds and then killed (they are usually
   blocked in a collective waiting for the dead rank);
-- a rank that has not finished after `timeout` seconds is killed and reported by number.
+- a rank that has not finished after `timeout` seconds is killed and reported by number;
+- a rank that exits with a non-zero code fails the call even after it wrote its result (an abort
+  at the interpreter's exit, SIGABRT: -6, fails a torchrun job too).
 
 Results travel back through `torch.save` files rather than a multiprocessing queue: a tensor in a
 queue is shared memory owned by the child, which dies before the parent reads it.
@@ -175,15 +177,18 @@ def _collect(procs, out_dir: str, timed_out: list[int], timeout: float):
     results, errors = [], []
     for r, p in enumerate(procs):
         f = Path(out_dir) / f"rank{r}.pt"
-        if f.exists():
-            payload = torch.load(f, weights_only=False)
-            if "error" in payload:
-                errors.append(f"--- rank {r} raised ---\n{payload['error']}")
-            results.append(payload.get("ok"))
-        elif r in timed_out:
+        payload = torch.load(f, weights_only=False) if f.exists() else {}
+        results.append(payload.get("ok"))
+        if "error" in payload:
+            errors.append(f"--- rank {r} raised ---\n{payload['error']}")
+        elif r in timed_out:  # with or without a result: a rank that hangs at exit fails too
             errors.append(f"--- rank {r} was still running after {timeout:.0f}s and was killed ---")
-        else:
+        elif not payload:
             errors.append(f"--- rank {r} died without a result (exit code {p.exitcode}) ---")
+        elif p.exitcode != 0:
+            # subtle: the result was written, then the rank died on its way out (SIGABRT at the
+            # interpreter's exit is -6): a real script's job would fail, so the test does too.
+            errors.append(f"--- rank {r} returned its result, then exited with {p.exitcode} ---")
     if errors:
         raise RankError(f"{len(errors)} of {len(procs)} ranks failed:\n" + "\n".join(errors))
     return results

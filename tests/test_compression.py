@@ -10,6 +10,7 @@ r = min(m, n) the projection is the identity, so it must equal the exact all-red
 
 import functools
 import importlib
+import io
 
 import numpy as np
 import pytest
@@ -159,12 +160,47 @@ def case_vs_torch_powersgd(rank, world, steps=30, r=1, warmup=5):
     return curves
 
 
+def _powersgd_run(saved=None, steps=6, save=False):
+    """Rank 1 PowerSGD, 3 exact warm-up steps, SGD with momentum: the loss per step. With save,
+    it also returns the checkpoint after `steps` (model, optimizer, hook, each through
+    torch.save as train.py's); with saved, a fresh model, optimizer and hook load it first."""
+    gpt = build("gpt")
+    hook = ddp.PowerSGD(gpt.parameters(), 1, 3)
+    opt = torch.optim.SGD(gpt.parameters(), **SGD)
+    start = 0
+    if saved is not None:
+        state = torch.load(io.BytesIO(saved), weights_only=True)
+        gpt.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        hook.load_state_dict(state["hook"])
+        start = state["step"]
+    model = ddp.DataParallel(gpt, comm_hook=hook)
+    losses = [step(model, opt, *batch("gpt", s, dist.get_rank())) for s in range(start, steps)]
+    if not save:
+        return losses
+    buffer = io.BytesIO()
+    state = {"model": gpt.state_dict(), "opt": opt.state_dict(), "hook": hook.state_dict()}
+    torch.save({**state, "step": steps}, buffer)
+    return losses, buffer.getvalue(), len(hook.qs)
+
+
+def case_powersgd_resume(rank, world):
+    """Stopped at step 2 (in the warm-up: no Q drawn yet) and at step 4 (after a sketch), then
+    resumed by a fresh model, optimizer and hook: each loss curve against the straight one."""
+    out = {"straight": _powersgd_run()}
+    for stop in (2, 4):
+        first, saved, n_qs = _powersgd_run(steps=stop, save=True)
+        out[stop] = {"curve": first + _powersgd_run(saved), "qs": n_qs}
+    return out
+
+
 CASES = {
     "fp16": case_fp16_vs_torch,
     "bf16": case_bf16_written_out,
     "full_rank": case_powersgd_full_rank,
     "error_feedback": case_error_feedback,
     "vs_torch": case_vs_torch_powersgd,
+    "resume": case_powersgd_resume,
 }
 
 
@@ -249,3 +285,15 @@ def test_powersgd_follows_torch_powersgd_hook():
         near = {k: np.abs(v - curves["ours"]).max() for k, v in curves.items()}
         powersgd = min(near["torch"], near["torch, seed 1"])
         assert 2 * powersgd < near["none"], f"nearer no compression than PowerSGD: {near}"
+
+
+def test_powersgd_resumes_bit_for_bit_from_any_step():
+    """A checkpoint of PowerSGD's state taken in its warm-up holds no Q (none drawn yet): it
+    must load into a fresh hook (it failed: the empty list was zipped strictly against the
+    matrices) and draw the same Q at the first sketch; one taken after a sketch carries Q and
+    the residuals. Either way the resumed losses equal the straight run's with == (gloo on
+    CPU is deterministic, and the same arithmetic runs in the same order)."""
+    for res in results(2, "resume"):
+        assert res[2]["qs"] == 0 and res[4]["qs"] > 0, "step 2 is in the warm-up, 4 after"
+        for stop in (2, 4):
+            assert res[stop]["curve"] == res["straight"], f"resumed at step {stop}"

@@ -351,6 +351,44 @@ def case_lifecycle(rank, world):
     return out
 
 
+class Chain(nn.Module):
+    """Four bias-free layers in a row: backward makes their gradients ready strictly last
+    layer first (l3, l2, l1, l0), the reverse of registration."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(SEED)
+        self.layers = nn.Sequential(*(nn.Linear(8, 8, bias=False) for _ in range(4)))
+
+    def forward(self, x):
+        return self.layers(x).square().mean()
+
+
+def launch_log(module, bucket_mb, run):
+    """Events in time order: ("ready", name) when backward makes a gradient ready (a hook
+    registered before the wrapper's, so it fires first), ("launch", names) when DataParallel
+    hands a bucket to its comm hook. run(model) runs one forward and backward."""
+    names = {p: n for n, p in module.named_parameters()}
+    log = []
+    for p in names:
+        p.register_post_accumulate_grad_hook(lambda p: log.append(("ready", names[p])))
+
+    def hook(dp, bucket):
+        log.append(("launch", [names[p] for p in bucket.params]))
+        return ddp.all_reduce_hook(dp, bucket)
+
+    model = ddp.DataParallel(module, bucket_mb=bucket_mb, comm_hook=hook)
+    run(model)
+    return log
+
+
+def case_launch_order(rank, world):
+    """The chain with a bucket per parameter, and the GPT with small buckets."""
+    chain = launch_log(Chain(), 1e-7, lambda m: m(torch.randn(4, 8)).backward())
+    gpt = launch_log(build("gpt"), 0.02, lambda m: m(*batch("gpt", 0, rank))[1].backward())
+    return {"chain": chain, "gpt": gpt}
+
+
 CASES = {
     "toy": functools.partial(case_variants, kind="toy"),
     "gpt": functools.partial(case_variants, kind="gpt"),
@@ -363,6 +401,7 @@ CASES = {
     "zero_round_trip": case_zero_round_trip,
     "lifecycle": case_lifecycle,
     "subgroups": case_dp_subgroups,
+    "launch_order": case_launch_order,
 }
 
 
@@ -702,3 +741,23 @@ def test_ranks_exit_cleanly_after_backward():
     assert "terminate called" not in proc.stderr, report
     assert proc.returncode == 0, report
     assert f"0 of {EXIT_JOBS} two-rank jobs failed" in proc.stdout, report
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_buckets_launch_in_backwards_order_as_their_gradients_become_ready(world):
+    """The overlap of DataParallel: a bucket is sent the moment its last gradient is ready, in
+    the order backward makes them ready. The chain's gradients arrive l3, l2, l1, l0 (each
+    layer's after the next one's), so the log must read ready l3, launch [l3], ready l2, launch
+    [l2], and so on. In the GPT, the tied wte/lm_head matrix is ready last (it waits for the
+    embedding's gradient too), so every other bucket must be on its way before it. Buckets
+    packed in forward order put l0 (wte) in the first bucket, which must go first: nothing
+    launches until backward is over (no overlap), and both checks fail."""
+    for res in results(world, "launch_order"):
+        expected = []
+        for name in (f"layers.{i}.weight" for i in (3, 2, 1, 0)):
+            expected += [("ready", name), ("launch", [name])]
+        assert res["chain"] == expected
+        kinds = [kind for kind, _ in res["gpt"]]
+        last_ready = len(kinds) - 1 - kinds[::-1].index("ready")
+        early = kinds[:last_ready].count("launch")
+        assert early == kinds.count("launch") - 1 >= 3, f"launched before the end: {early}"

@@ -1,7 +1,9 @@
 """The multi-rank helper every distributed test relies on must itself be trustworthy:
 results come back per rank, a failing rank fails the test with its traceback, and a hung
-rank times out instead of hanging the suite."""
+rank times out instead of hanging the suite; a rank that aborts at exit fails it too."""
 
+import atexit
+import os
 import time
 
 import pytest
@@ -29,6 +31,12 @@ def _rank1_hangs(rank, world_size):
     return "rank 0 finished"
 
 
+def _rank1_aborts_at_exit(rank, world_size):
+    if rank == 1:
+        atexit.register(os.abort)  # SIGABRT while the interpreter exits, after the result
+    return rank
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_returns_each_ranks_result(world_size):
     expected_sum = world_size * (world_size - 1) / 2
@@ -51,3 +59,10 @@ def test_a_hung_rank_times_out_and_is_named():
     with pytest.raises(RankError, match="rank 1 was still running after 8s"):
         run_ranks(_rank1_hangs, 2, timeout=8, init=False)
     assert time.monotonic() - start < 25
+
+
+def test_a_rank_that_aborts_after_its_result_fails():
+    """The abort this guards against (issue 30): a rank returns, its result is written, and the
+    process dies at exit with SIGABRT (exit code -6). run_ranks used to return the results."""
+    with pytest.raises(RankError, match="rank 1 returned its result, then exited with -6"):
+        run_ranks(_rank1_aborts_at_exit, 2, init=False)

@@ -106,13 +106,14 @@ def grad_pieces(model, opt) -> list:
 
 
 @functools.cache
-def reference(world: int, micro: int = 1, clip: float = 0.0) -> dict:
-    """One process, the concatenated batch of every rank: losses, gradients per step, weights."""
+def reference(world: int, micro: int = 1, clip: float = 0.0, offset: int = 0) -> dict:
+    """One process, the concatenated batch of every rank: losses, gradients per step, weights.
+    offset shifts the steps' batches (another DP group's data)."""
     model = build()
     opt = torch.optim.AdamW(param_groups(model), lr=LR)
     out = {"loss": [], "grads": [], "norm": []}
     for step in range(STEPS):
-        pieces = [batch(step, r, m) for r in range(world) for m in range(micro)]
+        pieces = [batch(step + offset, r, m) for r in range(world) for m in range(micro)]
         x, y = torch.cat([x for x, _ in pieces]), torch.cat([y for _, y in pieces])
         opt.zero_grad(set_to_none=True)
         _, loss = model(x, y)
@@ -385,6 +386,80 @@ def case_pipeline_chunks(rank, world):
     return out
 
 
+OFFSET = 50  # DP group 1's batches: steps 50, 51, 52 (group 0's: 0, 1, 2)
+
+
+def case_subgroups(rank, world):
+    """4 ranks as a 2 (dp) x 2 (tp) grid: DP groups {0, 2} and {1, 3}, each training stages
+    1-3 on its own data. Returns this rank's weights per stage."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # same order on every rank
+    g = rank % 2
+    dp_rank = rank // 2
+    out = {"group": g}
+    for stage in STAGES[1:]:
+        model = build()
+        args = (model, stage, param_groups(model), torch.optim.AdamW, groups[g])
+        wrapper, opt = zero_lib.zero_data_parallel(*args, lr=LR)
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            wrapper(*batch(step + OFFSET * g, dp_rank))[1].backward()
+            opt.step()
+        out[stage] = full_weights(model, wrapper)
+    return out
+
+
+def case_new_lr(rank, world):
+    """Stages 1-3: a new LR set on the wrapper's param_groups, as a scheduler sets it: lr 0 on
+    the vectors' group, 10x on the matrices'. After one step: the inner (shard) optimizer's
+    groups, and which weights moved."""
+    out = {}
+    for stage in STAGES[1:]:
+        model, wrapper, opt = make(stage)
+        before = full_weights(model, wrapper)
+        opt.param_groups[0]["lr"] = 10 * LR  # the matrices (weight decay 0.1)
+        opt.param_groups[1]["lr"] = 0.0  # the vectors: AdamW with lr 0 moves nothing
+        opt.zero_grad(set_to_none=True)
+        wrapper(*batch(0, rank))[1].backward()
+        opt.step()
+        after = full_weights(model, wrapper)
+        moved = {n: not torch.equal(after[n], before[n]) for n in after}
+        out[stage] = {"inner_lr": [g["lr"] for g in opt.local.param_groups], "moved": moved}
+    return out
+
+
+def case_backward_peak(rank, world):
+    """ZeRO-3, measured inside backward: as each block's backward starts (a hook on its
+    output's gradient, after 07's own, which gathers it), the bytes of full weights in memory,
+    the reduce-scatters launched so far in this backward, and the bytes of full (N·S) gradient
+    buffers alive (a flat gradient is freed once its reduce-scatter is done)."""
+    model, wrapper, opt = make(3)
+    seen = []
+
+    def record(block):
+        weights = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in model.parameters()}
+        grads = [f.grad.untyped_storage() for f in opt.flats if f.grad is not None]
+        seen.append(
+            {
+                "block": block,
+                "weights": sum(s.nbytes() for s in weights.values()),
+                "launched": opt.stats["reduce_scatter_calls"] - launched_before,
+                "grad_buffers": sum({s.data_ptr(): s.nbytes() for s in grads}.values()),
+            }
+        )
+
+    def on_output(i):
+        def hook(module, args, output):
+            output.register_hook(lambda grad: record(f"h.{i}"))
+
+        return hook
+
+    for i, block in enumerate(model.transformer.h):
+        block.register_forward_hook(on_output(i))  # after 07's: its gradient hook runs first
+    launched_before = opt.stats["reduce_scatter_calls"]
+    wrapper(*batch(0, rank))[1].backward()
+    return seen
+
+
 CASES = {
     "stages": case_stages,
     "memory": case_memory,
@@ -394,12 +469,16 @@ CASES = {
     "skipped_step": case_skipped_step,
     "checkpoint": case_checkpoint,
     "pipeline_chunks": case_pipeline_chunks,
+    "subgroups": case_subgroups,
+    "new_lr": case_new_lr,
+    "backward_peak": case_backward_peak,
 }
 
 
 @functools.cache
 def world_results(world: int) -> list:
-    return run_ranks(run_cases, world, CASES, timeout=150)
+    cases = {k: c for k, c in CASES.items() if k != "subgroups" or world == 4}  # needs 2 x 2
+    return run_ranks(run_cases, world, cases, timeout=150)
 
 
 def results(world: int, case: str) -> list:
@@ -768,3 +847,53 @@ def test_the_demo_refuses_bad_flags_in_one_line(capsys):
         zero_lib.main(["--ranks", "0"])
     assert exit_info.value.code == 2
     assert "error: --ranks must be >= 1" in capsys.readouterr().err
+
+
+def test_a_dp_subgroup_divides_by_its_own_size():
+    """4 ranks as two DP groups of 2, each on its own data: every stage of each group equals
+    one process on that group's two batches (PARAM_TOL, as every stage). Dividing the sums by
+    the world (4) instead of the group (2) halves every gradient, and reducing over the world
+    mixes the groups' data: either is off by ~lr (1e-3), far outside 5e-6."""
+    for rank, res in enumerate(results(4, "subgroups")):
+        assert res["group"] == rank % 2
+        expected = reference(2, offset=OFFSET * res["group"])["weights"]
+        for stage in STAGES[1:]:
+            assert_states_close(res[stage], expected, **PARAM_TOL)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_a_new_lr_on_the_wrapper_reaches_the_shard_optimizer(world):
+    """A scheduler sets lr on ZeroOptimizer's param_groups; the optimizer that steps the shards
+    is another one (opt.local). After a step with 10x LR on the matrices and lr 0 on the
+    vectors, its groups hold those LRs, and exactly the matrices moved: with the old LR kept,
+    the vectors move too."""
+    model = build()
+    for res in results(world, "new_lr"):
+        for stage in STAGES[1:]:
+            assert res[stage]["inner_lr"] == [10 * LR, 0.0], stage
+            moved = {n: p.dim() >= 2 for n, p in model.named_parameters()}
+            assert res[stage]["moved"] == moved, stage
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_zero3_frees_each_block_and_reduces_while_backward_runs(world):
+    """Measured inside ZeRO-3's backward, as each block's backward starts. Blocks run h.1 then
+    h.0 (flat_sizes: h.1's two flats, then h.0's, then the root's). At h.1: every unit gathered
+    (the root since forward, h.1 for its backward, h.0 prefetched), nothing reduced yet, and
+    one gradient buffer alive: the root's vectors, whose ln_f gradients came first. At h.0:
+    h.1 freed (its backward is over), its two flats reduce-scattered, and of their full
+    gradient buffers only the last one in flight (h.1's vectors). A block kept gathered after
+    its backward, or every reduce-scatter held to the end of backward, fails it."""
+    sizes = flat_sizes(world)
+    unit = {u: sum(4 * pad for v, _, pad in sizes if v == u) for u, _, _ in sizes}
+    root_vectors = 4 * sizes[5][2]
+    h1_vectors = 4 * sizes[1][2]
+    at_h1 = dict(weights=unit["root"] + unit["h.1"] + unit["h.0"], launched=0)
+    at_h0 = dict(weights=unit["root"] + unit["h.0"], launched=2)
+    expected = [
+        {"block": "h.1", **at_h1, "grad_buffers": root_vectors},
+        {"block": "h.0", **at_h0, "grad_buffers": root_vectors + h1_vectors},
+    ]
+    assert [u for u, _, _ in sizes] == ["h.1", "h.1", "h.0", "h.0", "root", "root"]
+    for res in results(world, "backward_peak"):
+        assert res == expected
