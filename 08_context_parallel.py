@@ -2,17 +2,18 @@
 
 The idea: a layer's activations grow with T, TP's sequence split stops at tp, and
 recomputation only trades that memory for compute. Context parallelism (CP) gives each
-of cp ranks T/cp tokens of every sequence, from the embedding to the loss. Only attention
-mixes positions, so only attention talks: the keys and values travel around a ring of
-the cp ranks while each rank's queries stay at home (ring attention: Liu et al. 2023,
-arXiv 2310.01889). Activations are sharded; every weight is a full copy on each CP rank,
-so CP is data parallelism over tokens: gradients are averaged over the DP x CP ranks.
+of cp ranks T/cp tokens of every sequence, from the embedding to the loss. Only
+attention mixes positions, so only attention talks: the keys and values travel around a
+ring of the cp ranks while each rank's queries stay at home (ring attention: Liu et al.
+2023, arXiv 2310.01889). Activations are sharded; every weight is a full copy on each CP
+rank, so CP is data parallelism over tokens: gradients are averaged over DP x CP ranks.
 
 The math (the online softmax: Milakov & Gimelshein 2018; FlashAttention, 2205.14135).
 A query row q against one block j of keys and values:
     s_j = q k_j^T / sqrt(hs)    lse_j = log sum exp(s_j)    o_j = softmax(s_j) v_j
 Two blocks merge exactly, in any order, with the log-sum-exp rule (kept in fp32):
-    lse = log(exp(lse_1) + exp(lse_2))    o = exp(lse_1 - lse) o_1 + exp(lse_2 - lse) o_2
+    lse = log(exp(lse_1) + exp(lse_2))
+    o   = exp(lse_1 - lse) o_1 + exp(lse_2 - lse) o_2
 so a rank's output is the merge of the blocks its queries see. The backward needs only
 the final lse: p_j = exp(s_j - lse) is block j's exact share of the softmax, and with
 D = rowsum(dO * O), dS_j = p_j * (dO v_j^T - D) (FlashAttention-2's rule, 2307.08691).
@@ -21,7 +22,8 @@ The causal imbalance. Cut T into cp contiguous chunks and rank r's queries see c
 0..r: the last rank computes cp blocks of (T/cp)^2 scores, the first one. The zigzag
 split cuts T into 2cp chunks and gives rank r chunks r and 2cp-1-r, an early and a late
 one: every rank computes (cp+1)/2 blocks (blocks_per_rank). The T x T scores of cp = 2
-in chunks c0..c3, each cell marked rank.step (who computes it, at which ring step):
+in chunks c0..c3, each cell marked rank.step (who computes it, at which ring step; a
+diagonal block is computed whole: a marked cell right of the diagonal is masked away):
 
     contiguous: rank 0 holds c0 c1            zigzag: rank 0 holds c0 c3
                 rank 1 holds c2 c3                    rank 1 holds c1 c2
@@ -33,15 +35,15 @@ in chunks c0..c3, each cell marked rank.step (who computes it, at which ring ste
     rank 0: 4 cells, rank 1: 8                rank 0: 6 cells, rank 1: 6
 
 At ring step s a rank holds the K/V that rank (r - s) mod cp started with. Step 0 is the
-diagonal: its own tokens, causal. Under zigzag a block from a lower rank is seen by all
-its queries, but only its first chunk (the second comes after both of ours); a block from
-a higher rank is seen only by its later chunk, whole. Every off-diagonal step is half a
-block, and a cell left of the diagonal is computed exactly once.
+diagonal: its own tokens, causal. Under zigzag all our queries see a lower rank's early
+chunk (its late one comes after both of ours), and only our late chunk sees a higher
+rank's block, whole. Every other step is half a block, and each cell left of the
+diagonal is computed exactly once.
 
 Bytes each rank sends per layer (ring_bytes_per_layer), E = B (T/cp) C elements (one of
 K or V of its tokens), b bytes each, a = max(b, 4) for the fp32 gradient accumulators:
-    forward   (cp-1) 2E b              K and V move on cp-1 times
-    backward  (cp-1) 2E b + cp 2E a    K and V again, and dK, dV around a second ring home
+    forward   (cp-1) 2E b              K and V move on, cp-1 times
+    backward  (cp-1) 2E b + cp 2E a    K and V again; dK, dV on a second ring, home
 Each transfer is posted before the current block's compute, which hides it when the
 block's 4 B (T/cp)^2 C FLOPs outlast its 2E b bytes on the link.
 
@@ -193,7 +195,7 @@ class Transfer:
 def ring_pass(t, group) -> Transfer:
     """Send t to the next rank and receive the previous rank's, as ONE batch_isend_irecv
     group. NCCL's rule (a send completes only when its receive is posted): every rank
-    posts the same symmetric pair, in the same order, so every send meets its receive."""
+    posts the same symmetric pair in the same order, so every send meets its receive."""
     rank = dist.get_rank(group)
     cp = dist.get_world_size(group)
     nxt = dist.get_global_rank(group, (rank + 1) % cp)
@@ -306,7 +308,7 @@ def ring_attention(q, k, v, group, split="zigzag"):
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """The simple version: all-gather K and V forward; reduce-scatter dK, dV backward."""
+    """The simple version: all-gather K and V forward, reduce-scatter dK, dV backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, split):  # (B, nh, T/cp, hs) each, this rank's
@@ -442,7 +444,7 @@ def cp_token_count(targets, group) -> int:
 
 
 def average_gradients(model, group):
-    """DP's rule over the CP ranks: SUM every gradient, then divide by the group size."""
+    """DP's rule over the CP ranks: SUM every gradient, then divide by the ranks."""
     size = dist.get_world_size(group)
     for p in model.parameters():
         if p.grad is not None:
@@ -471,7 +473,7 @@ def gather(t, group) -> list:
 
 
 def demo_attention(args, group, device):
-    """Both versions and both splits against SDPA(is_causal=True), on the same q, k, v."""
+    """Both versions and both splits against SDPA(is_causal=True), on one q, k, v."""
     rank = dist.get_rank(group)
     cp = dist.get_world_size(group)
     torch.manual_seed(args.seed)  # the same q, k, v and dO on every rank
@@ -506,7 +508,7 @@ def demo_attention(args, group, device):
 
 
 def demo_balance(args, group, device):
-    """Blocks of (T/cp)^2 scores each rank computes, measured, against blocks_per_rank."""
+    """Blocks of (T/cp)^2 scores each rank computed, measured, beside blocks_per_rank."""
     rank = dist.get_rank(group)
     cp = dist.get_world_size(group)
     n = args.seq_len // cp
@@ -527,7 +529,7 @@ def demo_balance(args, group, device):
 
 
 def demo_gpt(args, group, device):
-    """02's GPT on this rank's zigzag chunks against one process: logits, loss, grads."""
+    """02's GPT on this rank's zigzag chunks against one process: logits, loss, grad."""
     rank = dist.get_rank(group)
     cp = dist.get_world_size(group)
     torch.manual_seed(args.seed)  # the same GPT on every rank
