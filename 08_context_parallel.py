@@ -227,9 +227,8 @@ def ring_forward(q, k, v, rank, cp, split, pass_on, work=None):
             rows, cols, diagonal = block
             k_b = kv[0][..., cols, :]
             v_b = kv[1][..., cols, :]
-            out_b, lse_b = attend(
-                q[..., rows, :], k_b, v_b, causal if diagonal else None
-            )
+            mask = causal if diagonal else None
+            out_b, lse_b = attend(q[..., rows, :], k_b, v_b, mask)
             merge(out, lse, rows, out_b, lse_b)
             if work is not None:
                 work.append(out_b.size(SEQ_DIM) * k_b.size(SEQ_DIM))
@@ -259,15 +258,9 @@ def ring_backward(q, k, v, out, lse, dout, rank, cp, split, pass_on):
             k_b = kv[0][..., cols, :]
             v_b = kv[1][..., cols, :]
             q_b = q[..., rows, :]
-            grads = attend_backward(
-                q_b,
-                k_b,
-                v_b,
-                mask,
-                lse[..., rows],
-                dout[..., rows, :],
-                delta[..., rows],
-            )
+            do_b = dout[..., rows, :]
+            lse_b = lse[..., rows]
+            grads = attend_backward(q_b, k_b, v_b, mask, lse_b, do_b, delta[..., rows])
             dq[..., rows, :] += grads[0]
             mine[0][..., cols, :] += grads[1]
             mine[1][..., cols, :] += grads[2]
@@ -336,10 +329,8 @@ class AllGatherAttention(torch.autograd.Function):
         dkv = torch.stack([dk, dv])  # our queries' share of every token's dK, dV
         pieces = [split_sequence(dkv, r, cp, ctx.split, 1 + SEQ_DIM) for r in range(cp)]
         pieces = [piece.contiguous() for piece in pieces]
-        summed = torch.empty_like(pieces[0])
-        dist.reduce_scatter(
-            summed, pieces, group=ctx.group
-        )  # rank r: the sum of piece r
+        summed = torch.empty_like(pieces[0])  # rank r gets the sum of piece r
+        dist.reduce_scatter(summed, pieces, group=ctx.group)
         return dq.to(q.dtype), summed[0].to(q.dtype), summed[1].to(q.dtype), None, None
 
 

@@ -417,9 +417,8 @@ def case_cp_pp(rank, world_size):
     seen = []
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            tied = (
-                name == "lm_head.weight"
-            )  # the last stage's copy of wte: its gradient
+            # lm_head.weight: the last stage's copy of wte, with wte's gradient.
+            tied = name == "lm_head.weight"
             want = grads_want["transformer.wte.weight" if tied else name]
             close(p.grad, want, f"cp x pp grad of {name}")
             seen.append(name)
