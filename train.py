@@ -34,7 +34,6 @@ What changed from 07: nothing new is taught; 01-07 composed, with what a real ru
 
 import functools
 import importlib
-import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,6 +50,7 @@ from support.config import ConfigError, TrainConfig, parse_args
 from support.grid import Grid
 from support.prefetch import Prefetcher
 from support.run import Run
+from support.schedule import LR_SCHEDULES, lr_at  # The LR: warm-up, then a decay.
 
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
@@ -60,8 +60,6 @@ pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
 zero_lib = importlib.import_module("07_zero")
 
-# After the warm-up (lr_at); docs/lr_schedules.png draws them.
-LR_SCHEDULES = ("cosine", "wsd", "cyclic", "constant")
 
 
 # ------------------------------------------ validation: one line per bad flag, up front
@@ -212,43 +210,6 @@ def build_run(cfg: TrainConfig, gpt_config, grid: Grid, device) -> Run:
 
 
 # --------------------------------------------------------------------------- one step
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """The learning rate at `step`, a pure function of it (a resume continues it).
-
-    Warm-up: hi·(step + 1)/w for step < w = warmup_steps. Then, with hi = lr, lo =
-    min_lr, L = max_steps - 1 the last step trained (at lo) and p the fraction of the
-    decay done, capped at 1:
-      cosine    lo + (hi - lo)(1 + cos πp)/2, p = (step - w)/(L - w)   (GPT-2)
-      wsd       (warm-up, stable, decay: Hu et al. 2024, arXiv 2404.06395) hi until
-                s = L - d, d = round(decay_fraction·max_steps) >= 1 (s >= w), then
-                lo + (hi - lo)(1 - p), p = (step - s)/(L - s): one step of decay is lo.
-      cyclic    lo + (hi - lo)|1 - 2q|, q = ((step - w) mod cycle_steps)/cycle_steps
-                (Smith 2017, arXiv 1506.01186: his triangle, begun at its top)
-      constant  hi
-    A resume with a larger --max-steps follows the longer schedule from its step on:
-    WSD's stable phase goes on unchanged, a cosine jumps up to the stretched curve.
-    """
-    w = cfg.warmup_steps
-    hi = cfg.lr
-    lo = cfg.min_lr
-    last = cfg.max_steps - 1
-    if step < w:
-        return hi * (step + 1) / w
-    if cfg.lr_schedule == "cyclic":
-        q = ((step - w) % cfg.cycle_steps) / cfg.cycle_steps
-        return lo + (hi - lo) * abs(1 - 2 * q)
-    if cfg.lr_schedule == "constant":
-        return hi
-    start = w  # Cosine decays from the warm-up's end, wsd from L - d.
-    if cfg.lr_schedule == "wsd":
-        d = max(1, round(cfg.decay_fraction * cfg.max_steps))
-        start = max(w, last - d)
-    p = min(1.0, max(0, step - start) / max(1, last - start))
-    if cfg.lr_schedule == "wsd":
-        return lo + (hi - lo) * (1 - p)
-    return lo + (hi - lo) * 0.5 * (1 + math.cos(math.pi * p))
-
-
 def pipeline(run: Run, x: torch.Tensor, y: torch.Tensor, **kwargs):
     """05's pipeline_step on this rank's chunks (activations: (b, T, C); SP: T/tp)."""
     T = run.T // run.grid.tp if run.cfg.sequence_parallel else run.T
