@@ -1,13 +1,14 @@
-"""train.py · everything together: 3D-parallel (DP x TP x PP) GPT training by torchrun.
+"""train.py · everything together: 4D-parallel (DP x CP x TP x PP) GPT training.
 
 The idea: build the same GPT on every rank, cut it with tensor parallelism (04) inside
 a node and pipeline parallelism (05) across nodes, replicate that with data parallelism
 (03, or 07's ZeRO stages 1-3), and train it in mixed precision with recomputation (06).
+Long sequences are cut over --cp ranks, ring attention passing K and V between them (08).
 Checkpoint (resumable bit for bit), evaluate, log and measure every step. Or fine-tune
 GPT-2's weights (--init-from): all of them, or LoRA's factors only (--lora-rank, 02).
 
-The grid is arange(world).view(pp, dp, tp): TP peers share a node and its NVLink, and
-only pipeline sends cross nodes. For --dp 2 --tp 2 --pp 2 on 8 GPUs:
+The grid is arange(world).view(pp, dp, cp, tp): TP and CP peers share a node and its
+NVLink, and only pipeline sends cross nodes. For --dp 2 --tp 2 --pp 2 on 8 GPUs:
 
                    tp_rank 0   tp_rank 1
     pp 0, dp 0  |  rank 0      rank 1    |  embeddings + the first half of the blocks,
@@ -59,6 +60,7 @@ tp_lib = importlib.import_module("04_tensor_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
 zero_lib = importlib.import_module("07_zero")
+cp_lib = importlib.import_module("08_context_parallel")
 
 
 
@@ -121,10 +123,10 @@ def pretrained(path: str):
 
 # ---------------------------------------------- the process grid (support/grid.py)
 def build_grid(cfg: TrainConfig, rank: int, world: int) -> Grid:
-    """This rank's place in arange(world).view(pp, dp, tp) and its groups, with 05's
+    """This rank's place in arange(world).view(pp, dp, cp, tp) and its groups, with 05's
     embedding group (the first and last stage, which hold the tied embeddings)."""
     sizes = (cfg.pp, cfg.dp, cfg.tp)
-    return grid_lib.build_grid(*sizes, rank, world, pp_lib.embedding_group)
+    return grid_lib.build_grid(*sizes, rank, world, pp_lib.embedding_group, cfg.cp)
 
 
 def all_reduce_sum(t: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -150,6 +152,8 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device) -> list:
         tp_lib.apply_tensor_parallel(
             model, grid.tp_group, cfg.sequence_parallel, cfg.seed
         )
+    if grid.cp > 1:  # 08: the ring in every attention, wpe at the chunks' positions.
+        cp_lib.apply_context_parallel(model, grid.cp_group)
     mp_lib.apply_recomputation(model, cfg.recompute)  # 06: what each block keeps
     chunks = [model]
     if grid.pp > 1:
@@ -175,21 +179,21 @@ def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device):
     kw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
     if cfg.zero:  # (dp > 1: checked) One ZeroOptimizer over every chunk's units.
         for c in chunks:  # The replicas made identical, then cut into shards.
-            ddp_lib.broadcast_from_first_rank(c, grid.dp_group)
+            ddp_lib.broadcast_from_first_rank(c, grid.dp_cp_group)
         units = [u for c in chunks for u in zero_lib.zero_units(c)]
         kw.update(units=units, stage=cfg.zero)
-        opt = zero_lib.ZeroOptimizer(groups, AdamW, grid.dp_group, **kw)
+        opt = zero_lib.ZeroOptimizer(groups, AdamW, grid.dp_cp_group, **kw)
         shards = [f.shard for f in opt.flats]  # Their .grad: this rank's gradients.
         scaled = SimpleNamespace(param_groups=[{"params": shards}], step=opt.step)
         return [zero_lib.ZeroDataParallel(c, opt) for c in chunks], opt, scaled
-    if grid.dp > 1:  # The same PowerSGD seed on every rank: 03's default.
+    if grid.dp_cp > 1:  # The same PowerSGD seed on every rank: 03's default.
         half = {"fp16": torch.half, "bf16": torch.bfloat16}.get(cfg.grad_compression)
         for i, c in enumerate(chunks):  # --grad-compression picks one of 03's hooks.
             hook = ddp_lib.HalfPrecision(half) if half else None
             if cfg.grad_compression == "powersgd":
                 warmup = cfg.powersgd_warmup_steps
                 hook = ddp_lib.PowerSGD(c.parameters(), cfg.powersgd_rank, warmup)
-            chunks[i] = ddp_lib.DataParallel(c, group=grid.dp_group, comm_hook=hook)
+            chunks[i] = ddp_lib.DataParallel(c, group=grid.dp_cp_group, comm_hook=hook)
     opt = AdamW(groups, **kw)
     return chunks, opt, opt
 
@@ -203,16 +207,20 @@ def build_run(cfg: TrainConfig, gpt_config, grid: Grid, device) -> Run:
     per_rank = cfg.batch_size // cfg.dp  # This DP rank's share of every batch.
     args = (per_rank, T, cfg.seed, grid.dp_rank, cfg.dp)
     # The next step's batch read, pinned and copied during this one (support/prefetch).
-    train = Prefetcher(data_lib.DataLoader(cfg.data_dir, "train", *args), device)
+    # With CP, each rank keeps its 2 zigzag chunks of every sequence (08): (B/dp, T/cp).
+    loader = data_lib.DataLoader(cfg.data_dir, "train", *args)
+    train = Prefetcher(grid_lib.cp_chunks(loader, grid, cp_lib.zigzag_split), device)
     val = data_lib.DataLoader(cfg.data_dir, "val", *args, device)
+    val = grid_lib.cp_chunks(val, grid, cp_lib.zigzag_split)
     m = per_rank // cfg.micro_batch_size
     return Run(cfg, grid, gpt_config, device, dtype, *wrapped, scaler, train, val, T, m)
 
 
 # --------------------------------------------------------------------------- one step
 def pipeline(run: Run, x: torch.Tensor, y: torch.Tensor, **kwargs):
-    """05's pipeline_step on this rank's chunks (activations: (b, T, C); SP: T/tp)."""
-    T = run.T // run.grid.tp if run.cfg.sequence_parallel else run.T
+    """05's pipeline_step on this rank's chunks (activations (b, T/cp, C); SP: /tp)."""
+    T = run.T // run.grid.cp
+    T = T // run.grid.tp if run.cfg.sequence_parallel else T
     kwargs["act_shape"] = (run.cfg.micro_batch_size, T, run.gpt_config.n_embd)
     kwargs["dtype"] = run.dtype  # Autocast's, in 05's forwards only; sent in it.
     args = (run.chunks, (x, y), run.m, run.cfg.schedule, run.grid.pp_group)
@@ -242,7 +250,7 @@ def global_grad_norm(run: Run, grads) -> torch.Tensor:
         for _, g in grads:
             squares += g.float().pow(2).sum()
     if run.cfg.zero:
-        squares = all_reduce_sum(squares, run.grid.dp_group, run.grid.dp)
+        squares = all_reduce_sum(squares, run.grid.dp_cp_group, run.grid.dp_cp)
     return all_reduce_sum(squares, run.grid.pp_group, run.grid.pp).sqrt()
 
 
@@ -262,22 +270,24 @@ def train_step(run: Run, step: int) -> dict:
     cfg = run.cfg
     grid = run.grid
     x, y = run.train.get_batch(step)  # (B/dp, T), prefetched; step + 1's starts now.
-    sent = comm_bytes(run) if grid.dp > 1 else 0
+    sent = comm_bytes(run) if grid.dp_cp > 1 else 0
     run.optimizer.zero_grad(set_to_none=True)
     b = cfg.micro_batch_size
     microbatches = list(zip(x.split(b), y.split(b)))
     # 0-dim tensors from here on, never read on the host (a sync): see the docstring.
-    n_tokens = mp_lib.global_token_count(microbatches, group=grid.dp_group)
+    # With CP, the step's tokens are on dp x cp ranks: N sums over all of them (08).
+    n_tokens = mp_lib.global_token_count(microbatches, group=grid.dp_cp_group)
     if grid.pp == 1:  # Accumulation over m microbatches (06).
-        kwargs = dict(dp_size=grid.dp, scaler=run.scaler, dtype=run.dtype)
+        kwargs = dict(dp_size=grid.dp_cp, scaler=run.scaler, dtype=run.dtype)
         model = run.chunks[0]
         loss = mp_lib.accumulate_gradients(model, microbatches, n_tokens, **kwargs)
     else:  # The pipeline's microbatches (05): only the last stage's loss is not 0.
-        kwargs = dict(embed_group=grid.embed_group, dp_size=grid.dp, n_tokens=n_tokens)
+        kwargs = dict(embed_group=grid.embed_group, n_tokens=n_tokens)
+        kwargs["dp_size"] = grid.dp_cp  # DP x CP average the gradients.
         kwargs["scale"] = run.scaler.get_scale()  # 06's fp16 loss scale
         loss = pipeline(run, x, y, **kwargs).loss.clone()
         loss = all_reduce_sum(loss, grid.pp_group, grid.pp)
-    loss = all_reduce_sum(loss, grid.dp_group, grid.dp)  # The replicas' shares add up.
+    loss = all_reduce_sum(loss, grid.dp_cp_group, grid.dp_cp)  # The shares add up.
     grads = gradients(run)
     if cfg.zero >= 2 and grid.embed_group is not None:
         # 05 found no p.grad to sync: sum the tied matrix's shards, cut alike on both.
@@ -299,7 +309,7 @@ def train_step(run: Run, step: int) -> dict:
     stats = {"loss": loss, "lr": lr, "grad_norm": norm}  # Read at log steps only.
     if run.scaler.is_enabled():  # A skipped step is always logged (train).
         stats["skipped"] = run.scaler.last_step_skipped
-    if grid.dp > 1:
+    if grid.dp_cp > 1:
         stats["comm_bytes"] = comm_bytes(run) - sent
     return stats
 
@@ -325,7 +335,8 @@ def evaluate(run: Run, stop=lambda: False) -> float | None:
                     total += run.chunks[0](xb, yb)[1].float() / run.m
     chunks.train()
     total = all_reduce_sum(total, run.grid.pp_group, run.grid.pp)
-    total = all_reduce_sum(total, run.grid.dp_group, run.grid.dp) / run.grid.dp
+    # Each DP x CP rank's mean over its own tokens (as many on each): their mean.
+    total = all_reduce_sum(total, run.grid.dp_cp_group, run.grid.dp_cp) / run.grid.dp_cp
     return total.item() / run.cfg.eval_steps
 
 

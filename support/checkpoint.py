@@ -34,6 +34,7 @@ LAYOUT_FLAGS = (
     "dp",
     "tp",
     "pp",
+    "cp",
     "virtual_stages",
     "zero",
     "seed",
@@ -213,7 +214,8 @@ def shard_of(run, step: int) -> dict:
 
     Dropout's generators are saved: the default one (and CUDA's), and 04's per-rank
     tracker. Python's and NumPy's go unused (01's loader has its own). ZeRO-3 holds 1/N
-    of each weight: each chunk is gathered, and DP rank 0 keeps a CPU copy for --export
+    of each weight: each chunk is gathered, and DP rank 0 (CP rank 0: the CP ranks hold
+    copies) keeps a CPU copy for --export
     (a resume reads the optimizer's shards instead).
     """
     cfg = run.cfg
@@ -226,7 +228,8 @@ def shard_of(run, step: int) -> dict:
         gather = chunk.gathered() if cfg.zero == 3 else contextlib.nullcontext()
         with gather:
             state = module.state_dict()
-            if cfg.zero == 3 and run.grid.dp_rank == 0:
+            first = run.grid.dp_rank == 0 and run.grid.cp_rank == 0
+            if cfg.zero == 3 and first:
                 state = {k: v.to("cpu", copy=True) for k, v in state.items()}
             elif cfg.zero == 3:
                 state = {}
@@ -268,6 +271,7 @@ def save_checkpoint(run, step: int) -> None:
 
     def meta():  # Rank 0's, once the shards are written (see save).
         fields = {"world": grid.world, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}
+        fields["cp"] = cfg.cp  # Export reads the shards of grid (p, 0, 0, t).
         fields["model_config"] = asdict(run.gpt_config)
         fields["tokenizer"] = tokenizer_name(cfg.data_dir)
         fields["config"] = asdict(cfg)

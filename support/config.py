@@ -40,6 +40,12 @@ class TrainConfig:
     dp: int = flag(1, "data-parallel replicas, each on a share of the batch (03)")
     tp: int = flag(1, "tensor-parallel ranks splitting every matrix, in a node (04)")
     pp: int = flag(1, "pipeline stages; the only split that crosses nodes (05)")
+    # Long sequences only: CP pays when activations of T tokens, not weights, fill memory.
+    cp: int = flag(
+        1,
+        "context-parallel ranks, each holding 2 zigzag chunks of every sequence (08); "
+        "for long --block-size, whose activations overflow a GPU",
+    )
     # 1F1B keeps at most pp microbatches' activations alive, GPipe all of them.
     schedule: str = flag("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved (05)")
     virtual_stages: int = flag(1, "model chunks per pipeline rank (> 1: interleaved)")
@@ -109,6 +115,7 @@ POSITIVE = (
     "dp",
     "tp",
     "pp",
+    "cp",
     "virtual_stages",
     "batch_size",
     "micro_batch_size",
@@ -203,12 +210,12 @@ def check_combinations(cfg: TrainConfig) -> None:
     compressed = cfg.grad_compression != "none"
     # Each row: the flag, whether it is on, the size it needs above 1, what it does.
     needs = (
-        ("--zero", cfg.zero, "--dp", cfg.dp, "shards over the DP replicas"),
+        ("--zero", cfg.zero, "--dp x --cp", cfg.dp * cfg.cp, "shards over DP x CP"),
         (
             "--grad-compression",
             compressed,
-            "--dp",
-            cfg.dp,
+            "--dp x --cp",
+            cfg.dp * cfg.cp,
             "compresses DP's all-reduce",
         ),
         (
@@ -248,6 +255,9 @@ def check_combinations(cfg: TrainConfig) -> None:
     if powersgd and cfg.dtype == "fp16":
         why = "an overflowed step's inf would stay in its residuals: use bf16 or fp32"
         raise ConfigError(f"--grad-compression powersgd with --dtype fp16: {why}")
+    if cfg.cp > 1 and cfg.dropout:  # 08's ring computes no attention dropout.
+        why = "the ring attention (08) has no dropout on attention weights"
+        raise ConfigError(f"--dropout {cfg.dropout} with --cp {cfg.cp}: {why}")
     if cfg.zero > 3:
         raise ConfigError(f"--zero {cfg.zero}: a stage is 0 to 3")
     if cfg.zero == 3 and cfg.pp > 1:  # 03 refuses several chunks on one rank.
@@ -256,10 +266,10 @@ def check_combinations(cfg: TrainConfig) -> None:
 
 
 def check_world(cfg: TrainConfig, world_size: int) -> None:
-    """The grid dp x tp x pp fills the world of processes exactly."""
-    n = cfg.dp * cfg.tp * cfg.pp
+    """The grid dp x cp x tp x pp fills the world of processes exactly."""
+    n = cfg.dp * cfg.cp * cfg.tp * cfg.pp
     if n != world_size:
-        sizes = f"--dp {cfg.dp} x --tp {cfg.tp} x --pp {cfg.pp} = {n}"
+        sizes = f"--dp {cfg.dp} x --cp {cfg.cp} x --tp {cfg.tp} x --pp {cfg.pp} = {n}"
         fix = f"launch {n} processes or change the sizes"
         raise ConfigError(f"world_size={world_size} but {sizes}: {fix}")
 
@@ -322,9 +332,12 @@ def check_data(cfg: TrainConfig, T: int, loader_class) -> None:
     `loader_class` is 01's DataLoader: building one runs its own checks (a batch larger
     than the data, a missing shard).
     """
-    if cfg.sequence_parallel and T % cfg.tp:
-        what = f"--sequence-parallel shards the {T} tokens of a sequence"
-        fix = f"use a --block-size divisible by {cfg.tp}"
+    if T % (2 * cfg.cp):  # 08's zigzag: 2·cp chunks, rank r holds r and 2·cp-1-r.
+        what = f"--block-size {T}: --cp {cfg.cp} cuts a sequence in {2 * cfg.cp} chunks"
+        raise ConfigError(f"{what}; use a multiple of {2 * cfg.cp}")
+    if cfg.sequence_parallel and (T // cfg.cp) % cfg.tp:  # A rank's T/cp, with CP.
+        what = f"--sequence-parallel shards the {T // cfg.cp} tokens of a sequence"
+        fix = f"use a --block-size divisible by {cfg.cp * cfg.tp}"
         raise ConfigError(f"{what} over --tp {cfg.tp} ranks: {fix}")
     for split in ("train", "val"):
         try:

@@ -34,15 +34,17 @@ def merge_shards(state_dicts, tp_layout, merge_tensors) -> dict:
 def read_model(ckpt, merge) -> tuple[dict, dict]:
     """A checkpoint folder -> (its meta.json, the whole model's state dict).
 
-    Stage p's TP ranks at DP rank 0 sit at grid (p, 0, t): global rank p·dp·tp + t.
+    Stage p's TP ranks at DP and CP rank 0 sit at grid (p, 0, 0, t): global rank
+    p·dp·cp·tp + t (cp: 1 in a checkpoint older than --cp).
     `merge(state_dicts)` joins one chunk's TP shards (merge_shards, with 04's layout).
     """
     meta = json.loads((ckpt / "meta.json").read_text())
     dp = meta["dp"]
     tp = meta["tp"]
+    cp = meta.get("cp", 1)
     full = {}
     for p in range(meta["pp"]):
-        files = [ckpt / shard_name(p * dp * tp + t) for t in range(tp)]
+        files = [ckpt / shard_name(p * dp * cp * tp + t) for t in range(tp)]
         shards = [torch.load(f, "cpu", weights_only=True)["model"] for f in files]
         for chunk_states in zip(*shards):  # The stage's chunks, each split over TP.
             full.update(merge(chunk_states))

@@ -1,7 +1,10 @@
-"""The process grid of train.py: torch.arange(world).view(pp, dp, tp), and its groups.
+"""The process grid of train.py: torch.arange(world).view(pp, dp, cp, tp), its groups.
 
-TP varies fastest, so TP peers share a node and its NVLink; PP varies slowest, so only
-pipeline sends cross nodes. rank = (pp_rank * dp + dp_rank) * tp + tp_rank.
+TP varies fastest, then CP, so TP and CP peers share a node and its NVLink (as
+Megatron-LM orders them); PP varies slowest, so only pipeline sends cross nodes.
+rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. CP ranks hold the same
+weights and different tokens of the same sequences, so gradients are averaged, and
+ZeRO shards, over the DP x CP ranks: dp_cp_group (dp_group itself when cp = 1).
 """
 
 from dataclasses import dataclass
@@ -19,37 +22,80 @@ class Grid:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
     dp_rank: int = 0
     tp_rank: int = 0
     pp_rank: int = 0
+    cp_rank: int = 0
     dp_group: object = None
     tp_group: object = None
     pp_group: object = None
+    cp_group: object = None  # The ring of 08: the same dp, tp, pp; every cp_rank.
+    dp_cp_group: object = None  # Gradients' average and ZeRO's shards (dp x cp ranks).
     embed_group: object = None  # The {first, last} stage, holding the tied embeddings.
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks that hold the same weights: the size of dp_cp_group."""
+        return self.dp * self.cp
 
 
 def build_grid(
-    pp: int, dp: int, tp: int, rank: int, world: int, embedding_group
+    pp: int, dp: int, tp: int, rank: int, world: int, embedding_group, cp: int = 1
 ) -> Grid:
     """Every rank creates every group, in order (new_group is a collective), and keeps
     the ones it belongs to. `embedding_group(pp_rank_lists)` is 05's: it makes the
     {first, last} stage group of every pipeline and returns this rank's (or None)."""
-    grid = Grid(rank=rank, world=world, dp=dp, tp=tp, pp=pp)
+    grid = Grid(rank=rank, world=world, dp=dp, tp=tp, pp=pp, cp=cp)
     if world == 1:
         return grid
-    ranks = torch.arange(world).view(pp, dp, tp)  # ranks[pp_rank, dp_rank, tp_rank]
+    ranks = torch.arange(world).view(pp, dp, cp, tp)  # ranks[pp_r, dp_r, cp_r, tp_r]
     where = (ranks == rank).nonzero()[0].tolist()
-    grid.pp_rank, grid.dp_rank, grid.tp_rank = where
+    grid.pp_rank, grid.dp_rank, grid.cp_rank, grid.tp_rank = where
 
     def mine(rank_lists):
         groups = [dist.new_group(members) for members in rank_lists]
         return next(g for g, members in zip(groups, rank_lists) if rank in members)
 
-    grid.tp_group = mine(ranks.reshape(-1, tp).tolist())  # ranks[p, d, :] for each p, d
-    grid.dp_group = mine(
-        ranks.transpose(1, 2).reshape(-1, dp).tolist()
-    )  # ranks[p, :, t]
-    pp_lists = ranks.permute(1, 2, 0).reshape(-1, pp).tolist()  # ranks[:, d, t]
+    grid.tp_group = mine(ranks.reshape(-1, tp).tolist())  # ranks[p, d, c, :]
+    dp_lists = ranks.permute(0, 2, 3, 1).reshape(-1, dp).tolist()  # ranks[p, :, c, t]
+    grid.dp_group = mine(dp_lists)
+    pp_lists = ranks.permute(1, 2, 3, 0).reshape(-1, pp).tolist()  # ranks[:, d, c, t]
     grid.pp_group = mine(pp_lists)
     grid.embed_group = embedding_group(pp_lists)  # None at pp = 1: no second copy.
+    grid.dp_cp_group = grid.dp_group
+    if cp > 1:  # Created after the others, so cp = 1 makes the groups it always made.
+        cp_lists = ranks.permute(0, 1, 3, 2).reshape(-1, cp).tolist()  # [p, d, :, t]
+        grid.cp_group = mine(cp_lists)
+        dp_cp_lists = ranks.permute(0, 3, 1, 2).reshape(-1, dp * cp).tolist()
+        grid.dp_cp_group = mine(dp_cp_lists)  # ranks[p, :, :, t]
     return grid
+
+
+class CPChunks:
+    """A loader whose batches keep this CP rank's chunks of every sequence: every CP
+    rank of a DP rank reads the same batch, a function of (seed, step, dp rank), and
+    keeps its own part, `split(t, cp_rank, cp)` (08's zigzag_split): (B, T) -> (B, T/cp).
+    """
+
+    def __init__(self, loader, grid: Grid, split):
+        self.loader = loader
+        self.grid = grid
+        self.split = split
+
+    def get_batch(self, step: int):
+        x, y = self.loader.get_batch(step)  # (B, T) each, as on every CP peer
+        x = self.split(x, self.grid.cp_rank, self.grid.cp)  # (B, T/cp)
+        return x, self.split(y, self.grid.cp_rank, self.grid.cp)
+
+    def position(self, step: int):
+        return self.loader.position(step)
+
+
+def cp_chunks(loader, grid: Grid, split):
+    """`loader` itself at cp = 1, else CPChunks of it."""
+    return loader if grid.cp == 1 else CPChunks(loader, grid, split)

@@ -40,7 +40,8 @@ def describe(run: Run) -> str:
     cfg = run.cfg
     params = [p for m in run.modules() for p in m.parameters() if p.requires_grad]
     world = run.grid.world
-    layout = f"world {world} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} on {run.device}"
+    sizes = f"dp {cfg.dp} x cp {cfg.cp} x tp {cfg.tp} x pp {cfg.pp}"
+    layout = f"world {world} = {sizes} on {run.device}"
     model = f"{run.gpt_config.n_layer}-layer GPT, {run.dtype}, {run.m} microbatches"
     batch = f"of {cfg.micro_batch_size} x {run.T} per DP rank"
     trains = f"{sum(p.numel() for p in params):,} parameters train on rank 0"

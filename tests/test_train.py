@@ -562,7 +562,7 @@ def test_an_older_model_pt_whose_config_holds_recompute_still_samples(tmp_path):
 @pytest.mark.parametrize(
     "argv, world, message",
     [
-        (["--dp", "2"], 1, "world_size=1 but --dp 2 x --tp 1 x --pp 1 = 2"),
+        (["--dp", "2"], 1, "world_size=1 but --dp 2 x --cp 1 x --tp 1 x --pp 1 = 2"),
         (["--tp", "3", "--dp", "1"], 3, "--tp 3: cannot split this GPT over tp=3 ranks: n_head=2"),
         (["--pp", "8"], 8, "--pp 8 --virtual-stages 1 --n-layer 4: n_layer=4 blocks cannot fill"),
         (["--micro-batch-size", "3"], 1, "--batch-size 8 is not divisible into microbatches"),
@@ -587,7 +587,7 @@ def test_an_older_model_pt_whose_config_holds_recompute_still_samples(tmp_path):
         (["--batch-size", "8192", "--micro-batch-size", "8192"], 1,
          "train split: DATA/train: 1 shard(s) hold 4008 windows of 32+1 tokens, but one step needs"),
         (["--out-dir", "DATA/meta.json/run"], 1, "DATA/meta.json is a file, not a folder"),
-        (["--zero", "1"], 1, "--zero shards over the DP replicas, but --dp is 1"),
+        (["--zero", "1"], 1, "--zero shards over DP x CP, but --dp x --cp is 1"),
         (["--dp", "2", "--zero", "4"], 2, "--zero 4: a stage is 0 to 3"),
         (["--dp", "2", "--pp", "2", "--zero", "3"], 4,
          "--zero 3 with --pp: a stage re-gathers every block for every microbatch"),
