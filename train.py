@@ -42,7 +42,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from support import checkpoint, config, distributed, run_log, sharding
+from support import checkpoint, config, distributed, recipe, run_log, sharding
 from support import export as export_lib
 from support import grid as grid_lib
 from support import run as run_lib
@@ -61,7 +61,7 @@ pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
 zero_lib = importlib.import_module("07_zero")
 cp_lib = importlib.import_module("08_context_parallel")
-
+plan_lib = importlib.import_module("09_plan")  # --plan, and the log's predictions.
 
 
 # ------------------------------------------ validation: one line per bad flag, up front
@@ -86,8 +86,9 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
     config.check_flags(cfg, world_size, choices, model_lib.PRESETS, pp_lib.check_config)
 
 
-def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
-    """Flags first (so bad input writes nothing), then the data, model and loader.
+def validate(cfg: TrainConfig, world_size: int, rank: int = 0, plan: bool = False):
+    """Flags first (so bad input writes nothing), then the data, model and loader; with
+    `plan` (--plan) the model only, of the data's vocabulary or its tokenizer's.
 
     Returns 02's GPTConfig: the preset, its context cut to --block-size (so no position
     goes untrained), its vocabulary padded for TP.
@@ -96,8 +97,11 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
         have = config.read_init_from(cfg, pretrained).config
         config.shape_of_init_from(cfg, have, model_lib.PRESETS)
     check_flags(cfg, world_size)
-    config.prepare_default_data(cfg, rank, data_lib.main)
-    meta = config.read_data_meta(cfg)
+    if plan:  # No data is made or read.
+        meta = {"vocab_size": config.plan_vocab_size(cfg)}
+    else:
+        config.prepare_default_data(cfg, rank, data_lib.main)
+        meta = config.read_data_meta(cfg)
     config.check_block_size(cfg, model_lib.PRESETS[cfg.model]["block_size"])
     sizes = {k: getattr(cfg, k) for k in ("block_size", "n_layer") if getattr(cfg, k)}
     extra = dict(vocab_size=meta["vocab_size"], dropout=cfg.dropout)
@@ -107,6 +111,8 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0):
         tp_lib.check_tp_config(gpt_config, cfg.tp)
     except (ValueError, AssertionError) as e:
         raise ConfigError(f"--model {cfg.model} --tp {cfg.tp}: {e}") from None
+    if plan:
+        return gpt_config
     config.check_data(cfg, gpt_config.block_size, data_lib.DataLoader)
     if cfg.init_from:  # Last, since it reads the whole checkpoint.
         config.check_init_from(cfg, meta, gpt_config, pretrained)
@@ -371,7 +377,8 @@ def open_log(run: Run, start: int) -> run_log.Logger:
     flops = model_lib.flops_per_token(run.gpt_config, run.T)  # 6N + attention (02).
     n_params = model_lib.count_params(run.gpt_config, non_embedding=True)
     dtype = {v: k for k, v in mp_lib.DTYPES.items()}[run.dtype]
-    return run_log.open_log(run, start, flops, n_params, dtype)
+    # Rank 0 logs 09's plan of the run beside what it measures.
+    return run_log.open_log(run, start, flops, n_params, dtype, plan_lib.plan_run)
 
 
 # --------------------------------------------------------------------------- the loop
@@ -434,10 +441,19 @@ def main(argv=None) -> None:
         print(sample(args.sample, args.prompt, cfg.sample_tokens or 200, cfg.seed))
         return
     world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.plan:  # The layout's GPUs, not this process's world: nothing launches.
+        world = cfg.dp * cfg.cp * cfg.tp * cfg.pp
     try:  # Everything that can be checked, before any process group or file exists.
-        gpt_config = validate(cfg, world, int(os.environ.get("RANK", 0)))
+        gpt_config = validate(cfg, world, int(os.environ.get("RANK", 0)), args.plan)
+        if args.plan:  # 09's plan on --plan-gpu, else this machine's GPU.
+            where = (args.plan_gpu or run_log.gpu_key(), args.gpus_per_node)
+            plan = run_log.plan_of(plan_lib.plan_run, cfg, gpt_config, *where)
     except ConfigError as e:
         raise SystemExit(f"train.py: error: {e}") from None
+    if args.plan:  # Printed, and no process group, data or file made.
+        return print(run_log.plan_text(plan, cfg))
+    if int(os.environ.get("RANK", 0)) == 0:  # Rerun it: --config OUT/config.toml.
+        recipe.write(cfg, Path(cfg.out_dir) / "config.toml")
     created = not dist.is_initialized()
     timeout_s = 60 * cfg.timeout_minutes  # Rank 0 saves alone, behind barriers.
     rank, _, world, device = distributed.init_distributed(timeout_s)

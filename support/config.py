@@ -137,18 +137,34 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def recipe_argv(argv: list[str]) -> tuple[list[str], dict]:
+    """--config FILE's settings as flags put before the others (argparse keeps the last
+    of a repeated flag, so the command line wins), and the recipe's [plan] table."""
+    from support import recipe  # Here, not above: support/recipe imports this file.
+
+    path, rest = recipe.split_config_flag(argv)
+    if path is None:
+        return argv, {}
+    values, planned = recipe.load(path)
+    return recipe.to_argv(values) + rest, planned
+
+
 def parse_args(argv=None, description: str = "train.py", choices: dict | None = None):
-    """TrainConfig's fields as flags, plus the one-shot --export and --sample.
+    """TrainConfig's fields as flags, the one-shot --export, --sample and --plan, and
+    --config FILE, a recipe whose settings the other flags override.
 
     `choices` maps a field to the values a lesson allows (02's presets for "model"), so
     that its help lists them. Returns (cfg, args): the TrainConfig, and argparse's
-    namespace for the others.
+    namespace for the others (with gpus_per_node: the recipe's [plan], else 8). A bad
+    recipe exits with one line.
     """
     choices = choices or {}
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
     for f in fields(TrainConfig):
-        kind = {"action": "store_true"} if f.type is bool else {"type": f.type}
+        # --no-compile too: a flag turns off what a --config recipe turned on.
+        on_off = {"action": argparse.BooleanOptionalAction}
+        kind = on_off if f.type is bool else {"type": f.type}
         help = f.metadata["help"]
         if f.name in choices:
             help = f"{help}: {', '.join(choices[f.name])}"
@@ -158,12 +174,25 @@ def parse_args(argv=None, description: str = "train.py", choices: dict | None = 
     sample = "sample from an exported model, then exit"
     parser.add_argument("--sample", metavar="MODEL_PT", help=sample)
     parser.add_argument("--prompt", default="def ", help="the prompt for --sample")
+    recipe = "a TOML recipe (recipes/): its settings, under the flags given here"
+    parser.add_argument("--config", metavar="FILE", help=recipe)
+    plan = "print 09_plan.py's plan of these settings and exit: no process starts"
+    parser.add_argument("--plan", action="store_true", help=plan)
+    gpus = "--plan's GPU, h100, h200, a100 or cpu; empty: the recipe's, or this one"
+    parser.add_argument("--plan-gpu", default="", metavar="GPU", help=gpus)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    planned = {}  # The recipe's [plan] table: the GPU 09 plans it for.
+    try:
+        argv, planned = recipe_argv(argv)
+    except ConfigError as e:  # A RecipeError: one line, before anything starts.
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     args = parser.parse_args(argv)
+    args.plan_gpu = args.plan_gpu or planned.get("gpu", "")
+    args.gpus_per_node = planned.get("gpus_per_node", 8)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     # An empty --data-dir means the default data of --tokenizer ("" for an unknown one,
     # which check_flags reports).
     cfg.data_dir = cfg.data_dir or DEFAULT_DATA.get(cfg.tokenizer or "bpe", "")
-    argv = sys.argv[1:] if argv is None else argv
     named = any(a == "--model" or a.startswith("--model=") for a in argv)
     if cfg.init_from and not named:  # The checkpoint's shape: validate reads it.
         cfg.model = ""
@@ -370,6 +399,24 @@ def prepare_default_data(cfg: TrainConfig, rank: int, prepare) -> None:
     deadline = time.monotonic() + 600
     while not meta.is_file() and time.monotonic() < deadline:
         time.sleep(1)
+
+
+# --plan's vocabulary before any data exists: 01's default BPE (--vocab-size 4096) and
+# GPT-2's. A char vocabulary is its corpus's own, so it needs the prepared data.
+KNOWN_VOCAB = {"bpe": 4096, "gpt2": 50257}
+
+
+def plan_vocab_size(cfg: TrainConfig) -> int:
+    """--plan's vocabulary: the prepared data's (meta.json), else --tokenizer's (GPT-2's
+    with --init-from); nothing is prepared."""
+    if (Path(cfg.data_dir) / "meta.json").is_file():
+        return read_data_meta(cfg)["vocab_size"]
+    made = [k for k, path in DEFAULT_DATA.items() if path == cfg.data_dir]
+    kind = cfg.tokenizer or (made[0] if made else "gpt2" if cfg.init_from else "")
+    if kind not in KNOWN_VOCAB:
+        why = f"--data-dir {cfg.data_dir} has no meta.json to give the vocabulary"
+        raise ConfigError(f"--plan: {why}: prepare it, or pass --tokenizer bpe or gpt2")
+    return KNOWN_VOCAB[kind]
 
 
 def read_data_meta(cfg: TrainConfig) -> dict:

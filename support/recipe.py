@@ -21,17 +21,19 @@ from dataclasses import fields
 from pathlib import Path
 
 from support.config import ConfigError, TrainConfig, check_numbers, flag_name
+from support.files import atomic_write
 
 # train.py's settings by table, in TrainConfig's order; a field not listed (a flag
 # added later) belongs to [run].
 GROUPS = {
     "layout": (
-        "dp tp pp schedule virtual_stages sequence_parallel zero grad_compression "
+        "dp tp pp cp schedule virtual_stages sequence_parallel zero grad_compression "
         "powersgd_rank powersgd_warmup_steps"
     ).split(),
     "batch": "batch_size micro_batch_size block_size".split(),
     "model": (
-        "model n_layer init_from lora_rank lora_alpha dropout recompute dtype compile"
+        "model n_layer init_from lora_rank lora_alpha dropout recompute loss dtype "
+        "compile"
     ).split(),
     "optimizer": (
         "max_steps lr warmup_steps lr_schedule min_lr decay_fraction cycle_steps "
@@ -134,16 +136,21 @@ def load(path, _seen=()) -> tuple[dict, dict]:
     return values, plan
 
 
-def recipe_to_argv(path) -> list[str]:
-    """The recipe as train.py's flags: parse_args(recipe_to_argv(path) + argv) lets the
-    command line win. A false bool is left out (every bool flag defaults to False)."""
+def to_argv(values: dict) -> list[str]:
+    """TrainConfig values as train.py's flags (a bool as --compile or --no-compile)."""
     argv = []
-    for key, value in load(path)[0].items():
+    for key, value in values.items():
         if isinstance(value, bool):
-            argv += [flag_name(key)] if value else []
+            argv.append(flag_name(key) if value else "--no-" + flag_name(key)[2:])
         else:
             argv += [flag_name(key), str(value)]
     return argv
+
+
+def recipe_to_argv(path) -> list[str]:
+    """The recipe as train.py's flags: parse_args(recipe_to_argv(path) + argv) lets the
+    command line win (train.py --config FILE does this: support/config.recipe_argv)."""
+    return to_argv(load(path)[0])
 
 
 def split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -190,15 +197,14 @@ def write(cfg: TrainConfig, path) -> Path:
     `train.py --config OUT/config.toml`."""
     path = Path(path)
     values = {f.name: getattr(cfg, f.name) for f in fields(TrainConfig)}
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text("# The resolved settings of this run.\n" + dumps(values))
-    tmp.replace(path)
+    text = "# The resolved settings of this run.\n" + dumps(values)
+    atomic_write(path, lambda tmp: tmp.write_text(text))
     return path
 
 
 if __name__ == "__main__":  # python -m support.recipe [--argv] FILE
     try:
-        if sys.argv[1] == "--argv":  # until train.py reads --config itself
+        if sys.argv[1] == "--argv":  # the flags train.py --config FILE reads
             print(" ".join(recipe_to_argv(sys.argv[2])))
         else:
             print(dumps(*load(sys.argv[1])))

@@ -4,20 +4,75 @@ A train row: step, loss (the logged step's own mean loss, not a mean since the l
 row), lr, grad_norm (and comm_bytes with dp > 1; with fp16, skipped: whether the loss
 scaler skipped the step, and a skipped step always gets a row),
 tokens seen, tokens/s (all ranks and per rank), MFU and HFU (support/gpus.py), peak
-memory (the GPU's allocator, or the CPU's peak RSS) and the ETA. A val row: step,
-val_loss, tokens. The model's FLOPs per token come from train.py, which knows the model.
+memory (the GPU's allocator, or the CPU's peak RSS) and the ETA; beside them 09's
+prediction of this run, predicted_tokens_per_s and predicted_peak_mem_gb (its fullest
+GPU), so every run checks the planner. A val row: step, val_loss, tokens. The model's
+FLOPs per token come from train.py, which knows the model; 09's plan_run comes from it
+too, as does --plan's (plan_text).
 """
 
 import json
+import os
+import re
 import resource
 import time
 from pathlib import Path
 
 import torch
 
-from support import gpus
+from support import gpus, plan_report
+from support.config import ConfigError
 from support.distributed import print0
 from support.files import atomic_write
+from support.gpu_specs import GPUS
+
+GIB = 2**30
+
+
+def gpu_key(device: torch.device | None = None) -> str:
+    """support/gpu_specs' key of `device` (None: this machine's; "cpu" on a CPU), or the
+    GPU's own name when 09 does not know the card (a PCIe, NVL or 40 GB part has other
+    memory or links)."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    words = set(re.findall(r"[a-z0-9]+", name.lower()))
+    known = [k for k in GPUS if k in words and not words & {"pcie", "nvl", "40gb"}]
+    return known[0] if known else name
+
+
+def plan_of(plan_run, cfg, gpt_config, gpu: str, gpus_per_node: int):
+    """09's `plan_run` of the settings `cfg` on `gpu`, or a ConfigError: an unknown GPU,
+    or a layout 09 refuses."""
+    try:
+        return plan_run(cfg, gpt_config, gpu, gpus_per_node)
+    except ValueError as e:  # 09's PlanError, get_gpu's unknown GPU.
+        raise ConfigError(f"09_plan.py on {gpu}: {e}") from None
+
+
+def plan_text(plan, cfg) -> str:
+    """train.py --plan's report of 09's `plan` of the settings `cfg`: the layout's
+    memory and time (09's two lines), whether it fits, and --max-steps' hours."""
+    spec = GPUS[plan.gpu]
+    n = plan.n_gpus
+    T = plan.tokens_per_step // cfg.batch_size
+    head = f"{cfg.model} on {n} x {plan.gpu}, batch {cfg.batch_size} x {T}"
+    lines = [f"09_plan.py's plan of this run: {head}, {plan.ranks[0]['dtype']}"]
+    lines += plan_report.describe(plan)
+    share = f"{plan.capacity / GIB:.1f} GiB (90% of {spec.memory / GIB:.1f})"
+    over = (plan.memory["total"] - plan.capacity) / GIB
+    lines.append(f"fits in {share}" if plan.fits else f"{over:.1f} GiB over {share}")
+    tokens = cfg.max_steps * plan.tokens_per_step
+    cost = plan.budget(tokens)
+    hours = cost["hours"]
+    took = f"{60 * hours:.1f} min" if hours < 1 else f"{hours:.2f} h"
+    took += f", {cost['gpu_hours']:.3g} GPU-hours"
+    lines.append(f"{cfg.max_steps:,} steps, {tokens:,} tokens: {took}")
+    if cost["kwh"] is not None:
+        lines[-1] += f", {cost['kwh']:.3g} kWh at {spec.watts:.0f} W (TDP)"
+    return "\n".join(lines)
 
 
 def lora_flops_per_token(flops: int, n_params: int, config, lora_rank: int) -> int:
@@ -36,7 +91,8 @@ class Logger:
 
     `flops_per_token` is MFU's count (the model's); `hfu_flops_per_token` adds what
     recomputation redoes. `dtype_name` ("fp32", "bf16", "fp16") picks the GPU's peak.
-    `grid` tells this rank (`.rank`) and the number of ranks (`.world`).
+    `grid` tells this rank (`.rank`) and the number of ranks (`.world`). `plan` is
+    09's Plan of this run (logged beside the measured), or why there is none (a str).
     """
 
     def __init__(
@@ -50,6 +106,7 @@ class Logger:
         dtype_name: str,
         grid,
         device: torch.device,
+        plan=None,
     ):
         self.path = Path(out_dir) / "metrics.jsonl"
         self.tokens_per_step = tokens_per_step
@@ -66,8 +123,16 @@ class Logger:
         cuda = device.type == "cuda"
         gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
         self.peak = gpus.peak_flops(gpu, dtype_name)
+        self.plan = None if isinstance(plan, str) else plan
         if self.rank == 0:
             self.keep_rows_before(start_step)
+        if self.plan is not None:  # The run's first log lines: what 09 expects.
+            mem = f"{self.plan.memory['total'] / 1e9:.2f} GB"
+            tok_s = f"{self.plan.tokens_per_s:,.0f} tok/s"
+            what = f"peak memory {mem} (its fullest GPU), {tok_s}"
+            print0(f"predicted by 09_plan.py ({self.plan.gpu}): {what}")
+        elif plan is not None:
+            print0(f"predicted by 09_plan.py: nothing ({plan})")
 
     def keep_rows_before(self, start_step: int) -> None:
         """On resume, drop the rows logged after the checkpoint, and any torn line.
@@ -117,6 +182,9 @@ class Logger:
         row = {"kind": "train", "step": step, **stats, "tokens": tokens}
         row.update(tokens_per_s=tok_s, tokens_per_s_per_gpu=tok_s / self.world)
         row.update(mfu=util, hfu=hw, peak_mem_gb=mem / 1e9, eta_s=eta)
+        if self.plan is not None:  # 09's numbers, beside the measured two above.
+            row["predicted_tokens_per_s"] = self.plan.tokens_per_s
+            row["predicted_peak_mem_gb"] = self.plan.memory["total"] / 1e9
         self.write(row)
         mfu_text = "n/a" if util is None else f"{100 * util:.1f}%"
         if hw != util:  # Full recomputation's extra forward.
@@ -157,14 +225,22 @@ def plot_losses(out_dir) -> Path:
     return path
 
 
-def open_log(run, start: int, flops: int, n_params: int, dtype_name: str) -> Logger:
+def open_log(run, start, flops, n_params, dtype_name, plan_run=None) -> Logger:
     """A train.Run's Logger from step `start` on. `flops`: 02's FLOPs per token (6N +
     attention); with LoRA, less the frozen weights' gradients (`n_params`: 02's N, the
-    non-embedding parameters); HFU adds what --recompute redoes (support/gpus.py)."""
+    non-embedding parameters); HFU adds what --recompute redoes (support/gpus.py).
+    `plan_run` is 09's: rank 0 plans the run on this GPU, with the ranks of a node."""
     cfg = run.cfg
+    plan = None
+    if plan_run is not None and run.grid.rank == 0:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", run.grid.world))
+        try:
+            plan = plan_of(plan_run, cfg, run.gpt_config, gpu_key(run.device), per_node)
+        except ConfigError as e:  # No plan: said, and the run goes on.
+            plan = str(e)
     if cfg.lora_rank:  # No gradients of the frozen weights; the factors' instead.
         flops = lora_flops_per_token(flops, n_params, run.gpt_config, cfg.lora_rank)
     hfu = flops + gpus.recompute_flops_per_token(run.gpt_config, run.T, cfg.recompute)
     tokens = cfg.batch_size * run.T  # Per step.
-    args = (tokens, cfg.max_steps, flops, hfu, dtype_name, run.grid, run.device)
+    args = (tokens, cfg.max_steps, flops, hfu, dtype_name, run.grid, run.device, plan)
     return Logger(cfg.out_dir, start, *args)

@@ -1,12 +1,11 @@
 """Recipes (support/recipe.py, recipes/*.toml): every recipe parses, validates against
 train.py's TrainConfig and fits the GPU its [plan] names by 09's plan; `base =` and the
 command line override in that order; bad files are one-line errors naming file and key;
-the resolved settings write back as TOML; and cpu-demo.toml runs through train.py.
+the resolved settings write back as TOML. cpu-demo.toml runs through train.py --config
+in tests/test_train_plan.py.
 """
 
 import importlib
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from support.config import TrainConfig, parse_args
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 plan_lib = importlib.import_module("09_plan")
-data_lib = importlib.import_module("01_data")
 
 
 def gpt_config(cfg: TrainConfig):
@@ -74,6 +72,10 @@ def test_base_is_overridden_by_the_file_and_the_file_by_the_command_line(tmp_pat
     assert recipe.merge({"lr": 1, "seed": 2}, {"lr": 3}) == {"lr": 3, "seed": 2}
     cfg, _ = parse_args(recipe.recipe_to_argv(child) + ["--lr", "0.5"])
     assert (cfg.lr, cfg.max_steps, cfg.seed) == (0.5, 7, 3)  # the flag over the file
+    on = write(tmp_path, "on.toml", f'base = "{child}"\n[model]\ncompile = true\n')
+    assert parse_args(["--config", str(on)])[0].compile  # a bool the file turns on
+    cfg, _ = parse_args(["--config", str(on), "--no-compile", "--seed", "4"])
+    assert (cfg.compile, cfg.seed, cfg.lr) == (False, 4, 0.02)  # the flags turn it off
     path, rest = recipe.split_config_flag(
         ["--dp", "2", "--config", "x.toml", "--lr", "1"]
     )
@@ -116,42 +118,3 @@ def test_settings_write_back_as_toml_and_load_the_same(tmp_path):
     values, _ = recipe.load(path)
     assert TrainConfig(**values) == cfg
     assert "[optimizer]\n" in path.read_text() and "lr = 0.25" in path.read_text()
-
-
-def test_cpu_demo_runs_through_train_py_for_two_steps(tmp_path):
-    """The recipe as flags, then flags of this test that win: a tiny char corpus."""
-    src = tmp_path / "src"
-    src.mkdir()
-    for d in range(12):
-        lines = [f"def f{d}_{i}(x):\n    return x * {i} + {d}\n" for i in range(60)]
-        (src / f"doc{d}.py").write_text("".join(lines))
-    data_lib.prepare(str(src), "char", tmp_path / "data", block_size=32)
-    argv = recipe.recipe_to_argv(ROOT / "recipes" / "cpu-demo.toml")
-    assert "--batch-size" in argv and "--model" in argv
-    flags = [
-        "--data-dir",
-        str(tmp_path / "data"),
-        "--block-size",
-        "32",
-        "--max-steps",
-        "2",
-        "--eval-interval",
-        "0",
-        "--ckpt-interval",
-        "0",
-        "--sample-tokens",
-        "0",
-        "--out-dir",
-        str(tmp_path / "out"),
-        "--log-interval",
-        "1",
-    ]
-    run = subprocess.run(
-        [sys.executable, "train.py", *argv, *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert (tmp_path / "out" / "metrics.jsonl").exists()
