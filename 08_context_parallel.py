@@ -369,6 +369,7 @@ class ContextParallelAttention(nn.Module):
         self.c_attn = attn.c_attn
         self.c_proj = attn.c_proj
         self.resid_dropout = attn.resid_dropout
+        self.dropout = attn.dropout  # 0.0; 06's recomputation asks it
         self.head_dim = attn.head_dim
         self.group = group
         self.split = split

@@ -3,7 +3,7 @@
 The idea: build the same GPT on every rank, cut it with tensor parallelism (04) inside
 a node and pipeline parallelism (05) across nodes, replicate that with data parallelism
 (03, or 07's ZeRO stages 1-3), and train it in mixed precision with recomputation (06).
-Long sequences are cut over --cp ranks, ring attention passing K and V between them (08).
+Long sequences are cut over --cp ranks, K and V passed around a ring in attention (08).
 Checkpoint (resumable bit for bit), evaluate, log and measure every step. Or fine-tune
 GPT-2's weights (--init-from): all of them, or LoRA's factors only (--lora-rank, 02).
 

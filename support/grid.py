@@ -79,8 +79,7 @@ def build_grid(
 class CPChunks:
     """A loader whose batches keep this CP rank's chunks of every sequence: every CP
     rank of a DP rank reads the same batch, a function of (seed, step, dp rank), and
-    keeps its own part, `split(t, cp_rank, cp)` (08's zigzag_split): (B, T) -> (B, T/cp).
-    """
+    keeps its own part, `split(t, cp_rank, cp)` (08's zigzag_split): (B, T/cp)."""
 
     def __init__(self, loader, grid: Grid, split):
         self.loader = loader

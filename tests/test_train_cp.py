@@ -1,9 +1,9 @@
 """train.py --cp: context parallelism (08) in the 4D grid trains like one process.
 
-Every layout below runs the same 4 steps as one process (test_train's BASE: the tiny GPT,
-4 layers, 8 sequences of 32 tokens a step, fp32) and must give its loss curve, gradient
-norms and validation loss, each CP rank holding 2 of the 2·cp zigzag chunks of every
-sequence. One world is spawned per world size; every layout runs inside it.
+Every layout below runs the same 4 steps as one process (test_train's BASE: the tiny
+GPT, 4 layers, 8 sequences of 32 tokens a step, fp32) and must give its loss curve,
+gradient norms and validation loss, each CP rank holding 2 of the 2·cp zigzag chunks of
+every sequence. One world is spawned per world size; every layout runs inside it.
 """
 
 import functools
@@ -29,7 +29,7 @@ TOKENS_PER_STEP = 8 * 32  # BASE's batch: 8 sequences of 32 tokens
 
 @pytest.fixture(scope="module")
 def one_process(data_dir, tmp_path_factory):
-    """One process, the whole batch of 8 as one microbatch: its folder (metrics, model.pt)."""
+    """One process, the batch of 8 as one microbatch: its folder (metrics, model.pt)."""
     out = tmp_path_factory.mktemp("one-process")
     argv = ["--data-dir", data_dir, "--out-dir", str(out), "--micro-batch-size", "8"]
     train.main(BASE + argv)
@@ -95,15 +95,22 @@ def check_layout(name, got, val, one_process):
 def test_cp2_alone_trains_evaluates_resumes_and_exports_as_one_process(
     data_dir, tmp_path, one_process
 ):
-    """cp 2 with 1 and 4 microbatches, and with ZeRO-1 and ZeRO-3 sharding over the 2 CP
-    ranks (dp 1: the DP x CP group is the CP ranks); the gradient-averaging group holds
-    both CP ranks; model.pt equals one process's; 3 steps, --resume, 3 more: bit for bit."""
+    """cp 2 with 1 and 4 microbatches, with ZeRO-1 and ZeRO-3 sharding over the 2 CP
+    ranks (dp 1: the DP x CP group is the CP ranks), and with selective and full
+    recomputation (the ring run again in the backward); the gradient-averaging group
+    holds both CP ranks; model.pt equals one process's; 3 steps, --resume, 3 more: bit
+    for bit."""
     cp2 = ["--cp", "2"]
     configs = [
         ("cp2", cp2 + ["--micro-batch-size", "8"]),
         ("cp2-accumulate", cp2 + ["--micro-batch-size", "2"]),
         ("cp2-zero1", cp2 + ["--micro-batch-size", "4", "--zero", "1"]),
         ("cp2-zero3", cp2 + ["--micro-batch-size", "4", "--zero", "3"]),
+        (
+            "cp2-selective",
+            cp2 + ["--micro-batch-size", "4", "--recompute", "selective"],
+        ),
+        ("cp2-full", cp2 + ["--micro-batch-size", "4", "--recompute", "full"]),
     ]
     resume = cp2 + ["--micro-batch-size", "4"]
     out, resumed = run_ranks(
