@@ -207,7 +207,8 @@ CASES = {
 @functools.cache
 def world_results(world: int) -> list:
     cases = CASES if world == 2 else {"full_rank": case_powersgd_full_rank}
-    return run_ranks(run_cases, world, cases, timeout=150)
+    # 300 s: on 2 cores shared with other work (load ~20) a world took over 150 s (2026-11-27)
+    return run_ranks(run_cases, world, cases, timeout=300)
 
 
 def results(world: int, case: str) -> list:
