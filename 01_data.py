@@ -374,15 +374,16 @@ class Deduplicator:
 
     def __init__(self, mode: str, threshold=0.8, hashes=112, bands=14, ngram=5):
         assert hashes % bands == 0, f"{hashes} hashes do not split in {bands} bands"
-        rng = np.random.default_rng(SHARD_MAGIC)  # A fixed seed: the same removals.
-        # a is odd, so a·s mod 2^64 is one-to-one. Each has shape (hashes, 1).
-        self.a, self.b = rng.integers(0, 2**64, (2, hashes, 1), np.uint64) | 1
+        # Fixed integers (splitmix64, not a NumPy Generator's stream, which may change
+        # between versions): the same removals everywhere. a is odd, so a·s mod 2^64 is
+        # one-to-one. Each has shape (hashes, 1).
+        self.a = shuffle.splitmix64(SHARD_MAGIC, 0, hashes)[:, None] | np.uint64(1)
+        self.b = shuffle.splitmix64(SHARD_MAGIC, 1, hashes)[:, None]
         self.mode = mode
         self.threshold = threshold
         self.bands = bands
-        self.rows = (
-            hashes // bands
-        )  # A band is `rows` consecutive hashes of a signature.
+        # A band is `rows` consecutive hashes of a signature.
+        self.rows = hashes // bands
         self.ngram = ngram
         self.exact = set()
         self.store = dedup_store.SignatureStore(hashes)

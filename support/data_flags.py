@@ -19,7 +19,8 @@ def parse_args(argv, description: str, shard_tokens: int, quality, dedup):
     arg("--shard-tokens", type=int, default=shard_tokens, help="ids per shard at most")
     arg("--bpe-sample-mb", type=float, default=16, help="train text the BPE learns on")
     arg("--quality", default="none", choices=quality, help="gopher: Gopher's rules")
-    what = "exact: copies; minhash: near copies too; lines: lines seen twice (CCNet)"
+    what = "exact: copies; minhash: near copies too; lines: lines seen twice (CCNet);"
+    what += " all but none hold keys that grow with the corpus (docs/reference.md)"
     arg("--dedup", default="exact", choices=dedup, help=what)
     near = "minhash: a candidate pair whose estimated Jaccard similarity is >= this is"
     near += " a near duplicate (0.8: the usual FineWeb-style setting)"
