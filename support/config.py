@@ -185,7 +185,7 @@ def parse_args(argv=None, description: str = "train.py", choices: dict | None = 
     try:
         argv, planned = recipe_argv(argv)
     except ConfigError as e:  # A RecipeError: one line, before anything starts.
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        parser.exit(2, f"train.py: error: {e}\n")  # As train.py's other errors.
     args = parser.parse_args(argv)
     args.plan_gpu = args.plan_gpu or planned.get("gpu", "")
     args.gpus_per_node = planned.get("gpus_per_node", 8)

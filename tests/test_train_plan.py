@@ -8,7 +8,6 @@ import importlib
 import json
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -52,7 +51,8 @@ def test_a_recipe_runs_under_the_command_line_and_writes_its_settings(tmp_path):
     child.write_text(text + "max_steps = 50\n[run]\nseed = 7\n")
     out = tmp_path / "out"
     flags = ["--max-steps", "2", "--data-dir", str(data), "--block-size", "32"]
-    flags += ["--eval-interval", "0", "--ckpt-interval", "0", "--sample-tokens", "0"]
+    flags += ["--eval-interval", "0", "--eval-steps", "1", "--ckpt-interval", "0"]
+    flags += ["--sample-tokens", "0"]
     flags += ["--out-dir", str(out), "--log-interval", "1", "--seed", "9"]
     done = run_train("--config", str(child), *flags)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -96,16 +96,10 @@ BAD = {
 
 
 def test_a_bad_recipe_is_one_line_and_nothing_starts(tmp_path, capsys, monkeypatch):
-    """One process to see the whole output (no traceback); the other cases in this
-    process, where reaching the process group would be a failure."""
+    """train.main as `python train.py` runs it: a SystemExit(2) with one line on stderr
+    (any other exception, a traceback, fails pytest.raises), before a process group
+    (patched to fail here) or the out dir exists."""
     bad = tmp_path / "bad.toml"
-    bad.write_text(BAD["malformed"][0])
-    done = run_train("--config", str(bad), "--out-dir", str(tmp_path / "o"), timeout=60)
-    assert done.returncode == 2, done.stdout + done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    assert lines[0].startswith("train.py: error: ") and "bad.toml" in lines[0]
-    assert "malformed TOML" in lines[0]
 
     def no_group(*args):
         raise AssertionError("a process group was started")
@@ -117,7 +111,8 @@ def test_a_bad_recipe_is_one_line_and_nothing_starts(tmp_path, capsys, monkeypat
             train.main(["--config", str(bad), "--out-dir", str(tmp_path / "o")])
         err = capsys.readouterr().err
         assert exit.value.code == 2, case
-        assert err.count("\n") == 1 and "bad.toml" in err and expected in err, err
+        assert err.startswith("train.py: error: ") and err.count("\n") == 1, err
+        assert "bad.toml" in err and expected in err, err
     assert not (tmp_path / "o").exists()
 
 
@@ -152,15 +147,14 @@ def test_plan_prints_09s_plan_of_the_run_and_starts_nothing(tmp_path, capsys):
 
 
 def test_plan_of_a_recipe_plans_for_its_gpu_in_seconds():
-    """The 8-GPU recipe on this CPU: its [plan] GPU, no torchrun, exit 0, fast (the
-    bound allows the 2-core machine under a loaded suite; alone it takes ~5 s)."""
-    start = time.monotonic()
+    """The 8-GPU recipe on this CPU: its [plan] GPU, no torchrun, exit 0, in seconds
+    (~7 s of CPU: importing torch and the lessons; the timeout allows the 2-core machine
+    under a loaded suite)."""
     done = run_train("--config", "recipes/gpt2-124m-8gpu.toml", "--plan", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "gpt2 on 8 x h100, batch 512 x 1024" in done.stdout
     assert "dp 8 tp 1 pp 1 zero 0 mb 16 none" in done.stdout
-    assert "fits in" in done.stdout
-    assert time.monotonic() - start < 60
+    assert "fits in" in done.stdout and "step" not in done.stdout.replace("steps", "")
 
 
 @pytest.mark.parametrize(
