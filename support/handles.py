@@ -25,7 +25,7 @@ replaces it. The work itself may well die on gloo's thread, but the flat bucket 
 was made in C++ and never had a Python object, so freeing it needs no GIL. Every tensor
 the lessons send was made in Python, so its last reference must end on the main thread:
 retire(). On torch 2.13 the abort did not reproduce even with retire() disabled (0 of
-40 jobs under load, bench/bench_exit.py); older releases aborted (tests/test_ddp.py).
+100 jobs under load, bench/bench_exit.py); older releases aborted (tests/test_ddp.py).
 """
 
 import collections
