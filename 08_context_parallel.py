@@ -3,10 +3,17 @@
 The idea: a layer's activations grow with T, TP's sequence split stops at tp, and
 recomputation only trades that memory for compute. Context parallelism (CP) gives each
 of cp ranks T/cp tokens of every sequence, from the embedding to the loss. Only
-attention mixes positions, so only attention talks: the keys and values travel around a
-ring of the cp ranks while each rank's queries stay at home (ring attention: Liu et al.
-2023, arXiv 2310.01889). Activations are sharded; every weight is a full copy on each CP
-rank, so CP is data parallelism over tokens: gradients are averaged over DP x CP ranks.
+attention mixes positions, so only attention talks. Every weight is a full copy on each
+CP rank, so CP is data parallelism over tokens: gradients are averaged over DP x CP.
+
+The simple version (AllGatherAttention) all-gathers every rank's K and V, attends its
+queries to all T keys and reduce-scatters dK, dV to their owners. Its forward sends what
+the ring's does, (cp-1) 2E b (E, b and a below), its backward (cp-1) 2E a. But each rank
+holds K and V of all T tokens (kept in every layer until the backward) and a (T/cp x T)
+score matrix, and no attention starts before the all-gather ends. The ring (Liu et al.
+2023, arXiv 2310.01889) keeps the queries at home and passes K and V around the ranks:
+a rank holds K, V and scores of T/cp tokens at a time, and each transfer hides behind a
+block's compute; its backward sends K and V again. The demo prints both versions' costs.
 
 The math (the online softmax: Milakov & Gimelshein 2018; FlashAttention, 2205.14135).
 A query row q against one block j of keys and values:
@@ -22,40 +29,37 @@ The causal imbalance. Cut T into cp contiguous chunks and rank r's queries see c
 0..r: the last rank computes cp blocks of (T/cp)^2 scores, the first one. The zigzag
 split cuts T into 2cp chunks and gives rank r chunks r and 2cp-1-r, an early and a late
 one: every rank computes (cp+1)/2 blocks (blocks_per_rank). The T x T scores of cp = 2
-in chunks c0..c3, each cell marked rank.step (who computes it, at which ring step; a
-diagonal block is computed whole: a marked cell right of the diagonal is masked away):
+in chunks c0..c3, each cell marked rNsK: computed by rank N at ring step K (a diagonal
+block is computed whole: a marked cell right of the diagonal is masked away):
 
-    contiguous: rank 0 holds c0 c1            zigzag: rank 0 holds c0 c3
-                rank 1 holds c2 c3                    rank 1 holds c1 c2
-    keys:   c0   c1   c2   c3                 keys:   c0   c1   c2   c3
-    c0     0.0  0.0    .    .                 c0     0.0    .    .  0.0
-    c1     0.0  0.0    .    .                 c1     1.1  1.0  1.0    .
-    c2     1.1  1.1  1.0  1.0                 c2     1.1  1.0  1.0    .
-    c3     1.1  1.1  1.0  1.0                 c3     0.0  0.1  0.1  0.0
-    rank 0: 4 cells, rank 1: 8                rank 0: 6 cells, rank 1: 6
+    contiguous: rank 0 holds c0 c1             zigzag: rank 0 holds c0 c3
+                rank 1 holds c2 c3                     rank 1 holds c1 c2
+    keys:   c0   c1   c2   c3                  keys:   c0   c1   c2   c3
+    c0    r0s0 r0s0    .    .                  c0    r0s0    .    . r0s0
+    c1    r0s0 r0s0    .    .                  c1    r1s1 r1s0 r1s0    .
+    c2    r1s1 r1s1 r1s0 r1s0                  c2    r1s1 r1s0 r1s0    .
+    c3    r1s1 r1s1 r1s0 r1s0                  c3    r0s0 r0s1 r0s1 r0s0
+    rank 0: 4 cells, rank 1: 8                 rank 0: 6 cells, rank 1: 6
 
-At ring step s a rank holds the K/V that rank (r - s) mod cp started with. Step 0 is the
-diagonal: its own tokens, causal. Under zigzag all our queries see a lower rank's early
-chunk (its late one comes after both of ours), and only our late chunk sees a higher
-rank's block, whole. Every other step is half a block, and each cell left of the
-diagonal is computed exactly once.
+At ring step s a rank holds the K/V that rank (r - s) mod cp started with (ring_block
+says which part its queries see): each cell left of the diagonal is computed once.
 
 Bytes each rank sends per layer (ring_bytes_per_layer), E = B (T/cp) C elements (one of
 K or V of its tokens), b bytes each, a = max(b, 4) for the fp32 gradient accumulators:
     forward   (cp-1) 2E b              K and V move on, cp-1 times
     backward  (cp-1) 2E b + cp 2E a    K and V again; dK, dV on a second ring, home
-Each transfer is posted before the current block's compute, which hides it when the
-block's 4 B (T/cp)^2 C FLOPs outlast its 2E b bytes on the link.
+Each transfer (2E b = 2B n C b bytes, n = T/cp) is posted before a step's compute, a
+whole block's 4B n^2 C FLOPs, or half that at zigzag's later steps, which bind: at F
+FLOP/s and W bytes/s on the link the ring hides when 2B n^2 C / F >= 2B n C b / W, i.e.
+n >= F b / W (~4,400 tokens a rank: H100, 989 TFLOP/s bf16, NVLink 450 GB/s one way).
 
 Run it:  python 08_context_parallel.py [--ranks 4]   (relaunches itself under torchrun)
     or:  torchrun --standalone --nproc_per_node=2 08_context_parallel.py
 
 What changed from 07_zero.py: DP, TP, PP and ZeRO split the batch, the weights, the
-layers and the optimizer's state; CP splits each sequence. Left out on purpose: Ulysses
-(all-to-all over heads: DeepSpeed-Ulysses, 2309.14509), grouped-query attention (fewer
-K/V heads to send), dropout on the attention weights inside the ring, packed documents,
-and fused kernels: the blocks are computed by hand in fp32 (a GPU would call a flash
-kernel that returns the lse).
+layers and the optimizer's state; CP splits each sequence. Left out on purpose (see
+docs/context_parallel.md): Ulysses (all-to-all over heads, 2309.14509), grouped-query
+attention, attention dropout in the ring, packed documents, and a fused kernel.
 """
 
 import copy
@@ -66,63 +70,64 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from support import sharding
+from support.activations import saved_activation_bytes
 from support.distributed import print0, run_on_ranks
-from support.ring import count_p2p
+from support.ring import (
+    Transfer,
+    attention_kept_bytes,
+    attention_on_ranks,
+    count_p2p,
+    gather,
+    sdpa_reference,
+)
 
 model_lib = importlib.import_module("02_model")
 mp_lib = importlib.import_module("06_mixed_precision")  # count_tokens
 
 SPLITS = ("zigzag", "contiguous")
 SEQ_DIM = 2  # q, k, v: (B, nh, T/cp, hs); the sequence is dim 2 here, dim 1 in (B, T)
+NAMES = ("out", "dq", "dk", "dv")  # what the attention demo compares with SDPA's
 
 
 # ------------------------------------------------------------ the split of a sequence
-def zigzag_split(x, cp_rank: int, cp_size: int, dim: int = 1):
-    """This rank's tokens of x: chunks r and 2cp-1-r of 2cp along dim, concatenated."""
+def split_sequence(x, cp_rank, cp_size, split="zigzag", dim=1):
+    """This rank's tokens of x along dim. zigzag: chunks r and 2cp-1-r of 2cp,
+    concatenated (balanced); contiguous: chunk r of cp (the simple, unbalanced split)."""
+    assert split in SPLITS, f"split must be one of {SPLITS}, got {split!r}"
     n = x.size(dim)
+    if split == "contiguous":
+        assert n % cp_size == 0, f"T={n} must be divisible by cp = {cp_size}"
+        return x.chunk(cp_size, dim)[cp_rank]
     assert n % (2 * cp_size) == 0, f"T={n} must be divisible by 2cp = {2 * cp_size}"
     chunks = x.chunk(2 * cp_size, dim)
     return torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim)
 
 
-def zigzag_merge(parts, cp_size: int, dim: int = 1):
-    """zigzag_split's inverse: every rank's part, in rank order -> the whole x."""
+def merge_sequence(parts, cp_size, split="zigzag", dim=1):
+    """split_sequence's inverse: every rank's part, in rank order -> the whole x."""
     assert len(parts) == cp_size, f"{len(parts)} parts for cp={cp_size}"
-    chunks = [None] * (2 * cp_size)
-    for r, part in enumerate(parts):
-        early, late = part.chunk(2, dim)
-        chunks[r] = early
-        chunks[2 * cp_size - 1 - r] = late
-    return torch.cat(chunks, dim)
+    if split == "contiguous":
+        return torch.cat(parts, dim)
+    halves = [part.chunk(2, dim) for part in parts]  # each rank's (early, late) chunks
+    early = [half[0] for half in halves]  # chunks 0 .. cp-1: ranks 0 .. cp-1
+    late = [half[1] for half in reversed(halves)]  # chunks cp .. 2cp-1: ranks cp-1 .. 0
+    return torch.cat(early + late, dim)
+
+
+# The zigzag split under its own names: train.py, bench/ and the tests call these.
+def zigzag_split(x, cp_rank: int, cp_size: int, dim: int = 1):
+    return split_sequence(x, cp_rank, cp_size, "zigzag", dim)
+
+
+def zigzag_merge(parts, cp_size: int, dim: int = 1):
+    return merge_sequence(parts, cp_size, "zigzag", dim)
 
 
 def zigzag_positions(T: int, cp_rank: int, cp_size: int, device=None):
     """The true positions (T/cp,) of this rank's tokens: what wpe must look up."""
-    return zigzag_split(torch.arange(T, device=device), cp_rank, cp_size, dim=0)
-
-
-def split_sequence(x, cp_rank, cp_size, split="zigzag", dim=1):
-    """zigzag_split, or the contiguous chunk r of cp (the simple, unbalanced split)."""
-    assert split in SPLITS, f"split must be one of {SPLITS}, got {split!r}"
-    if split == "contiguous":
-        assert x.size(dim) % cp_size == 0, f"T={x.size(dim)} splits over cp={cp_size}"
-        return x.chunk(cp_size, dim)[cp_rank]
-    return zigzag_split(x, cp_rank, cp_size, dim)
-
-
-def merge_sequence(parts, cp_size, split="zigzag", dim=1):
-    """split_sequence's inverse, from every rank's part in rank order."""
-    if split == "contiguous":
-        return torch.cat(parts, dim)
-    return zigzag_merge(parts, cp_size, dim)
-
-
-def sequence_positions(T, cp_rank, cp_size, split="zigzag", device=None):
-    """The true positions of this rank's T/cp tokens under either split."""
-    return split_sequence(torch.arange(T, device=device), cp_rank, cp_size, split, 0)
+    return zigzag_split(torch.arange(T, device=device), cp_rank, cp_size, 0)
 
 
 # ------------------------------------------------------------ one block, by hand
@@ -165,6 +170,49 @@ def merge(out, lse, rows, out_b, lse_b):
     lse[..., rows] = new
 
 
+# ------------------------------------------------------------ the simple version
+class AllGatherAttention(torch.autograd.Function):
+    """The simple version: all-gather K and V forward, reduce-scatter dK, dV backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, split):  # (B, nh, T/cp, hs) each, this rank's
+        rank = dist.get_rank(group)
+        cp = dist.get_world_size(group)
+        kv = torch.stack([k, v])  # (2, B, nh, T/cp, hs)
+        parts = gather(kv, group)  # dist.all_gather: every rank's, cp-1 parts sent
+        kv_all = merge_sequence(parts, cp, split, dim=1 + SEQ_DIM)  # (2, B, nh, T, hs)
+        T = kv_all.size(1 + SEQ_DIM)
+        mine = split_sequence(torch.arange(T, device=q.device), rank, cp, split, 0)
+        mask = torch.arange(T, device=q.device) <= mine.unsqueeze(-1)  # (T/cp, T)
+        out, lse = attend(q, kv_all[0], kv_all[1], mask)
+        # K and V of all T tokens kept for the backward: cp times what the ring keeps.
+        ctx.save_for_backward(q, kv_all, mask, out, lse)
+        ctx.group = group
+        ctx.split = split
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, kv_all, mask, out, lse = ctx.saved_tensors
+        cp = dist.get_world_size(ctx.group)
+        delta = (dout.to(lse.dtype) * out).sum(-1)
+        dq, dk, dv = attend_backward(q, kv_all[0], kv_all[1], mask, lse, dout, delta)
+        dkv = torch.stack([dk, dv])  # our queries' share of every token's dK, dV
+        pieces = [split_sequence(dkv, r, cp, ctx.split, 1 + SEQ_DIM) for r in range(cp)]
+        pieces = [piece.contiguous() for piece in pieces]
+        summed = torch.empty_like(pieces[0])  # rank r gets the sum of piece r
+        dist.reduce_scatter(summed, pieces, group=ctx.group)
+        return dq.to(q.dtype), summed[0].to(q.dtype), summed[1].to(q.dtype), None, None
+
+
+def allgather_attention(q, k, v, group, split="zigzag"):
+    """Causal attention of this rank's (B, nh, T/cp, hs) q, k, v over the CP group,
+    with the whole sequence's K and V gathered on every rank."""
+    return AllGatherAttention.apply(
+        q, k, v, group, split
+    )  # split_sequence checks split
+
+
 # ------------------------------------------------------------ the ring
 def ring_block(rank: int, src: int, n: int, split: str):
     """At the step that brings src's K/V here: (query rows, key rows, causal) that this
@@ -176,20 +224,6 @@ def ring_block(rank: int, src: int, n: int, split: str):
     if src < rank:  # src's early chunk comes before both of ours, its late one after
         return slice(None), slice(0, n // 2), False
     return slice(n // 2, None), slice(None), False  # only our late chunk sees src's
-
-
-class Transfer:
-    """A posted ring step: wait() returns what the previous rank sent."""
-
-    def __init__(self, works, sent, received):
-        self.works = works
-        self.sent = sent  # kept alive until the send completes
-        self.received = received
-
-    def wait(self) -> torch.Tensor:
-        for work in self.works:
-            work.wait()
-        return self.received
 
 
 def ring_pass(t, group) -> Transfer:
@@ -295,48 +329,9 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, group, split="zigzag"):
-    """Causal attention of this rank's (B, nh, T/cp, hs) q, k, v over the CP group."""
+    """allgather_attention's result, with K and V passed around the ring instead."""
     assert split in SPLITS, f"split must be one of {SPLITS}, got {split!r}"
     return RingAttention.apply(q, k, v, group, split)
-
-
-class AllGatherAttention(torch.autograd.Function):
-    """The simple version: all-gather K and V forward, reduce-scatter dK, dV backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, group, split):  # (B, nh, T/cp, hs) each, this rank's
-        rank = dist.get_rank(group)
-        cp = dist.get_world_size(group)
-        kv = torch.stack([k, v]).contiguous()  # (2, B, nh, T/cp, hs)
-        parts = [torch.empty_like(kv) for _ in range(cp)]
-        dist.all_gather(parts, kv, group=group)  # every rank's tokens: cp-1 parts sent
-        kv_all = merge_sequence(parts, cp, split, dim=1 + SEQ_DIM)  # (2, B, nh, T, hs)
-        T = kv_all.size(1 + SEQ_DIM)
-        mine = sequence_positions(T, rank, cp, split, q.device)  # (T/cp,)
-        mask = torch.arange(T, device=q.device) <= mine.unsqueeze(-1)  # (T/cp, T)
-        out, lse = attend(q, kv_all[0], kv_all[1], mask)
-        ctx.save_for_backward(q, kv_all, mask, out, lse)
-        ctx.group = group
-        ctx.split = split
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, kv_all, mask, out, lse = ctx.saved_tensors
-        cp = dist.get_world_size(ctx.group)
-        delta = (dout.to(lse.dtype) * out).sum(-1)
-        dq, dk, dv = attend_backward(q, kv_all[0], kv_all[1], mask, lse, dout, delta)
-        dkv = torch.stack([dk, dv])  # our queries' share of every token's dK, dV
-        pieces = [split_sequence(dkv, r, cp, ctx.split, 1 + SEQ_DIM) for r in range(cp)]
-        pieces = [piece.contiguous() for piece in pieces]
-        summed = torch.empty_like(pieces[0])  # rank r gets the sum of piece r
-        dist.reduce_scatter(summed, pieces, group=ctx.group)
-        return dq.to(q.dtype), summed[0].to(q.dtype), summed[1].to(q.dtype), None, None
-
-
-def allgather_attention(q, k, v, group, split="zigzag"):
-    """ring_attention's result, with the whole sequence's K and V on every rank."""
-    return AllGatherAttention.apply(q, k, v, group, split)  # split checked in there
 
 
 # ------------------------------------------------------------ formulas
@@ -356,6 +351,14 @@ def ring_bytes_per_layer(batch, seq_len, n_embd, cp, bytes_per_element):
     E = batch * (seq_len // cp) * n_embd  # one of K or V of a rank's tokens
     forward = (cp - 1) * 2 * E * bytes_per_element
     return forward, forward + cp * 2 * E * max(bytes_per_element, 4)
+
+
+def allgather_bytes_per_layer(batch, seq_len, n_embd, cp, bytes_per_element):
+    """(forward, backward) bytes one rank sends per layer in the all-gather version, as
+    a ring all-gather and reduce-scatter send them: (cp-1) 2E b and (cp-1) 2E a."""
+    E = batch * (seq_len // cp) * n_embd
+    a = max(bytes_per_element, 4)  # the fp32 dK, dV that the reduce-scatter sums
+    return (cp - 1) * 2 * E * bytes_per_element, (cp - 1) * 2 * E * a
 
 
 # ------------------------------------------------------------ the model
@@ -401,7 +404,8 @@ class TruePositions(nn.Module):
         n = self.weight.size(0)
         assert T <= n, f"T={T} (T/cp={pos.numel()}, cp={cp}) exceeds block_size={n}"
         rank = dist.get_rank(self.group)
-        return self.lookup(sequence_positions(T, rank, cp, self.split, pos.device))
+        positions = torch.arange(T, device=pos.device)  # the true ones, split as x is
+        return self.lookup(split_sequence(positions, rank, cp, self.split, 0))
 
 
 def apply_context_parallel(model, group, split="zigzag"):
@@ -457,46 +461,44 @@ def cp_step(model, idx, targets, group):
 
 
 # ------------------------------------------------------------ the demo
-def gather(t, group) -> list:
-    """Every rank's t, in rank order."""
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return parts
-
-
 def demo_attention(args, group, device):
-    """Both versions and both splits against SDPA(is_causal=True), on one q, k, v."""
+    """Both versions and both splits against SDPA(is_causal=True), on one q, k, v; then
+    each version's bytes sent and kept for the backward, measured, beside the formulas."""
     rank = dist.get_rank(group)
     cp = dist.get_world_size(group)
     torch.manual_seed(args.seed)  # the same q, k, v and dO on every rank
-    shape = (args.batch_size, args.heads, args.seq_len, args.head_size)
+    B = args.batch_size
+    T = args.seq_len
+    shape = (B, args.heads, T, args.head_size)
     q, k, v, dout = (torch.randn(shape, device=device) for _ in range(4))
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*full, is_causal=True)
-    want.backward(dout)
+    want = sdpa_reference(q, k, v, dout)  # [out, dq, dk, dv] of the whole sequence
     C = args.heads * args.head_size
-    formula = ring_bytes_per_layer(args.batch_size, args.seq_len, C, cp, 4)  # fp32
     print0(f"attention, (B, nh, T, hs) = {shape}, fp32, cp = {cp}:")
-    for name, fn in (("all-gather", allgather_attention), ("ring", ring_attention)):
+    versions = {"all-gather": (allgather_attention, allgather_bytes_per_layer)}
+    versions["ring"] = (ring_attention, ring_bytes_per_layer)
+    costs = {}
+    for name, (fn, bytes_formula) in versions.items():
+        parts = attention_kept_bytes(B, T, args.heads, args.head_size, cp, name)
+        formula = (*bytes_formula(B, T, C, cp, 4), sum(parts.values()))
+        costs[name] = (formula, parts)
         for split in SPLITS:
-            mine = [split_sequence(t, rank, cp, split, SEQ_DIM) for t in (q, k, v)]
-            mine = [t.clone().requires_grad_() for t in mine]
-            with count_p2p() as sent_forward:
-                out = fn(*mine, group, split)
-            with count_p2p() as sent_backward:
-                out.backward(split_sequence(dout, rank, cp, split, SEQ_DIM))
-            pairs = [(out, want)] + [(a.grad, b.grad) for a, b in zip(mine, full)]
-            diffs = {}
-            for label, (a, b) in zip(("out", "dq", "dk", "dv"), pairs):
-                whole = merge_sequence(gather(a.detach(), group), cp, split, SEQ_DIM)
-                diffs[label] = (whole - b).abs().max()
+            at = dict(split=split, dim=SEQ_DIM)  # where this rank's tokens are
+            cut = functools.partial(split_sequence, cp_rank=rank, cp_size=cp, **at)
+            join = functools.partial(merge_sequence, cp_size=cp, **at)
+            run = functools.partial(fn, group=group, split=split)
+            got, measured = attention_on_ranks(run, (q, k, v), dout, group, cut, join)
+            diffs = {n: (a - b).abs().max() for n, a, b in zip(NAMES, got, want)}
             worst = sharding.equal_over_ranks(diffs, group, f"{name} attention")
             print0(f"  {name:<10} {split:<10} == SDPA(is_causal=True): max |Δ| {worst}")
-            if name == "ring":  # the bytes that went around, against the formula
-                sent = (sum(sent_forward), sum(sent_backward))
-                assert sent == formula, f"ring sent {sent}, the formula {formula}"
-                both = f"{sent[0]:,} + {sent[1]:,}"
-                print0(f"    bytes sent per rank, forward + backward: {both} = formula")
+            assert measured == formula, f"{name} {split}: {measured} != {formula}"
+    E = B * (T // cp) * C
+    print0(f"per rank, measured = formula: E = B·T/cp·C = {E:,}, b = a = 4 (fp32)")
+    terms = {"all-gather": "(cp-1)·2E·b + (cp-1)·2E·a"}
+    terms["ring"] = "(cp-1)·2E·b + (cp-1)·2E·b + cp·2E·a"
+    for name, ((forward, backward, kept), parts) in costs.items():
+        print0(f"  {name:<10} sends {forward:,} + {backward:,} = {terms[name]}")
+        held = " + ".join(f"{part} {n:,}" for part, n in parts.items())
+        print0(f"  {'':<10} keeps {kept:,} for the backward = {held}")
 
 
 def demo_balance(args, group, device):
@@ -530,29 +532,31 @@ def demo_gpt(args, group, device):
     model = apply_context_parallel(copy.deepcopy(full), group)
     B = args.batch_size
     T = args.seq_len
-    [(x, y)] = model_lib.byte_batches(T, B, seed=args.seed, device=device)
+    [(x, targets)] = model_lib.byte_batches(T, B, seed=args.seed, device=device)
     print0(f"GPT 'tiny' (L={config.n_layer}, C={config.n_embd}), (B, T) = ({B}, {T}):")
-    # Which rank holds each token of (B, T): rank 0's targets all -1 is the second case
-    # (Megatron-LM #1764: NaN when one rank has no token to learn from).
-    owner = zigzag_merge([torch.full_like(x[:, : T // cp], r) for r in range(cp)], cp)
-    cases = {"all targets": y, "rank 0's targets all -1": y.masked_fill(owner == 0, -1)}
-    for case, targets in cases.items():
+    # Megatron-LM #1764: NaN when a rank's targets are all ignored; here rank 0's.
+    ignored = targets.clone()
+    ignored[:, zigzag_positions(T, 0, cp, device)] = -1
+    cases = {"all targets": targets, "rank 0's targets all -1": ignored}
+    for case, y in cases.items():
         full.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-        logits_full, loss_full = full(x, targets)
+        one = functools.partial(full, x, y)
+        (logits_full, loss_full), kept_one = saved_activation_bytes(one)
         loss_full.backward()
-        x_r = zigzag_split(x, rank, cp)
-        y_r = zigzag_split(targets, rank, cp)
-        with count_p2p() as sent:
-            logits, loss = cp_step(model, x_r, y_r, group)
+        mine = [zigzag_split(t, rank, cp) for t in (x, y)]  # (B, T/cp) each
+        step = functools.partial(cp_step, model, *mine, group)
+        with count_p2p() as sent:  # (the backward saves nothing: kept is the forward's)
+            (logits, loss), kept_mine = saved_activation_bytes(step)
         total = loss.detach().clone()
         dist.all_reduce(total, group=group)  # the ranks' shares add up to the mean
-        whole = zigzag_merge(gather(logits.detach(), group), cp)
+        whole = zigzag_merge(gather(logits, group), cp)
         diffs = {"logits": (whole - logits_full).abs().max()}
         diffs["loss"] = (total - loss_full).abs()
         want = dict(full.named_parameters())
-        params = model.named_parameters()
-        gaps = [(p.grad - want[name].grad).abs().max() for name, p in params]
+        gaps = [
+            (p.grad - want[n].grad).abs().max() for n, p in model.named_parameters()
+        ]
         diffs["every gradient"] = max(gaps)
         worst = sharding.equal_over_ranks(diffs, group, "the CP GPT")
         print0(f"  {case}: loss {total.item():.4f}, one process {loss_full.item():.4f}")
@@ -560,6 +564,10 @@ def demo_gpt(args, group, device):
     per_layer = sum(sent) / config.n_layer
     formula = sum(ring_bytes_per_layer(B, T, config.n_embd, cp, 4))
     print0(f"  ring bytes per layer and rank {per_layer:,.0f} | formula {formula:,}")
+    # What CP is for: activations / cp, bar the loss's 4-byte count (06's formula).
+    kept = f"{kept_mine:,} = (one process {kept_one:,} - 4) / cp + 4"
+    assert kept_mine == (kept_one - 4) // cp + 4, kept
+    print0(f"  activations kept per rank {kept}")
 
 
 def add_arguments(parser):

@@ -1,18 +1,27 @@
-"""Plumbing for 08's ring: counting its messages, and a ring of threads in one process.
+"""Plumbing for 08's ring: its transfers, counting its messages, a ring of threads.
 
-count_p2p() records the bytes of every send posted through dist.batch_isend_irecv, the
-call 08's ring makes, so a lesson can print them beside its formula. ThreadRing runs
-cp copies of a ring loop as threads of one process, passing tensors through queues
-instead of a network: the same loop, on one CPU, in fp64 if you like, with no ranks to
-start. Like NCCL, it pairs the k-th send on a link with the k-th receive.
+Transfer is a posted ring step (08's ring_pass returns one). count_p2p() records the
+bytes of every send posted through dist.batch_isend_irecv, the call 08's ring makes, so
+a lesson can print them beside its formula; count_sent() adds what a ring algorithm
+sends of each collective (08's all-gather version calls two). gather() collects every
+rank's tensor for a check; attention_on_ranks() runs an attention on this rank's part of
+q, k, v and returns the whole results and the bytes counted, for sdpa_reference(). ThreadRing runs cp copies of a ring loop as threads of one
+process, passing tensors through queues instead of a network: the same loop, on one
+CPU, in fp64 if you like, with no ranks to start. Like NCCL, it pairs the k-th send on
+a link with the k-th receive.
 """
 
 import contextlib
+import functools
 import queue
 import threading
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from support import sharding
+from support.activations import saved_activation_bytes
 
 
 @contextlib.contextmanager
@@ -33,6 +42,81 @@ def count_p2p():
         yield sent
     finally:
         dist.batch_isend_irecv = real
+
+
+@contextlib.contextmanager
+def count_sent(cp: int):
+    """`with count_sent(cp) as sent: step()`: the bytes this rank sent meanwhile, filled
+    in at the end: count_p2p's isends, then, for each collective over cp ranks that
+    support/sharding.count_comm logs, what a ring algorithm sends of its payload:
+    (cp-1)/cp of an all-gather's or a reduce-scatter's list, 2(cp-1)/cp of an
+    all-reduce's tensor."""
+    sent = []
+    try:
+        with count_p2p() as p2p, sharding.count_comm() as log:
+            yield sent
+    finally:
+        sent.extend(p2p)
+        for op, payload in log:
+            times = 2 if op == "all_reduce" else 1
+            sent.append(times * (cp - 1) * payload // cp)
+
+
+class Transfer:
+    """A posted ring step (08's ring_pass): wait() returns what the previous rank sent."""
+
+    def __init__(self, works, sent, received):
+        self.works = works
+        self.sent = sent  # kept alive until the send completes
+        self.received = received
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+def gather(t, group) -> list:
+    """Every rank's t, in rank order (outside autograd: for checks and demos)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return parts
+
+
+def sdpa_reference(q, k, v, dout) -> list:
+    """[out, dq, dk, dv]: causal attention of the whole q, k, v by PyTorch, and the
+    gradients of its inputs from dout."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def attention_on_ranks(fn, whole, dout, group, cut, join):
+    """fn(q, k, v) (08's ring or all-gather attention) on this rank's part, cut(t), of
+    each whole q, k, v, as leaves, then backward from cut(dout). Returns [out, dq, dk,
+    dv], each joined whole from every rank's parts, and (bytes sent forward, backward,
+    bytes kept for the backward), as count_sent and saved_activation_bytes count."""
+    cp = dist.get_world_size(group)
+    mine = [cut(t).clone().requires_grad_() for t in whole]
+    with count_sent(cp) as sent_forward:
+        out, kept = saved_activation_bytes(functools.partial(fn, *mine))
+    with count_sent(cp) as sent_backward:
+        out.backward(cut(dout))
+    joined = [join(gather(t, group)) for t in [out, *(t.grad for t in mine)]]
+    return joined, (sum(sent_forward), sum(sent_backward), kept)
+
+
+def attention_kept_bytes(batch, seq_len, n_head, head_size, cp, version):
+    """The bytes attention_on_ranks measures an fp32 attention keeping for the backward,
+    by part, its leaf q, k, v (B, nh, T/cp, hs): 08's versions both keep q, O and the
+    lse (B nh T/cp); then K and V of this rank's tokens (version "ring") or of all T
+    tokens and the (T/cp, T) bool mask (the all-gather)."""
+    E = batch * (seq_len // cp) * n_head * head_size
+    kept = {"q, O, lse": 4 * (2 * E + batch * n_head * (seq_len // cp))}
+    if version == "ring":
+        return {**kept, "K, V of T/cp": 4 * 2 * E}
+    return {**kept, "K, V of all T": 4 * 2 * E * cp, "mask": seq_len // cp * seq_len}
 
 
 class _Received:

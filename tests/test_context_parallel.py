@@ -20,6 +20,7 @@ on a tensor-parallel model (cp 2 x tp 2, with and without SP) and on 05's pipeli
 """
 
 import copy
+import functools
 import importlib
 import threading
 
@@ -28,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from support.ring import ThreadRing
+from support.activations import saved_activation_bytes
+from support.ring import ThreadRing, attention_kept_bytes, attention_on_ranks
 from tests.distributed import case_results, nccl_p2p_rules, run_cases, run_ranks
 
 cp_lib = importlib.import_module("08_context_parallel")
@@ -89,6 +91,16 @@ def test_formulas_by_hand():
     # dV (fp32 accumulators) sent 4 times: 4 x 2 x 64 x 4 = 2048.
     assert cp_lib.ring_bytes_per_layer(2, 16, 8, 4, 2) == (768, 768 + 2048)
     assert cp_lib.ring_bytes_per_layer(2, 16, 8, 1, 4) == (0, 0)
+    # The all-gather, same shapes: its forward sends what the ring's does, 768; its
+    # reduce-scatter sends 3 of 4 pieces of the fp32 dK, dV: 3 x 2 x 64 x 4 = 1536.
+    assert cp_lib.allgather_bytes_per_layer(2, 16, 8, 4, 2) == (768, 1536)
+    # Kept for the backward, fp32, B=2, T=16, nh=2, hs=4, cp=4: E = 2*4*8 = 64. q and O
+    # 2 x 64 x 4 bytes, the lse 2*2*4 = 16 numbers x 4: 576. K, V of its 4 tokens: 512;
+    # of all 16: 2048, and the (4, 16) bool mask 64 bytes.
+    ring = attention_kept_bytes(2, 16, 2, 4, 4, "ring")
+    assert ring == {"q, O, lse": 576, "K, V of T/cp": 512}
+    gathered = attention_kept_bytes(2, 16, 2, 4, 4, "all-gather")
+    assert gathered == {"q, O, lse": 576, "K, V of all T": 2048, "mask": 64}
 
 
 def simulate(cp, split, q, k, v, dout):
@@ -192,25 +204,38 @@ def world_group(world_size):
     return dist.new_group(list(range(world_size)))
 
 
+FORMULAS = {  # each version's (bytes formula, name in attention_kept_bytes)
+    "ring_attention": (cp_lib.ring_bytes_per_layer, "ring"),
+    "allgather_attention": (cp_lib.allgather_bytes_per_layer, "all-gather"),
+}
+
+
 def check_attention(rank, cp, group, fns):
-    """fns' outputs and dq, dk, dv, merged over the ranks, against SDPA (fp32)."""
+    """fns' outputs and dq, dk, dv, merged over the ranks, against SDPA (fp32); the
+    bytes each rank sent forward and backward and kept for the backward against the
+    formulas (count_sent: isends, plus (cp-1)/cp of each collective's list)."""
     g = torch.Generator().manual_seed(1)
-    q, k, v, dout = (torch.randn(B, 4, T, 8, generator=g) for _ in range(4))
+    nh = 4
+    hs = 8
+    q, k, v, dout = (torch.randn(B, nh, T, hs, generator=g) for _ in range(4))
     out_want, grads_want = sdpa_reference(q, k, v, dout)
     for fn in fns:
+        bytes_formula, version = FORMULAS[fn.__name__]
+        kept = attention_kept_bytes(B, T, nh, hs, cp, version)
+        formula = (*bytes_formula(B, T, nh * hs, cp, 4), sum(kept.values()))
         for split in SPLITS:
-            mine = [
-                cp_lib.split_sequence(t, rank, cp, split, 2).clone().requires_grad_()
-                for t in (q, k, v)
-            ]
-            out = fn(*mine, group, split)
-            out.backward(cp_lib.split_sequence(dout, rank, cp, split, 2))
-            got = [out.detach()] + [t.grad for t in mine]
-            for name, a, want in zip(
+            at = dict(split=split, dim=2)
+            cut = functools.partial(
+                cp_lib.split_sequence, cp_rank=rank, cp_size=cp, **at
+            )
+            join = functools.partial(cp_lib.merge_sequence, cp_size=cp, **at)
+            run = functools.partial(fn, group=group, split=split)
+            got, measured = attention_on_ranks(run, (q, k, v), dout, group, cut, join)
+            for name, whole, want in zip(
                 ("out", "dq", "dk", "dv"), got, [out_want, *grads_want]
             ):
-                whole = cp_lib.merge_sequence(gather(a, group), cp, split, 2)
                 close(whole, want, f"{fn.__name__} {split} {name}")
+            assert measured == formula, (fn.__name__, split, measured, formula)
     return True
 
 
@@ -336,6 +361,12 @@ def case_blocks_and_bytes(rank, world_size):
         dist.batch_isend_irecv = real
     formula = sum(cp_lib.ring_bytes_per_layer(B, T, config.n_embd, cp, 4))
     assert sum(sent) == config.n_layer * formula, (sum(sent), formula)
+    # The memory CP saves: a rank keeps 1/cp of what one process keeps for the backward
+    # (06's activation_formula), except the loss's 4-byte count, which every rank keeps.
+    mp_lib = importlib.import_module("06_mixed_precision")
+    one = mp_lib.activation_formula(config, B, T, "fp32")
+    _, kept = saved_activation_bytes(lambda: model(x, y, reduction="sum"))
+    assert kept == (one - 4) // cp + 4, (kept, one, cp)
     return blocks
 
 
