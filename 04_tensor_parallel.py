@@ -432,8 +432,8 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
     apart from seed + 1 ... seed + world_size, which callers may give default streams."""
     if group is None:
         raise ValueError("pass the TP process group explicitly (dist.new_group(ranks))")
-    if getattr(model, "tp_group", None) is not None:
-        raise ValueError("this model is already tensor-parallel")
+    if getattr(model.loss_fn, "func", None) is not model_lib.cross_entropy_loss:
+        raise ValueError("already tensor-parallel, or 06's chunked loss: not under TP")
     check_tp_config(model.config, dist.get_world_size(group))  # before any collective
     different = "weights differ across TP ranks: torch.manual_seed alike before GPT()"
     sharding.check_same_on_ranks(list(model.parameters()), group, different)

@@ -48,8 +48,8 @@ Bits, sign|exponent|mantissa: fp32 1|8|23; bf16 1|8|7 (fp32's range, 2-3 digits)
    a kept matmul operand a bytes (4 in fp32, 2 in 16 bits). activation_formula lists
    what each mode holds.
        none  2(C+2)r + 14Ca + 4nh    selective  Cr + 10Ca + 4nh    full  Cr
-   Full redoes each block's forward, so a token costs 8N FLOPs instead of 6N: hardware
-   FLOPs utilisation (HFU) counts the extra 2N, model FLOPs utilisation (MFU) does not.
+   Full redoes each block's forward, so a token costs 8Ψ FLOPs instead of 6Ψ: hardware
+   FLOPs utilisation (HFU) counts the extra 2Ψ, model FLOPs utilisation (MFU) does not.
    Selective redoes only the elementwise ops, but it calls torch's policy in Python
    for every op.
 7. The loss without the (B, T, V) logits (Liger-Kernel's fused linear cross-entropy;
@@ -62,8 +62,12 @@ Bits, sign|exponent|mantissa: fp32 1|8|23; bf16 1|8|7 (fp32's range, 2-3 digits)
    it in a GPT through 02's head/loss_fn seam. At V = 4,032 the demo prints `plain
    5138.3 5138.3 4066.0 8064.0` KB (held, formula, the loss's, logits and dlogits), and
    `chunked 1608.2 1608.2 536.0 0.0`: its dX and dW, and nothing of size (B, T, V).
+   dW is V·C·4 bytes whatever B, kept until the backward: under GPipe once per
+   microbatch in flight (m copies). Wijmans et al.'s Cut Cross-Entropy kernel
+   recomputes the logits in the backward instead, keeping no dW (left out).
 
-Launch:  python 06_mixed_precision.py   (seconds on a CPU; --help): the seven in order.
+Launch:  python 06_mixed_precision.py   (seconds on a CPU; --help): the seven in order,
+their demos' code in support/memory_demos.py (it calls this file's functions).
 
 What changed from 05_pipeline.py: its microbatches come back as accumulation steps, and
 training gets a dtype; the new collective is the scaler's inf check, a 4-byte MAX over
@@ -73,7 +77,6 @@ stochastic rounding, 16-bit optimizer states. Paper: Micikevicius et al., 1710.0
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import importlib
 import math
@@ -86,7 +89,10 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 
 from support import memory_demos
-from support.activations import note_kept, replaying_stream, saved_activation_bytes
+from support.activations import note_kept, replaying_stream
+
+# Re-exported (the "as"): tests and bench/ count the bytes kept through 06's name.
+from support.activations import saved_activation_bytes as saved_activation_bytes
 from support.precision import GradScalerState
 from support.precision import fp32 as _fp32
 
@@ -287,13 +293,13 @@ def global_token_count(microbatches, group=None) -> torch.Tensor:
     """N: real target tokens in this step's microbatches, summed over the DP group: a
     collective every DP rank calls before its first backward of the step. A 0-dim tensor
     on the targets' device, never read on the host: reading it would make the CPU wait
-    for the GPU (a sync) every step. Its check runs on the device too (_assert_async:
-    on a CPU it raises at once, on a GPU a failure is a device-side assert)."""
+    for the GPU (a sync) every step. At least 1: a step whose targets are all IGNORE
+    (masked prompts in SFT) gives loss 0 and zero gradients, not a 0/0 (Megatron-LM
+    #1764's clamp; a device-side assert would kill the CUDA context)."""
     n = sum(count_tokens(y) for _, y in microbatches)  # 0-dim, on the targets' device
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
-    torch._assert_async(n > 0, "this step has no target tokens: every target is IGNORE")
-    return n
+    return n.clamp(min=1)
 
 
 def accumulate_gradients(
@@ -410,7 +416,9 @@ def loss_formula(config, B: int, T: int, mode: str, loss="plain", bias=False) ->
     lm_head's input (C numbers of a bytes), the fp32 log-softmax (V_padded) and the
     int64 targets a token, the loss's 4-byte count, under autocast W's 16-bit copy;
     chunked: dX (C a token), dW (V·C) and the bias's V, in their inputs' dtype. On top,
-    not kept by autograd: plain's logits (B·T·V·a) and dL/dlogits (B·T·V·4)."""
+    not kept by autograd: plain's logits (B·T·V·a) and dL/dlogits (B·T·V·4). dW is held
+    from forward to backward: under GPipe once per microbatch in flight (m copies); Cut
+    Cross-Entropy recomputes the logits in the backward instead (left out)."""
     C = config.n_embd
     V = config.padded_vocab_size
     a = 4 if mode == "fp32" else 2  # matmul operands, as in activation_formula
@@ -423,14 +431,17 @@ def loss_formula(config, B: int, T: int, mode: str, loss="plain", bias=False) ->
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Cross-entropy of x @ W^T + b chunk by chunk: the forward makes dX and dW, the
-    backward scales them. x (N, C), W (V, C), b (V,) or None, targets (N,)."""
+    backward scales them. x (N, C), W (V, C), b (V,) or None, targets (N,); grad: the
+    caller's torch.is_grad_enabled() (False: the loss alone)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, vocab_size, chunk_tokens, reduction):
+    def forward(ctx, x, weight, bias, targets, vocab_size, chunk, reduction, grad):
         device = x.device.type
         autocast = torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if autocast else x.dtype  # matmuls'
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]  # eval: the loss alone
+        # subtle: needs_input_grad is True under torch.no_grad too (forward always runs
+        # under no_grad): the caller's torch.is_grad_enabled() comes in as `grad`.
+        need_x, need_w, need_b = (grad and need for need in ctx.needs_input_grad[:3])
         w = weight.to(dtype)  # (V, C), as autocast casts it for lm_head
         b = None if bias is None else bias.to(dtype)
         valid = targets != IGNORE  # (N,)
@@ -441,8 +452,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         dw = torch.zeros(weight.shape, device=x.device) if need_w else None  # fp32
         db = torch.zeros(weight.size(0), device=x.device) if need_b else None
         with torch.autocast(device, enabled=False):  # the dtypes are chosen above
-            for start in range(0, x.size(0), chunk_tokens):
-                rows = slice(start, start + chunk_tokens)
+            for start in range(0, x.size(0), chunk):
+                rows = slice(start, start + chunk)
                 xc = x[rows].to(dtype)  # (n, C)
                 logits = F.linear(xc, w, b).float()  # (n, V): fp32 for the softmax
                 logits[:, vocab_size:] = -math.inf  # padding columns never win
@@ -459,8 +470,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 g16 = g.to(dtype)
                 if need_x:
                     dx[rows] = g16 @ w  # (n, V) @ (V, C)
-                if need_w:
-                    dw += (g16.T @ xc).float()  # (V, n) @ (n, C), summed in fp32
+                if need_w:  # fp32 g and x: a 16-bit partial would round before the sum
+                    dw.addmm_(g.T, xc.float())  # (V, n) @ (n, C); a GPU: fp32 GEMM
                 if need_b:
                     db += g.sum(dim=0)
         dw = None if dw is None else dw.to(weight.dtype)
@@ -472,7 +483,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         """dL/dx = grad_loss · dX, and the same for W and b: the chain rule's last step."""
         grads = [None if g is None else g * grad_loss for g in ctx.saved_tensors]
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -486,7 +497,10 @@ def chunked_cross_entropy(
         raise ValueError(msg + ": apply_chunked_loss to every pipeline chunk too")
     assert reduction in ("sum", "mean"), f"reduction {reduction!r}: 'sum' or 'mean'"
     flat = (x.reshape(-1, C), lm_head.weight, lm_head.bias, targets.reshape(-1))
-    return ChunkedLinearCrossEntropy.apply(*flat, vocab_size, chunk_tokens, reduction)
+    grad = torch.is_grad_enabled()  # no_grad (evaluation): the loss alone, no dX or dW
+    return ChunkedLinearCrossEntropy.apply(
+        *flat, vocab_size, chunk_tokens, reduction, grad
+    )
 
 
 def apply_chunked_loss(model: nn.Module, chunk_tokens: int = 1024) -> nn.Module:
@@ -525,38 +539,6 @@ def _chunked_forward(model, idx, targets=None, reduction="mean"):
     return (model.lm_head(hidden), None) if targets is None else (None, loss)
 
 
-# ------------------------------------------------------------------------ the demo
-def loss_demo(config, args):
-    """The plain loss, then the chunked one, on one batch of a GPT with V >> C as
-    GPT-2's (V = 4,000 here): bytes held for the backward (counted, and the formula),
-    the loss's part of them, the (B, T, V) logits and dL/dlogits that live besides
-    (all in KB), and the loss and the gradients against the plain ones."""
-    config = dataclasses.replace(config, vocab_size=4000, pad_vocab_multiple=64)
-    T = config.block_size
-    B = args.batch_size
-    V = config.padded_vocab_size
-    [(x, y)] = model_lib.byte_batches(T, B, 1, args.seed, args.device)
-    y[0, : T // 2] = IGNORE  # a masked prompt: its targets do not count
-    tokens = f"{B * T} tokens, V = {V:,} ({config.vocab_size:,} real)"
-    print(f"\nthe loss, fp32, {tokens}, chunks of {args.chunk_tokens} tokens")
-    print("loss      held KB  formula the loss (B,T,V)s     loss  max |g - g_plain|")
-    grads = []
-    for loss in ("plain", "chunked"):
-        torch.manual_seed(args.seed)
-        model = model_lib.GPT(config).to(args.device)
-        if loss == "chunked":
-            apply_chunked_loss(model, args.chunk_tokens)
-        (_, value), held = saved_activation_bytes(functools.partial(model, x, y))
-        value.backward()
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-        formula = activation_formula(config, B, T, "fp32", loss=loss)
-        share = loss_formula(config, B, T, "fp32", loss)
-        logits = 2 * B * T * V * 4 if loss == "plain" else 0  # logits, dL/dlogits
-        kb = "".join(f"{n / 1024:>9.1f}" for n in (held, formula, share, logits))
-        off = (grads[-1] - grads[0]).abs().max() / grads[0].abs().max()
-        print(f"{loss:<8}{kb} {value.item():>8.4f} {off:>18.1e}")
-
-
 def main(argv=None):
     formatter = argparse.ArgumentDefaultsHelpFormatter
     description = __doc__.split("\n")[0]
@@ -568,7 +550,7 @@ def main(argv=None):
     add("--lr", type=float, default=3e-3, help="AdamW's; high for a short run")
     add("--init-scale", type=float, default=2.0**16, help="S, the static loss scale")
     add("--accum", type=int, default=4, help="microbatches; 4 token counts")
-    add("--chunk-tokens", type=int, default=100, help="the chunked loss's; 256 tokens")
+    add("--chunk-tokens", type=int, default=100, help="tokens per chunk of the loss")
     add("--seed", type=int, default=1337, help="init and batch seed: runs repeat")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     add("--device", default=device, help="where it runs; a GPU when there is one")
@@ -580,12 +562,14 @@ def main(argv=None):
     batch = (config.block_size, args.batch_size, args.steps + 1, args.seed)
     batches = model_lib.byte_batches(*batch, args.device)
     static_scale_example(args.init_scale)
-    lesson = sys.modules[__name__]  # the earlier sections' demos call this file's code
+    # The demos (support/memory_demos.py) call this file's code, and support/ imports
+    # no numbered file: this module is handed to them.
+    lesson = sys.modules[__name__]
     memory_demos.underflow_demo(lesson, config, batches, args)
     memory_demos.fp16_training_demo(lesson, config, batches, args)
     memory_demos.accumulation_demo(lesson, config, args)
     memory_demos.recompute_demo(lesson, config, args)
-    loss_demo(config, args)
+    memory_demos.chunked_loss_demo(lesson, config, args)
 
 
 if __name__ == "__main__":

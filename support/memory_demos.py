@@ -1,8 +1,8 @@
-"""06's demos of its earlier sections, each printing what README's 06 section lists:
-what underflows in fp16, fp16 by hand under the loss scaler, accumulation against one
-batch, and the bytes each recomputation mode keeps. They call the lesson's own code and
-live here to keep 06 within its line budget; each takes the lesson module as its first
-argument, since support/ imports no numbered file. The chunked loss's demo is in 06.
+"""06's demos, each printing what README's 06 section lists: what underflows in fp16,
+fp16 by hand under the loss scaler, accumulation against one batch, the bytes each
+recomputation mode keeps, and the plain loss against the chunked one. They call the
+lesson's own code and live here to keep 06 within its line budget; each takes the lesson
+module as its first argument, since support/ imports no numbered file.
 """
 
 import dataclasses
@@ -136,3 +136,36 @@ def recompute_demo(lesson, config, args):
         kb = f"{held[L, 0.0] / 1024:>8.1f} {formula[1] / 1024:>8.1f}"
         print(f"{mode:<11} {kb} {layer:>26,.0f} {layer_formula:>7,.0f} {same!s:>10}")
     print(f"(fp32, r = a = 4: 64C + 16 + 4nh, 44C + 4nh, 4C; C = {config.n_embd})")
+
+
+def chunked_loss_demo(lesson, config, args):
+    """The plain loss, then the chunked one, on one batch of a GPT with V >> C as
+    GPT-2's (V = 4,000 here): bytes held for the backward (counted, and the formula),
+    the loss's part of them, the (B, T, V) logits and dL/dlogits that live besides
+    (all in KB), and the loss and the gradients against the plain ones."""
+    config = dataclasses.replace(config, vocab_size=4000, pad_vocab_multiple=64)
+    T = config.block_size
+    B = args.batch_size
+    V = config.padded_vocab_size
+    [(x, y)] = lesson.model_lib.byte_batches(T, B, 1, args.seed, args.device)
+    y[0, : T // 2] = lesson.IGNORE  # a masked prompt: its targets do not count
+    tokens = f"{B * T} tokens, V = {V:,} ({config.vocab_size:,} real)"
+    print(f"\nthe loss, fp32, {tokens}, chunks of {args.chunk_tokens} tokens")
+    print("loss      held KB  formula the loss  +logits     loss  max|g - g_plain|")
+    grads = []
+    for loss in ("plain", "chunked"):
+        torch.manual_seed(args.seed)
+        model = lesson.model_lib.GPT(config).to(args.device)
+        if loss == "chunked":
+            lesson.apply_chunked_loss(model, args.chunk_tokens)
+        (_, value), held = saved_activation_bytes(functools.partial(model, x, y))
+        value.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        formula = lesson.activation_formula(config, B, T, "fp32", loss=loss)
+        share = lesson.loss_formula(config, B, T, "fp32", loss)
+        logits = 2 * B * T * V * 4 if loss == "plain" else 0  # logits, dL/dlogits
+        kb = "".join(f"{n / 1024:>9.1f}" for n in (held, formula, share, logits))
+        off = (grads[-1] - grads[0]).abs().max() / grads[0].abs().max()
+        print(f"{loss:<8}{kb} {value.item():>8.4f} {off:>17.1e}")
+    print("(+logits: the (B, T, V) logits and dL/dlogits the plain loss holds besides;")
+    print(" max|g - g_plain| over every parameter's gradient, / max|g_plain|)")

@@ -8,6 +8,7 @@ softmax - onehot = (1/4, -1/4); with x = (1, 2) and W = [[0, 0], [ln 3, 0]] that
 dX = (1/4, -1/4) @ W = (-ln 3/4, 0) and dW = (1/4, -1/4)^T (1, 2).
 """
 
+import collections
 import functools
 import importlib
 import math
@@ -57,7 +58,7 @@ def plain_and_chunked(x, weight, bias, y, vocab_size, chunk, reduction):
         leaves = [t.detach().clone().requires_grad_() for t in (x, weight)]
         leaves.append(None if bias is None else bias.detach().clone().requires_grad_())
         if chunked:
-            args = (*leaves[:3], y, vocab_size, chunk, reduction)
+            args = (*leaves[:3], y, vocab_size, chunk, reduction, True)
             loss = mp.ChunkedLinearCrossEntropy.apply(*args)
         else:
             logits = F.linear(*leaves)  # (N, V)
@@ -74,7 +75,7 @@ def test_the_worked_example():
     x = torch.tensor([[1.0, 2.0]], requires_grad=True)
     w = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]], requires_grad=True)
     loss = mp.ChunkedLinearCrossEntropy.apply(
-        x, w, None, torch.tensor([1]), 2, 1, "sum"
+        x, w, None, torch.tensor([1]), 2, 1, "sum", True
     )
     loss.backward()
     torch.testing.assert_close(loss, torch.tensor(-math.log(0.75)))
@@ -178,8 +179,8 @@ def _note_size(sizes: list, t: torch.Tensor) -> torch.Tensor:
 def test_bf16_autocast_keeps_the_loss_and_softmax_in_fp32():
     """Under bf16 autocast both paths run lm_head's matmul in bf16 and the softmax in
     fp32. The loss is an fp32 number in both; the gradients differ where bf16 rounds:
-    the plain dW is one bf16 matmul over all 48 tokens, the chunked one rounds each
-    chunk's to bf16 before the fp32 sum. bf16 keeps 8 significant bits (eps 2^-7 =
+    the plain dW is one bf16 matmul over all 48 tokens, rounded to bf16, the chunked one
+    is summed in fp32 from fp32 dlogits. bf16 keeps 8 significant bits (eps 2^-7 =
     0.0078), so 3e-2 relative with a floor of 1e-3 of the largest gradient."""
     x, y = batch()
     grads = []
@@ -199,6 +200,83 @@ def test_bf16_autocast_keeps_the_loss_and_softmax_in_fp32():
     for p, q in zip(*grads):
         top = p.abs().max().item()
         torch.testing.assert_close(q, p, rtol=3e-2, atol=1e-3 * top)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 48])
+def test_bf16_dw_is_the_fp32_product_of_the_bf16_logits_gradient(chunk):
+    """Under bf16 autocast the logits are bf16 (x and W rounded, as lm_head's), the
+    softmax fp32. dW must be that fp32 dlogits times x's bf16 values, summed in fp32,
+    here by hand over all 48 tokens at once: only the order of fp32 sums differs (about
+    1e-6 measured, against entries up to 4: FP32). Rounding each chunk's product to
+    bf16 before the sum (as before) is off by 1e-2, and so fails."""
+    torch.manual_seed(0)
+    x = torch.randn(48, 32)
+    weight = (torch.randn(256, 32) * 0.5).requires_grad_()
+    y = batch()[1].view(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mp.ChunkedLinearCrossEntropy.apply(
+            x, weight, None, y, 250, chunk, "sum", True
+        ).backward()
+    x16 = x.bfloat16().float()  # the values autocast's matmuls see
+    logits = F.linear(x16, weight.detach().bfloat16().float()).bfloat16().float()
+    logits[:, 250:] = -math.inf  # (48, 256): the padding columns never win
+    g = logits.softmax(dim=-1)  # fp32, then - onehot(target), 0 for ignored targets
+    ok = y != mp.IGNORE
+    g[ok.nonzero().squeeze(1), y[ok]] -= 1
+    g[~ok] = 0
+    torch.testing.assert_close(weight.grad, g.T @ x16, **FP32)
+
+
+def test_no_grad_forms_no_gradient():
+    """Evaluation under torch.no_grad: the chunked loss makes the logits' matmul alone,
+    no dW buffer, no dW or dX product, no dlogits (softmax - onehot). (autograd's
+    needs_input_grad is True there too: the loss must ask torch.is_grad_enabled().)
+    With gradients on, the same count finds them: the probe can see what it looks for."""
+    torch.manual_seed(0)
+    x = torch.randn(48, 32, requires_grad=True)
+    head = torch.nn.Linear(32, 256, bias=False)
+    y = batch()[1].view(-1)
+    loss = functools.partial(
+        mp.chunked_cross_entropy, lm_head=head, vocab_size=250, chunk_tokens=7
+    )
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    ops = {}
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), torch.profiler.profile(activities=cpu) as p:
+            value = loss(x, y)
+        ops[grad] = collections.Counter(e.name for e in p.events())
+        assert value.requires_grad == grad
+    chunks = 7  # 48 tokens in chunks of 7
+    # With gradients: dW's fp32 buffer beside the loss's, and one dW product a chunk.
+    assert ops[True]["aten::zeros"] == 2 and ops[True]["aten::addmm_"] == chunks
+    assert ops[True]["aten::mm"] == 2 * chunks, "the logits and dX, each chunk"
+    assert ops[False]["aten::zeros"] == 1, "the loss's 0-dim sum alone: no dW buffer"
+    assert ops[True]["aten::scatter_add_"] == chunks, "softmax - onehot, each chunk"
+    assert ops[False]["aten::addmm_"] == 0 and ops[False]["aten::scatter_add_"] == 0
+    assert ops[False]["aten::mm"] == chunks, "the logits alone, each chunk"
+    torch.testing.assert_close(value, loss(x, y), **FP32)
+
+
+def test_tensor_parallelism_after_the_chunked_loss_is_refused():
+    """04's apply_tensor_parallel swaps lm_head and loss_fn but not the chunked loss's
+    head (ln_f alone) and forward: the vocab-parallel loss would then take the (B, T, C)
+    hidden states as logits, a wrong loss without an error (2.010 against 4.155 seen at
+    tp 2). Refused in one line, before anything changed; in the other order 06 refuses.
+    A world of one gloo rank in this process: 04 needs a process group."""
+    tp = importlib.import_module("04_tensor_parallel")
+    dist = torch.distributed
+    assert not dist.is_initialized(), "a test left a process group behind"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = mp.apply_chunked_loss(model_lib.GPT(PADDED), chunk_tokens=7)
+        with pytest.raises(ValueError, match="chunked loss: not under TP"):
+            tp.apply_tensor_parallel(model, dist.group.WORLD)
+        assert type(model.lm_head) is torch.nn.Linear, "refused before any change"
+        model = tp.apply_tensor_parallel(model_lib.GPT(PADDED), dist.group.WORLD)
+        with pytest.raises(ValueError, match="not vocab_parallel_cross_entropy"):
+            mp.apply_chunked_loss(model)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16 autocast", "fp16 by hand"])
@@ -249,7 +327,7 @@ def test_the_bias_adds_its_v_numbers_to_the_bytes_kept():
     x = torch.randn(48, 32, requires_grad=True)
     head = torch.nn.Linear(32, 256)
     y = batch()[1].view(-1)
-    args = (x, head.weight, head.bias, y, 250, 7, "mean")
+    args = (x, head.weight, head.bias, y, 250, 7, "mean", True)
     _, held = mp.saved_activation_bytes(
         lambda: mp.ChunkedLinearCrossEntropy.apply(*args)
     )

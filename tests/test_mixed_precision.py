@@ -518,6 +518,24 @@ def test_unequal_tokens_token_normalised_equals_big_batch_mean_of_means_does_not
         torch.testing.assert_close(a, g, **EQUAL)
 
 
+def test_a_step_with_every_target_ignored_gives_zero_loss_and_zero_gradients():
+    """SFT with masked prompts can draw a step whose targets are all IGNORE. N is clamped to 1
+    (Megatron-LM #1764): the summed loss 0 over 1 is 0, and every gradient is exactly 0, with no
+    NaN and no error (a device-side assert, before, killed the CUDA context). Plain and chunked."""
+    x, y = random_batches(1, B=4)[0]
+    micro = list(zip(x.chunk(2), torch.full_like(y, mp.IGNORE).chunk(2)))
+    n = mp.global_token_count(micro)
+    assert n.item() == 1, "no target counts: N clamped to 1"
+    for chunked in (False, True):
+        torch.manual_seed(0)
+        model = model_lib.GPT(TINY)
+        if chunked:
+            mp.apply_chunked_loss(model, chunk_tokens=16)
+        loss = mp.accumulate_gradients(model, micro, n)
+        assert loss.item() == 0.0, (chunked, loss)
+        assert not flat(grads_of(model)).any(), f"chunked={chunked}: a gradient is not 0"
+
+
 # ---------------------------------------------------------------------------------------------
 # two gloo ranks: one world, every case inside it
 # ---------------------------------------------------------------------------------------------
