@@ -42,7 +42,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from support import checkpoint, config, distributed, recipe, run_log, sharding
+from support import checkpoint, config, distributed, recipe, run_log, sharding, vocab
 from support import export as export_lib
 from support import grid as grid_lib
 from support import run as run_lib
@@ -105,7 +105,7 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0, plan: bool = Fals
     config.check_block_size(cfg, model_lib.PRESETS[cfg.model]["block_size"])
     sizes = {k: getattr(cfg, k) for k in ("block_size", "n_layer") if getattr(cfg, k)}
     extra = dict(vocab_size=meta["vocab_size"], dropout=cfg.dropout)
-    extra.update(pad_vocab_multiple=64)
+    extra.update(pad_vocab_multiple=vocab.tp_multiple(cfg.tp))  # 64·tp: support/vocab
     try:  # GPTConfig's checks (n_embd % n_head, ...), then 04's (whole heads a rank).
         gpt_config = model_lib.GPTConfig.from_preset(cfg.model, **sizes, **extra)
         tp_lib.check_tp_config(gpt_config, cfg.tp)
@@ -146,12 +146,13 @@ def all_reduce_sum(t: torch.Tensor, group, size: int) -> torch.Tensor:
 def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device) -> list:
     # The same full model on every rank, before any sharding.
     torch.manual_seed(cfg.seed)
-    model = model_lib.GPT(gpt_config).to(device)
+    model = model_lib.GPT(vocab.one_process(gpt_config)).to(device)  # 64 rows padded
     if cfg.init_from:  # GPT-2's weights (wpe: its first T rows; vocab padding: init).
         weights = pretrained(cfg.init_from).state_dict()
         for name, t in model.state_dict().items():  # Detached: t shares the storage.
             t[: len(weights[name])].copy_(weights[name][: len(t)])
         pretrained.cache_clear()  # Its memory back.
+    vocab.grow_rows(model, gpt_config)  # TP's padding: zero rows (support/vocab).
     if cfg.lora_rank:  # The base frozen as loaded; A alike on every rank (this seed).
         model_lib.apply_lora(model, cfg.lora_rank, cfg.lora_alpha)
     if grid.tp > 1:
@@ -164,8 +165,10 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device) -> list:
     chunks = [model]
     if grid.pp > 1:
         chunks = pp_lib.split_model(model, grid.pp_rank, grid.pp, cfg.virtual_stages)
-    if cfg.compile:
-        for chunk in chunks:
+    for chunk in chunks:
+        if cfg.loss == "chunked":  # 06: lm_head + loss, 1,024 tokens at a time.
+            mp_lib.apply_chunked_loss(chunk, chunk_tokens=1024)
+        if cfg.compile:
             chunk.compile()  # In place: parameter names (and checkpoints) unchanged.
     # Dropout streams, none shared. Replicated activations draw from the default
     # generator, seeded per (stage, replica), so alike on TP peers (their copies must

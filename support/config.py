@@ -70,6 +70,12 @@ class TrainConfig:
     # Pretraining on plenty of data needs no dropout.
     dropout: float = flag(0.0, "dropout probability")
     recompute: str = flag("none", "activations redone in the backward (06)")
+    # No GPU measurement favours chunked yet (issue 31.4): plain, the simple one.
+    loss: str = flag(
+        "plain",
+        "plain, or chunked: 06's lm_head + loss with no (B, T, V) logits kept; "
+        "plain until a GPU measurement favours chunked",
+    )
     # bf16 where the GPU has it; fp32 on a CPU, where 16 bits would be slower.
     dtype: str = flag("auto", "fp32, bf16 or fp16 (06's loss scaler); auto")
     # Compiling costs minutes of first steps; it pays on a GPU only.
@@ -109,6 +115,9 @@ class TrainConfig:
     # Rank 0 alone writes checkpoint metadata behind barriers, maybe on slow storage.
     timeout_minutes: float = flag(10.0, "a collective waiting this long is an error")
 
+
+# --loss: 02's loss of the whole (B, T, V) logits, or 06's chunked linear + loss.
+LOSSES = ("plain", "chunked")
 
 # The numeric flags that must be > 0; every other number must be >= 0.
 POSITIVE = (
@@ -284,6 +293,9 @@ def check_combinations(cfg: TrainConfig) -> None:
     if powersgd and cfg.dtype == "fp16":
         why = "an overflowed step's inf would stay in its residuals: use bf16 or fp32"
         raise ConfigError(f"--grad-compression powersgd with --dtype fp16: {why}")
+    if cfg.loss == "chunked" and cfg.tp > 1:  # 06 refuses 04's vocab-parallel loss.
+        why = "a rank holds V/tp logit columns, whose max and sum need an all-reduce"
+        raise ConfigError(f"--loss chunked with --tp {cfg.tp}: {why}")
     if cfg.cp > 1 and cfg.dropout:  # 08's ring computes no attention dropout.
         why = "the ring attention (08) has no dropout on attention weights"
         raise ConfigError(f"--dropout {cfg.dropout} with --cp {cfg.cp}: {why}")
@@ -332,7 +344,7 @@ def check_flags(cfg, world_size: int, choices: dict, presets: dict, check_pipeli
     """
     check_numbers(cfg)
     check_world(cfg, world_size)
-    check_choices(cfg, {**choices, "tokenizer": ("", *DEFAULT_DATA)})
+    check_choices(cfg, {**choices, "tokenizer": ("", *DEFAULT_DATA), "loss": LOSSES})
     check_combinations(cfg)
     check_batch(cfg)
     n_layer = cfg.n_layer or presets[cfg.model]["n_layer"]

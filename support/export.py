@@ -3,7 +3,8 @@
 model.pt holds the model's config and state dict (02_model.GPT's), the step, and the
 tokenizer: a name ("gpt2", "char") or a trained BPE's vocabulary, merges and special
 tokens, so that it samples from any folder. This file knows the files; train.py builds
-the model, and passes in 04's tp_layout and merge_tensors for the merge.
+the model, and passes in 04's tp_layout and merge_tensors for the merge. Its
+vocabulary is padded to a multiple of 64 rows, whatever tp trained it (support/vocab).
 """
 
 import json
@@ -14,6 +15,7 @@ import torch
 
 from support.checkpoint import read_newest, shard_name
 from support.files import atomic_write
+from support.vocab import trim_rows
 
 
 def merge_shards(state_dicts, tp_layout, merge_tensors) -> dict:
@@ -66,7 +68,9 @@ def export(run_dir, tp_layout, merge_tensors, fold_lora, build_model, get_tokeni
     config = meta["config"]
     if config.get("lora_rank"):  # LoRA's factors folded in: W + (alpha / r)·B·A.
         full = fold_lora(full, config["lora_alpha"] / config["lora_rank"])
-    model = build_model(model_sizes(meta["model_config"]))
+    # TP's padding rows (64·tp, zero) cut to 64: model.pt is alike at every tp.
+    full, model_config = trim_rows(full, meta["model_config"])
+    model = build_model(model_sizes(model_config))
     model.load_state_dict(full, strict=True)  # Every weight present, none left over.
     tokenizer = tokenizer_blob(meta["tokenizer"], get_tokenizer)
     return write_model_pt(Path(run_dir) / "model.pt", model, meta["step"], tokenizer)

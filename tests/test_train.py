@@ -89,10 +89,44 @@ def test_accumulation_x4_equals_one_batch(data_dir, tmp_path, reference):
     assert_same_curve(metrics(tmp_path), reference, "1 process, 4 microbatches of 2")
 
 
+def test_the_chunked_loss_trains_evaluates_and_samples_as_the_plain_one(data_dir, tmp_path,
+                                                                         monkeypatch, capsys):  # fmt: skip
+    """--loss chunked (06's lm_head + loss by chunks of tokens) over 4 accumulated microbatches:
+    the train and validation curves of --loss plain (fp32; the tolerance: assert_same_curve's,
+    the chunked sum runs in another order), the chunked loss really called, and model.pt rebuilt
+    plain: its logits real, its sample printed."""
+    called = []
+    chunked = train.mp_lib.chunked_cross_entropy
+
+    def spy(*args, **kwargs):
+        called.append(1)
+        return chunked(*args, **kwargs)
+
+    monkeypatch.setattr(train.mp_lib, "chunked_cross_entropy", spy)
+    argv = BASE + ["--data-dir", data_dir, "--micro-batch-size", "2", "--eval-interval", "2"]
+    run_main(argv + ["--out-dir", str(tmp_path / "plain")])
+    assert not called, "--loss plain: 02's loss"
+    run_main(argv + ["--out-dir", str(tmp_path / "chunked"), "--loss", "chunked",
+                     "--sample-tokens", "8"])  # fmt: skip
+    assert len(called) == 4 * 4 + 3 * 4, "4 steps, 3 evaluations (0, 2, end): 4 microbatches"
+    assert "--- sample (8 tokens) ---" in capsys.readouterr().out
+    for kind in ("train", "val"):
+        got = metrics(tmp_path / "chunked", kind)
+        ref = metrics(tmp_path / "plain", kind)
+        if kind == "val":  # assert_same_curve's keys, from the validation rows
+            got = [{"step": r["step"], "loss": r["val_loss"], "grad_norm": 0} for r in got]
+            ref = [{"step": r["step"], "loss": r["val_loss"], "grad_norm": 0} for r in ref]
+        assert_same_curve(got, ref, f"--loss chunked, {kind}")
+    model, _ = train.load_exported(tmp_path / "chunked" / "model.pt")
+    logits, _ = model(torch.zeros(1, 4, dtype=torch.long))
+    assert logits.shape == (1, 4, model.config.padded_vocab_size)
+
+
 def test_two_rank_layouts_equal_one_process(data_dir, tmp_path, reference):
     """dp=2 (+ZeRO 1, 2, 3), tp=2 (+sequence parallelism), pp=2 under every schedule: same curve.
     fp16 (06's loss scaler) with the pipeline and with ZeRO-2, whose gradients the scaler finds
-    in the optimizer's shards, not in p.grad."""
+    in the optimizer's shards, not in p.grad. The chunked loss (06) in the pipeline's last stage
+    and under ZeRO-3. model.pt alike at tp 2 and 1, though tp 2 trains 64·2 vocabulary rows."""
     dp2, pp2 = ["--dp", "2", "--micro-batch-size", "2"], ["--pp", "2", "--micro-batch-size", "2"]
     configs = [
         ("dp2", dp2),
@@ -104,6 +138,8 @@ def test_two_rank_layouts_equal_one_process(data_dir, tmp_path, reference):
         ("pp2-interleaved", pp2 + ["--schedule", "interleaved", "--virtual-stages", "2"]),
         ("pp2-fp16", pp2 + ["--dtype", "fp16"]),
         ("dp2-zero2-fp16", dp2 + ["--zero", "2", "--dtype", "fp16"]),
+        ("pp2-chunked", pp2 + ["--loss", "chunked"]),
+        ("dp2-zero3-chunked", dp2 + ["--zero", "3", "--loss", "chunked"]),
         *COMPRESSED,
     ]
     results = run_ranks(_train_configs, 2, data_dir, str(tmp_path), configs, timeout=300)[0]
@@ -121,6 +157,13 @@ def test_two_rank_layouts_equal_one_process(data_dir, tmp_path, reference):
             pad = [r["comm_bytes"] - results[0][0]["comm_bytes"] for r in got]
             assert all(0 <= b < 4 * 2 * 16 for b in pad), f"{name}: comm_bytes - 4Ψ = {pad}"
     assert "comm_bytes" not in reference[0], "one process sends nothing"
+    tp1 = torch.load(tmp_path / "dp2" / "model.pt", weights_only=True)
+    tp2 = torch.load(tmp_path / "tp2" / "model.pt", weights_only=True)
+    assert tp2["model_config"] == tp1["model_config"], "64 rows, not tp 2's 128"
+    assert tp2["model"].keys() == tp1["model"].keys()
+    for key, value in tp1["model"].items():  # 4 AdamW steps on curves equal to 1e-4: the
+        # weights moved by lr 3e-3 a step differ by rounding, measured < 1e-6
+        torch.testing.assert_close(tp2["model"][key], value, rtol=1e-4, atol=1e-5, msg=key)
 
 
 # PowerSGD: 1 exact step, then sketched; "full": rank 32 = min(m, n) of every matrix of the tiny GPT
@@ -157,7 +200,8 @@ def check_compressed(name, got, reference, uncompressed, data_dir):
 def test_zero_composes_with_tp_and_pp_on_4_ranks(data_dir, tmp_path, reference):
     """ZeRO shards inside the DP group: stage 3 with TP (+SP: the norm counts each piece of a
     replicated LayerNorm once), stage 2 with 1F1B (the tied embedding's shard gradients summed
-    over the first and last stage), stage 1 with two interleaved chunks (one optimizer)."""
+    over the first and last stage), stage 1 with two interleaved chunks (one optimizer). And
+    tp 2 x pp 2 with sequence parallelism: the pipeline sends (b, T/tp, C) token shards."""
     dp2 = ["--dp", "2", "--micro-batch-size", "2"]
     configs = [
         ("dp2-tp2-zero3-sp", dp2 + ["--tp", "2", "--zero", "3", "--sequence-parallel"]),
@@ -166,6 +210,7 @@ def test_zero_composes_with_tp_and_pp_on_4_ranks(data_dir, tmp_path, reference):
                                              "1", "--schedule", "interleaved", "--virtual-stages", "2"]),
         ("dp2-tp2-powersgd-full", dp2 + ["--tp", "2"] + FULL_RANK),  # each TP shard sketched
         ("dp2-pp2-powersgd-full", dp2 + ["--pp", "2", "--micro-batch-size", "1"] + FULL_RANK),
+        ("tp2-pp2-sp", ["--tp", "2", "--pp", "2", "--micro-batch-size", "2", "--sequence-parallel"]),
     ]  # fmt: skip
     results = run_ranks(_train_configs, 4, data_dir, str(tmp_path), configs, timeout=300)[0]
     for (name, _), got in zip(configs, results):
@@ -513,8 +558,10 @@ def test_export_of_tp2_pp2_gives_one_model_with_the_same_logits(data_dir, tmp_pa
     model, blob = train.load_exported(tmp_path / "model.pt")
     assert blob["step"] == 1
     logits, _ = model(x)
+    V = logits.size(-1)  # 257 tokens: model.pt pads to 320 (64), tp 2 trained 384 (128)
+    assert (V, sharded.size(-1)) == (320, 384) and not sharded[..., V:].any(), "TP's: zero"
     # same weights, different reduction order (TP's row-parallel all-reduce): fp32 rounding
-    torch.testing.assert_close(logits, sharded, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, sharded[..., :V], rtol=1e-5, atol=1e-5)
 
 
 def test_model_pt_samples_from_any_directory_after_the_data_is_gone(data_dir, tmp_path):
@@ -607,6 +654,9 @@ def test_an_older_model_pt_whose_config_holds_recompute_still_samples(tmp_path):
         (["--powersgd-rank", "0"], 1, "--powersgd-rank must be > 0, got 0"),
         (["--dp", "2", "--powersgd-warmup-steps", "3"], 2,
          "--powersgd-warmup-steps needs --grad-compression powersgd"),
+        (["--tp", "2", "--loss", "chunked"], 2,
+         "--loss chunked with --tp 2: a rank holds V/tp logit columns, whose max and sum need"),
+        (["--loss", "fused"], 1, "--loss fused: use one of plain, chunked"),
     ],
     ids=["world-size", "n_head", "n_layer", "microbatches", "schedule-unknown",
          "virtual-needs-interleaved", "interleaved-microbatches", "block-size", "data-dir", "dropout",
@@ -615,7 +665,8 @@ def test_an_older_model_pt_whose_config_holds_recompute_still_samples(tmp_path):
          "zero-4", "zero3-with-pp",
          "sp-at-tp1", "virtual-at-pp1", "tokenizer-mismatch", "tokenizer-unknown",
          "lr-schedule", "decay-fraction", "cycle-steps", "compression-at-dp1", "compression-unknown",
-         "compression-with-zero", "powersgd-fp16", "powersgd-rank", "powersgd-flag-alone"],
+         "compression-with-zero", "powersgd-fp16", "powersgd-rank", "powersgd-flag-alone",
+         "chunked-loss-with-tp", "loss-unknown"],
 )  # fmt: skip
 def test_bad_configurations_fail_fast_with_one_line(data_dir, argv, world, message):
     """Each bad flag is one line naming it, from validate(), before any process group. "DATA"
@@ -676,6 +727,7 @@ def test_help_lists_the_presets_and_every_recompute_mode(capsys):
     preset = "02_model.py's preset (not given: --init-from's shape)"
     assert f"--model MODEL {preset}: {presets} (default: small)" in text
     assert "(06): none, selective, full (default: none)" in text
+    assert "plain until a GPU measurement favours chunked (default: plain)" in text
 
 
 def test_the_main_job_runs_end_to_end(data_dir, tmp_path):

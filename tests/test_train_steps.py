@@ -230,6 +230,41 @@ def test_dropout_streams_per_rank_and_replicas_in_sync(data_dir, tmp_path):  # n
 
 
 # ---------------------------------------------------------------------------------------------
+# Tensor parallelism at any tp that divides the heads: the vocabulary padded to 64 x tp
+# ---------------------------------------------------------------------------------------------
+# GPT-2's 12 heads in one block of 32 tokens: the smallest preset whose heads split over 3.
+TWELVE_HEADS = ["--model", "gpt2", "--n-layer", "1", "--block-size", "32", "--micro-batch-size",
+                "8"]  # fmt: skip
+
+
+def two_steps(rank, world, argv):
+    """Steps 0 and 1 of a Run built as train.main builds it: [(loss, grad_norm)] as floats,
+    the padded vocabulary, and this rank's rows of wte."""
+    cfg, run = build(argv, rank, world)
+    got = []
+    for step in range(2):
+        stats = train.train_step(run, step)
+        got.append((float(stats["loss"]), float(stats["grad_norm"])))
+    run.train.close()
+    return got, run.gpt_config.padded_vocab_size, len(run.modules()[0].transformer.wte.weight)
+
+
+def test_tp_3_trains_as_one_process_though_3_does_not_divide_64_rows(data_dir, tmp_path):  # noqa: F811
+    """The char data's 257 tokens pad to 320 rows (5·64), which 3 ranks cannot split: before,
+    --tp 3 failed ("the vocabulary has 320 rows"), as gpt2-xl's 25 heads ran at tp 1 only.
+    Padded to a multiple of 64·3 (support/vocab), 384 rows, each rank holds 128; the 64 rows TP
+    added are zero and the 320 keep one process's init, so two steps equal one process's
+    (fp32: assert_same_curve's tolerance; a different init is off by > 1e-2)."""
+    argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path)] + TWELVE_HEADS
+    ref, rows, _ = two_steps(0, 1, argv)
+    assert rows == 320
+    results = run_ranks(two_steps, 3, argv + ["--tp", "3"], timeout=240)
+    for got, rows, held in results:
+        assert (rows, held) == (384, 128)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
 # The model's context, and bad input
 # ---------------------------------------------------------------------------------------------
 def test_the_model_context_is_the_trained_block_size(data_dir, tmp_path, monkeypatch):  # noqa: F811
