@@ -208,9 +208,7 @@ class AllGatherAttention(torch.autograd.Function):
 def allgather_attention(q, k, v, group, split="zigzag"):
     """Causal attention of this rank's (B, nh, T/cp, hs) q, k, v over the CP group,
     with the whole sequence's K and V gathered on every rank."""
-    return AllGatherAttention.apply(
-        q, k, v, group, split
-    )  # split_sequence checks split
+    return AllGatherAttention.apply(q, k, v, group, split)  # split_sequence checks it
 
 
 # ------------------------------------------------------------ the ring
@@ -429,14 +427,15 @@ def apply_context_parallel(model, group, split="zigzag"):
     return model
 
 
-def cp_token_count(targets, group) -> int:
-    """N: the targets that count (not -1) on every rank of `group` (CP, or DP x CP).
-    Each rank's loss is the SUM over its own tokens / N: a rank whose targets are all
-    -1 adds 0 to N and 0 to the loss (no 0/0, no NaN); only N = 0 is an error."""
-    n = mp_lib.count_tokens(targets)
+def cp_token_count(targets, group) -> torch.Tensor:
+    """N: the targets that count (not -1) on every rank of `group` (CP, or DP x CP), a
+    0-dim tensor on the targets' device, never read on the host (no sync). Each rank's
+    loss is the SUM over its own tokens / N: a rank whose targets are all -1 adds 0 to
+    N and 0 to the loss (no 0/0, no NaN). At least 1, as 06's global_token_count: a
+    group whose targets are all -1 gives loss 0 and zero gradients."""
+    n = mp_lib.count_tokens(targets)  # 0-dim int64
     dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
-    assert n.item() > 0, "no target counts on any rank of the group: all are -1"
-    return int(n.item())
+    return n.clamp(min=1)
 
 
 def average_gradients(model, group):
@@ -452,12 +451,12 @@ def cp_step(model, idx, targets, group):
     """One forward and backward on this rank's chunks (B, T/cp): (logits, loss), the
     loss this rank's share of the one-process mean. Every weight is replicated, so each
     rank back-propagates loss x cp and average_gradients averages: DP's convention."""
-    n = cp_token_count(targets, group)
+    n = cp_token_count(targets, group)  # a 0-dim tensor: no host sync
     logits, loss_sum = model(idx, targets, reduction="sum")
-    loss = loss_sum / n
-    (loss * dist.get_world_size(group)).backward()
+    # d(loss x cp)/d(loss_sum) = cp / N seeds the backward: autograd keeps no N.
+    loss_sum.backward(dist.get_world_size(group) / n)
     average_gradients(model, group)
-    return logits, loss
+    return logits, loss_sum.detach() / n
 
 
 # ------------------------------------------------------------ the demo

@@ -5,10 +5,14 @@ bytes of every send posted through dist.batch_isend_irecv, the call 08's ring ma
 a lesson can print them beside its formula; count_sent() adds what a ring algorithm
 sends of each collective (08's all-gather version calls two). gather() collects every
 rank's tensor for a check; attention_on_ranks() runs an attention on this rank's part of
-q, k, v and returns the whole results and the bytes counted, for sdpa_reference(). ThreadRing runs cp copies of a ring loop as threads of one
-process, passing tensors through queues instead of a network: the same loop, on one
-CPU, in fp64 if you like, with no ranks to start. Like NCCL, it pairs the k-th send on
-a link with the k-th receive.
+q, k, v and returns the whole results and the bytes counted, for sdpa_reference().
+
+ThreadRing runs cp copies of a ring loop as threads of one process, passing tensors
+through queues instead of a network: the same loop, on one CPU, in fp64 or bf16, with no
+ranks to start. Unlike NCCL, its sends are buffered: a send returns at once, before its
+receive is posted, so an order that deadlocks on GPUs passes here. Only the pairing is
+NCCL's: the k-th send on a link meets the k-th receive. NCCL's rule itself is checked on
+gloo ranks, under tests/distributed.nccl_p2p_rules.
 """
 
 import contextlib
@@ -132,7 +136,8 @@ class _Received:
 
 class ThreadRing:
     """cp ranks as threads: pass_on(rank)(t) sends a copy of t to rank + 1 and returns
-    the message from rank - 1 (its .wait()). sent[rank] lists the bytes rank sent."""
+    the message from rank - 1 (its .wait()). sent[rank] lists the bytes rank sent. The
+    send is buffered (it never waits for the receive, as NCCL's would)."""
 
     def __init__(self, cp: int, timeout: float = 60.0):
         self.cp = cp

@@ -39,6 +39,7 @@ model_lib = importlib.import_module("02_model")
 B = 2
 T = 16  # divisible by 2cp for cp = 1, 2, 4, 8
 SPLITS = ("zigzag", "contiguous")
+NAMES = ("out", "dq", "dk", "dv")
 
 
 def close(actual, expected, what, fp64=False):
@@ -104,7 +105,7 @@ def test_formulas_by_hand():
 
 
 def simulate(cp, split, q, k, v, dout):
-    """The lesson's ring loops on cp threads: (out, dq, dk, dv) merged, the measured
+    """The lesson's ring loops on cp threads: (out, dq, dk, dv, lse) merged, the measured
     blocks of (T/cp)^2 scores and the bytes each thread sent forward and backward."""
     n = q.size(2) // cp
     parts = [
@@ -142,6 +143,7 @@ def simulate(cp, split, q, k, v, dout):
     merged = [cp_lib.merge_sequence([r[0] for r in results], cp, split, 2)]
     for i in range(3):
         merged.append(cp_lib.merge_sequence([g[i] for g in grads], cp, split, 2))
+    merged.append(cp_lib.merge_sequence([r[1] for r in results], cp, split, 2))
     blocks = [s / n**2 for s in scores]
     return merged, blocks, sent_forward, [sum(s) for s in ring.sent]
 
@@ -168,6 +170,55 @@ def test_ring_simulated_in_fp64_equals_sdpa(split):
         formula = cp_lib.ring_bytes_per_layer(B, T, nh * hs, cp, 8)
         assert sent_f == [formula[0]] * cp, (cp, sent_f, formula)
         assert sent_b == [formula[1]] * cp, (cp, sent_b, formula)
+
+
+def test_ring_in_bf16_accumulates_in_fp32():
+    """What GPUs run: bf16 q, k, v and dO. The ring must equal fp32 SDPA on the same
+    (bf16) inputs, rounded ONCE to bf16 at the end: its out and lse accumulators, its dq
+    and its dK, dV accumulators (which travel the ring) stay fp32. Accumulated in bf16,
+    each merge would round again and lse (~log T, ulp 2^-6 at 2..4) would be off by
+    ~1% in every p = exp(s - lse) of the backward."""
+    g = torch.Generator().manual_seed(0)
+    nh = 2
+    hs = 16
+    n_tokens = 64  # more tokens than T: more blocks to merge, more rounding to catch
+    shape = (B, nh, n_tokens, hs)
+    q, k, v, dout = (torch.randn(shape, generator=g).bfloat16() for _ in range(4))
+    out_want, grads_want = sdpa_reference(*(t.float() for t in (q, k, v, dout)))
+    s = q.float() @ k.float().transpose(-2, -1) / hs**0.5  # the scores, in fp32
+    causal = torch.ones(n_tokens, n_tokens, dtype=torch.bool).tril()
+    lse_want = torch.logsumexp(s.masked_fill(~causal, -torch.inf), dim=-1)
+    # Rounding to bf16 once is within half an ulp, at most 2^-8 relative: rtol 2^-7 (one
+    # ulp) leaves room for fp32's ~1e-7 noise crossing a rounding boundary, atol 1e-6
+    # for values near 0 (observed: out is fp32's rounded in every element). dq, dk: D =
+    # rowsum(dO * O) uses the bf16 O the forward returned (FlashAttention keeps it so),
+    # which adds up to 0.6 x 2^-8 of the tensor's largest value (observed): atol 2^-8 of
+    # it. Merged in bf16, 30-60% of out's elements are off fp32's rounded, some by 100%
+    # of a value near 0, and dq, dk, dv by 1e-2 of their largest: both breaks (out and
+    # lse in bf16; dK, dV accumulated in bf16) fail here.
+    ulp = 2.0**-7
+    for cp in (2, 4, 8):
+        for split in SPLITS:
+            merged, _, sent_f, sent_b = simulate(cp, split, q, k, v, dout)
+            *results, lse = merged
+            what = f"bf16 cp={cp} {split}"
+            for name, got, want in zip(NAMES, results, [out_want, *grads_want]):
+                assert got.dtype == torch.bfloat16, (what, name, got.dtype)
+                scale = want.abs().max().item()
+                atol = ulp / 2 * scale if name in ("dq", "dk") else 1e-6
+                torch.testing.assert_close(
+                    got.float(),
+                    want,
+                    rtol=ulp,
+                    atol=atol,
+                    msg=lambda m, where=f"{what} {name}": f"{where}: {m}",
+                )
+            close(lse.float(), lse_want, f"{what} lse")  # fp32 tolerance: fp32 sums
+            assert lse.dtype == torch.float32, (what, lse.dtype)
+            # K, V travel in bf16 (b = 2); the dK, dV accumulators in fp32 (a = 4).
+            formula = cp_lib.ring_bytes_per_layer(B, n_tokens, nh * hs, cp, 2)
+            assert sent_f == [formula[0]] * cp, (what, sent_f, formula)
+            assert sent_b == [formula[1]] * cp, (what, sent_b, formula)
 
 
 def test_zigzag_balances_the_work():
@@ -311,6 +362,28 @@ def case_gpt_nccl(rank, world_size):
     group = world_group(world_size)
     with nccl_p2p_rules():
         return check_gpt(rank, world_size, group, "zigzag", batch()[1])
+
+
+def case_token_count(rank, world_size):
+    """cp_token_count: N over the group as a 0-dim tensor (no host read), clamped to 1
+    when every target of the group is ignored, so that step is loss 0 and zero
+    gradients, as 06's global_token_count: no 0/0, no error."""
+    group = world_group(world_size)
+    _, targets = batch()
+    n = cp_lib.cp_token_count(cp_lib.zigzag_split(targets, rank, world_size), group)
+    assert torch.is_tensor(n) and n.dim() == 0, f"not a 0-dim tensor: {n!r}"
+    assert n.item() == B * T - 3, n  # batch() ignores 3 of the B*T targets
+    idx, _ = batch()
+    x = cp_lib.zigzag_split(idx, rank, world_size)
+    y = torch.full_like(x, -1)  # every target of every rank ignored
+    assert cp_lib.cp_token_count(y, group).item() == 1
+    torch.manual_seed(0)  # the same weights on every rank
+    model = cp_lib.apply_context_parallel(model_lib.GPT(tiny()), group)
+    _, loss = cp_lib.cp_step(model, x, y, group)
+    assert loss.item() == 0.0, loss
+    for name, p in model.named_parameters():
+        assert torch.count_nonzero(p.grad) == 0, f"{name}'s gradient is not zero"
+    return n.item()
 
 
 def case_blocks_and_bytes(rank, world_size):
@@ -487,6 +560,7 @@ CASES = {
     "attention_nccl": case_attention_nccl,
     "gpt": case_gpt,
     "gpt_nccl": case_gpt_nccl,
+    "token_count": case_token_count,
     "blocks_and_bytes": case_blocks_and_bytes,
     "cp_tp": case_cp_tp,
     "cp_pp": case_cp_pp,
@@ -517,6 +591,10 @@ def test_gpt_equals_one_process(world):
 
 def test_gpt_under_nccl_rules(world):
     case_results(world[1], "gpt_nccl")
+
+
+def test_token_count_is_a_tensor_clamped_to_one(world):
+    assert case_results(world[1], "token_count") == [B * T - 3] * world[0]
 
 
 def test_measured_blocks_and_bytes_match_the_formulas(world):
