@@ -1,58 +1,67 @@
 """09 · Plan a run: memory, step time, tokens/s and cost of a layout, before it runs.
 
 The idea in one sentence: every byte and every FLOP of a training step was counted in
-lessons 02 to 07, so a layout's memory and time are sums of their formulas, and a
+lessons 02 to 08, so a layout's memory and time are sums of their formulas, and a
 search over layouts finds the ones that fit and run fastest, before a GPU is rented.
 
 The model of one step, per GPU (Ψ parameters, N = dp·cp ranks sharing ZeRO's shards):
     memory = weights + gradients + AdamW states    (07's 16Ψ: ZeRO splits over N, 04/05
                                                     over tp and pp)
            + activations                           (06's activation_formula, a layer's
-             x the microbatches in flight           sharded part / tp; GPipe keeps m,
-                                                    1F1B p - rank: 05's schedule_steps)
-           + the loss's logits                     (b·T·V/tp, the largest temporary)
-    time = compute / (1 - bubble) + TP's all-reduces + PP's sends + DP's exposed part
-    compute = tokens · (6N + 12·L·C·T, 02's flops_per_token; + 2N: full recompute)
-              / (GPUs · peak FLOP/s · e),   e: the matmul efficiency, calibrated once
+             x the microbatches in flight           sharded part / tp, T / cp; GPipe
+                                                    keeps m, 1F1B p - rank: 05)
+           + the loss's logits                     (b·T·V/tp/cp, the largest temporary;
+                                                    --loss chunked: 1,024 tokens' worth)
+    time = compute / (1 - bubble) + TP's all-reduces + PP's sends + exposed ring + DP's
+    compute = tokens · (6Ψ + 12·L·C·T, 02's flops_per_token; + 2Ψ: full recompute)
+              / (GPUs · peak FLOP/s · e) + m · L/pp · c     (x 1.36: selective, measured)
+              e: the matmuls' share of the peak, c: a layer's fixed time per microbatch,
+              both fitted to two measured micro-batches (support/gpu_specs.CALIBRATION)
     bubble  = (p - 1)/(v·m + p - 1)                                  (05)
     TP      = comm_formula's bytes · 2(tp-1)/tp / link, on the critical path   (04)
+    ring    = 08's ring_bytes_per_layer · L/pp · m / link, less attention's compute,
+              which hides it (08 posts each transfer before the block's compute)
     DP      = 2(N-1)/N · 4Ψ/tp/pp / link, hidden behind the last backward  (03, 07)
     links: NVLink inside a node, else the network (grid arange(world).view(pp, dp, cp,
-    tp): TP shares a node when it fits).
+    tp): TP, then CP, share a node when they fit). CP's zigzag gives every rank (cp+1)/2
+    blocks of attention (08's blocks_per_rank), so compute divides evenly over cp.
 Then tokens/s = B·T / time, MFU, hours to a token budget, GPU-hours, energy (at the
 datasheet's board power, TDP) and cost at the price per GPU-hour you give.
 
     dp 2, tp 2, pp 2 on 8 GPUs of one node (tp fastest: its pairs are neighbours):
     GPU 0 1 | 2 3 | 4 5 | 6 7     pp 0: dp 0 (tp 0, 1), dp 1 (tp 0, 1); pp 1: same
 
-Checked (tests/test_plan.py): 17 layouts built with the lessons' wrappers on CPU ranks
-hold plan's model-state bytes and send its collective bytes exactly, and keep its
-activations within 10%; docs/results.md's H200 runs (one calibrates e) within 10%.
+Checked (tests/test_plan.py): 19 layouts built with the lessons' wrappers on CPU ranks
+(cp among them) hold plan's model-state bytes and send its collective and ring bytes
+exactly, and keep its activations within 10%; the H200 runs of docs/results.md that
+calibrate nothing (gpt2-medium, gpt2-large) within 10%.
 
-Run it:  python 09_plan.py    (a worked example beside its hand calculation, a search)
+Run it:  python 09_plan.py    (a worked example by hand, a search)
          python 09_plan.py --model gpt2-xl --gpus 16 --gpus-per-node 8 --gpu h100 \\
              --tokens 10e9 [--price 2.5]
 
-What changed from 07_zero.py: nothing runs; the lessons' formulas are summed. Left out
-on purpose: context parallelism (08's ring is not in it: cp = 1), TP and PP messages overlapping
-compute, offload, fp8, fragmentation (a plan fits in 90% of the memory), and eager
-mode's temporaries (the calibrating runs were compiled).
+What changed from 08_context_parallel.py: nothing runs; the lessons' formulas, 08's
+ring among them, are summed. Left out on purpose: TP and PP messages overlapping
+compute, offload, fp8, fragmentation (a plan fits in 90% of the memory), eager mode's
+temporaries (the calibrating runs were compiled), selective recomputation under
+torch.compile (charged eager's 1.36x), and micro-batches other than 32 and 64 of GPT-2
+124M measured: below 32, c's fixed cost per microbatch is assumed, not measured, and
+on a tie the ranking takes the larger micro-batch.
 """
 
 import argparse
 import dataclasses
 import functools
 import importlib
-import itertools
 import math
 import sys
-from dataclasses import dataclass, field
 
 import torch
 
 from support import plan_report
-from support.gpu_specs import CALIBRATION, GPUS, get_gpu
+from support.gpu_specs import CALIBRATION, GPUS, SELECTIVE_SLOWDOWN, get_gpu
 from support.gpus import recompute_flops_per_token
+from support.plan_report import Layout, Plan, layouts
 from support.run import adamw_groups
 from support.sharding import comm_formula, tp_layout
 
@@ -61,11 +70,13 @@ tp_lib = importlib.import_module("04_tensor_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
 zero_lib = importlib.import_module("07_zero")
+cp_lib = importlib.import_module("08_context_parallel")
 
 GIB = 2**30
 FIT = 0.9  # A plan fits in 90% of the memory: the CUDA context and fragmentation.
 BYTES = {"fp32": 4, "bf16": 2}  # A 16-bit activation or message under autocast.
 ACTIVATION_MODE = {"fp32": "fp32", "bf16": "bf16 autocast"}  # 06's mode names.
+CHUNK_TOKENS = 1024  # train.py's chunk of 06's chunked loss.
 
 
 class PlanError(ValueError):
@@ -95,75 +106,19 @@ def _flops(config_items: tuple, T: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def efficiency(dtype: str, gpu: str) -> float:
-    """e of CALIBRATION: the share of the peak the calibrating run's matmuls reached."""
+def calibrate(dtype: str, gpu: str) -> tuple[float, float]:
+    """(e, c) of CALIBRATION: a step of b sequences takes b·k + L·c seconds, the line
+    through its runs (one run: c = 0); e = the peak's share k leaves the matmuls."""
     row = CALIBRATION["cpu" if gpu == "cpu" else dtype]
     config = model_config(row["model"], vocab_size=row.get("vocab_size", 50257))
-    flops = _flops(_items(config), row["seq_len"])
-    return row["tokens_per_s"] * flops / GPUS[row["gpu"]].flops[dtype]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a step is cut: the grid (dp·tp·pp·cp GPUs), ZeRO, recomputation, batch."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    zero: int = 0
-    recompute: str = "none"
-    micro_batch: int = 1  # Sequences per microbatch per DP rank.
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
-
-    def __str__(self) -> str:
-        grid = f"dp {self.dp} tp {self.tp}{' sp' if self.sequence_parallel else ''}"
-        pipe = f"pp {self.pp}"
-        if self.pp > 1:
-            v = self.virtual_stages
-            pipe += f" {self.schedule}" + (f" v{v}" if v > 1 else "")
-        cp = f" cp {self.cp}" if self.cp > 1 else ""
-        rest = f"zero {self.zero} mb {self.micro_batch} {self.recompute}"
-        return f"{grid} {pipe}{cp} {rest}"
-
-
-@dataclass
-class Plan:
-    """plan()'s answer: bytes per GPU (its fullest one), seconds per step, and rates."""
-
-    layout: Layout
-    gpu: str
-    n_gpus: int
-    tokens_per_step: int
-    memory: dict  # weights, grads, optimizer, activations, logits, total: bytes
-    time: dict  # compute, bubble, tp, pp, dp, total: seconds per step
-    ranks: list  # Per pipeline rank: memory dict, collectives dict, in_flight
-    flops_per_token: int
-    capacity: float  # The bytes a plan may use: FIT x the GPU's memory.
-    fits: bool = field(init=False)
-
-    def __post_init__(self):
-        self.fits = self.memory["total"] <= self.capacity
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_per_step / self.time["total"]
-
-    @property
-    def mfu(self) -> float:
-        peak = self.n_gpus * GPUS[self.gpu].flops[self.ranks[0]["dtype"]]
-        return self.tokens_per_s * self.flops_per_token / peak
-
-    def budget(self, tokens: float, price: float | None = None) -> dict:
-        """Hours to `tokens`, GPU-hours, energy in kWh (None: no power known), cost."""
-        hours = tokens / self.tokens_per_s / 3600
-        gpu_hours = hours * self.n_gpus
-        watts = GPUS[self.gpu].watts
-        kwh = None if watts is None else gpu_hours * watts / 1000
-        cost = None if price is None else gpu_hours * price
-        return dict(hours=hours, gpu_hours=gpu_hours, kwh=kwh, cost=cost)
+    T = row["seq_len"]
+    flops = _flops(_items(config), T)
+    seconds = [(b, b * T / tokens_per_s) for b, tokens_per_s in row["runs"]]
+    b1, t1 = seconds[0]
+    b2, t2 = seconds[-1]
+    k = (t2 - t1) / (b2 - b1) if b2 > b1 else t1 / b1  # seconds per sequence
+    c = (t1 - b1 * k) / config.n_layer
+    return T * flops / k / GPUS[row["gpu"]].flops[dtype], c
 
 
 # ------------------------------------------------------------ model states per rank
@@ -216,20 +171,20 @@ def model_state_bytes(config, layout: Layout, pp_rank: int = 0, lora_rank=0) -> 
     rank, after a backward, as 07's memory_per_rank counts them: 07's flats padded to
     N·S (S = ⌈numel/N⌉), AdamW's 4-byte step per tensor it steps."""
     items = _items(config)
-    L = layout
-    flats = _flats(items, lora_rank, L.tp, L.pp, L.virtual_stages, pp_rank)
+    lay = layout
+    flats = _flats(items, lora_rank, lay.tp, lay.pp, lay.virtual_stages, pp_rank)
     trainable = [n for n, t, *_ in flats if t]
     frozen = sum(n for n, t, *_ in flats if not t)
-    N = L.dp * L.cp  # ZeRO shards over DP x CP ranks (DESIGN §4).
+    N = lay.dp * lay.cp  # ZeRO shards over DP x CP ranks (DESIGN §4).
     S = [-(-n // N) for n in trainable]  # ⌈numel / N⌉ a flat
     psi = sum(trainable)
-    if L.zero == 0:  # 03's DataParallel: everything whole; one step counter a tensor
+    if lay.zero == 0:  # 03's DataParallel: everything whole; one step counter a tensor
         n_tensors = sum(f[3] for f in flats)
         sizes = dict(weights=psi, grads=psi, optimizer=2 * psi + n_tensors)
     else:
         padded = sum(N * s for s in S)
-        weights = sum(S) if L.zero == 3 else padded
-        grads = sum(S) if L.zero >= 2 else psi  # ZeRO-1: whole, in p.grad
+        weights = sum(S) if lay.zero == 3 else padded
+        grads = sum(S) if lay.zero >= 2 else psi  # ZeRO-1: whole, in p.grad
         sizes = dict(weights=weights, grads=grads, optimizer=2 * sum(S) + len(S))
     sizes["weights"] += frozen
     return {k: 4 * n for k, n in sizes.items()}  # fp32: 4 bytes each
@@ -237,7 +192,7 @@ def model_state_bytes(config, layout: Layout, pp_rank: int = 0, lora_rank=0) -> 
 
 # ------------------------------------------------------------ activations per rank
 @functools.lru_cache(maxsize=4096)
-def _split_formula(items: tuple, b: int, T: int, dtype: str, recompute: str) -> dict:
+def _split_formula(items: tuple, b: int, T: int, dtype, recompute, loss) -> dict:
     """06's activation_formula cut into a layer's and the rest's bytes, per microbatch
     (what grows with b) and per stage (autocast's weight copies): by differences."""
     mode = ACTIVATION_MODE[dtype]
@@ -245,14 +200,14 @@ def _split_formula(items: tuple, b: int, T: int, dtype: str, recompute: str) -> 
 
     def f(n_layer, rows):
         c = dataclasses.replace(config, n_layer=n_layer)
-        return mp_lib.activation_formula(c, rows, T, mode, recompute)
+        return mp_lib.activation_formula(c, rows, T, mode, recompute, loss)
 
     layer = (f(2, b) - f(2, 0)) - (f(1, b) - f(1, 0))
     rest = f(1, b) - f(1, 0) - layer
     return dict(
         layer=layer,
         embed=8 * b * T,  # The int64 ids the embedding's lookup keeps.
-        head=rest - 8 * b * T,  # ln_f, lm_head's input, the log-softmax, targets
+        head=rest - 8 * b * T,  # ln_f, then 06's loss_formula (plain or chunked)
         layer_copies=f(2, 0) - f(1, 0),
         rest_copies=f(1, 0) - (f(2, 0) - f(1, 0)),
     )
@@ -280,28 +235,30 @@ def _tp_shard(parts: dict, config, b, T, dtype, layout: Layout) -> dict:
 
 
 def activation_bytes(
-    config, layout: Layout, b: int, m: int, T: int, dtype: str, pp_rank: int = 0
+    config, layout: Layout, b, m, T, dtype, pp_rank: int = 0, loss="plain"
 ) -> tuple[int, int]:
-    """(bytes kept for backward at this rank's peak, microbatches alive then)."""
-    L = layout
-    parts = _split_formula(_items(config), b, T // L.cp, dtype, L.recompute)
-    parts = _tp_shard(parts, config, b, T // L.cp, dtype, L)
-    S = L.pp * L.virtual_stages
+    """(bytes kept for backward at this rank's peak, microbatches alive then); CP's
+    rank keeps T/cp tokens of each sequence (08's ring keeps 06's tensors of them)."""
+    lay = layout
+    args = (_items(config), b, T // lay.cp, dtype, lay.recompute, loss)
+    parts = _split_formula(*args)
+    parts = _tp_shard(parts, config, b, T // lay.cp, dtype, lay)
+    S = lay.pp * lay.virtual_stages
     n = config.n_layer
     chunk_bytes = []
     copies = 0
-    for c in range(L.virtual_stages):
-        s = c * L.pp + pp_rank  # 05's split: stage s holds these blocks
+    for c in range(lay.virtual_stages):
+        s = c * lay.pp + pp_rank  # 05's split: stage s holds these blocks
         layers = (s + 1) * n // S - s * n // S
         size = layers * parts["layer"]
         size += parts["embed"] if s == 0 else 0
         size += parts["head"] if s == S - 1 else 0
         chunk_bytes.append(size)
-        copies += layers * parts["layer_copies"] // L.tp
-        copies += parts["rest_copies"] // L.tp if s == S - 1 else 0
-    if L.pp == 1:  # accumulation: one microbatch at a time
+        copies += layers * parts["layer_copies"] // lay.tp
+        copies += parts["rest_copies"] // lay.tp if s == S - 1 else 0
+    if lay.pp == 1:  # accumulation: one microbatch at a time
         return chunk_bytes[0] + copies, 1
-    args = (L.schedule, L.pp, m, L.virtual_stages, pp_rank, tuple(chunk_bytes))
+    args = (lay.schedule, lay.pp, m, lay.virtual_stages, pp_rank, tuple(chunk_bytes))
     peak, alive = _peak(*args)
     return peak + copies, alive
 
@@ -327,43 +284,50 @@ def collective_bytes(
     config, layout: Layout, b: int, m: int, T: int, pp_rank=0, lora_rank=0, dtype="fp32"
 ) -> dict:
     """Payload bytes per step a rank hands each collective, as tests count them:
-    all_reduce / reduce_scatter / all_gather (their input or output list), send."""
-    L = layout
+    all_reduce / reduce_scatter / all_gather (their input or output list), send (05's
+    pipeline), ring (08's K, V and their gradients)."""
+    lay = layout
     a = BYTES[dtype]
-    out = dict(all_reduce=0, reduce_scatter=0, all_gather=0, send=0)
-    if L.tp > 1:  # 04: per microbatch, the whole model's (pp = 1) or a stage's share
-        c = dataclasses.replace(config, n_layer=max(1, config.n_layer // L.pp))
-        for op, n in comm_formula(c, b, T // L.cp, L.sequence_parallel).items():
+    out = dict(all_reduce=0, reduce_scatter=0, all_gather=0, send=0, ring=0)
+    if lay.tp > 1:  # 04: per microbatch, the whole model's (pp = 1) or a stage's share
+        c = dataclasses.replace(config, n_layer=max(1, config.n_layer // lay.pp))
+        for op, n in comm_formula(c, b, T // lay.cp, lay.sequence_parallel).items():
             out[op] += m * n * a // 4
-    if L.tp > 1 and L.recompute != "none":  # 06 redoes a block's forward in backward
+    if lay.tp > 1 and lay.recompute != "none":  # 06 replays a block's forward
         # subtle: torch's checkpoint stops replaying once the last kept tensor is back,
         # before the MLP's g: the attention's g again (SP: both gathers, one scatter).
-        E = m * (config.n_layer // L.pp) * b * (T // L.cp) * config.n_embd * a
-        if L.sequence_parallel:
+        E = m * (config.n_layer // lay.pp) * b * (T // lay.cp) * config.n_embd * a
+        if lay.sequence_parallel:
             out["all_gather"] += 2 * E
             out["reduce_scatter"] += E
         else:
             out["all_reduce"] += E
-    if L.pp > 1:  # 05: an activation forward and a gradient back per stage boundary
-        S = L.pp * L.virtual_stages
-        stages = [c * L.pp + pp_rank for c in range(L.virtual_stages)]
+    if lay.pp > 1:  # 05: an activation forward and a gradient back per stage boundary
+        S = lay.pp * lay.virtual_stages
+        stages = [c * lay.pp + pp_rank for c in range(lay.virtual_stages)]
         sends = sum((s < S - 1) + (s > 0) for s in stages)
-        out["send"] += m * sends * b * (T // L.cp) * config.n_embd * a
-        if config.tie_embeddings and pp_rank in (0, L.pp - 1):  # the tied gradient
-            out["all_reduce"] += 4 * config.padded_vocab_size * config.n_embd // L.tp
-    if L.dp * L.cp > 1:
+        out["send"] += m * sends * b * (T // lay.cp) * config.n_embd * a
+        if config.tie_embeddings and pp_rank in (0, lay.pp - 1):  # the tied gradient
+            out["all_reduce"] += 4 * config.padded_vocab_size * config.n_embd // lay.tp
+    if lay.cp > 1:  # 08: per layer and microbatch; a replayed block runs its ring again
+        C = config.n_embd // lay.tp  # the width of a rank's K: heads split over tp
+        forward, backward = cp_lib.ring_bytes_per_layer(b, T, C, lay.cp, a)
+        replays = forward if lay.recompute == "full" else 0
+        out["ring"] += m * config.n_layer // lay.pp * (forward + backward + replays)
+        out["all_reduce"] += 8 * m  # 08's cp_token_count: one int64 a microbatch
+    if lay.dp * lay.cp > 1:
         items = _items(config)
-        flats = _flats(items, lora_rank, L.tp, L.pp, L.virtual_stages, pp_rank)
-        N = L.dp * L.cp
+        flats = _flats(items, lora_rank, lay.tp, lay.pp, lay.virtual_stages, pp_rank)
+        N = lay.dp * lay.cp
         trainable = [n for n, t, *_ in flats if t]
         padded = [4 * N * -(-n // N) for n in trainable]
         blocks = [4 * N * -(-n // N) for n, t, root, _ in flats if t and not root]
-        if L.zero == 0:  # 03: all-reduce every gradient once, fp32
+        if lay.zero == 0:  # 03: all-reduce every gradient once, fp32
             out["all_reduce"] += 4 * sum(trainable)
         else:  # 07: reduce-scatter every flat, all-gather the weights
             out["reduce_scatter"] += sum(padded)
             out["all_gather"] += sum(padded)
-        if L.zero == 3:  # gathered for each forward, again for each backward but root's
+        if lay.zero == 3:  # gathered each forward, again each backward but root's
             out["all_gather"] += (m - 1) * sum(padded) + m * sum(blocks)
     return out
 
@@ -371,27 +335,28 @@ def collective_bytes(
 # ------------------------------------------------------------ the plan
 def check_layout(config, layout: Layout, batch: int, n_gpus: int) -> int:
     """PlanError (one line) unless the layout can run; -> microbatches per step."""
-    L = layout
-    world = L.dp * L.tp * L.pp * L.cp
+    lay = layout
+    world = lay.dp * lay.tp * lay.pp * lay.cp
     if world != n_gpus:
-        sizes = f"dp {L.dp} x tp {L.tp} x pp {L.pp} x cp {L.cp} = {world}"
+        sizes = f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp} x cp {lay.cp} = {world}"
         raise PlanError(f"{sizes} does not fill {n_gpus} GPUs")
-    if L.cp > 1:
-        raise PlanError("cp > 1: the planner does not model 08's ring yet")
-    split = f"micro_batch {L.micro_batch} x dp {L.dp} x m"
-    if batch % (L.micro_batch * L.dp):
+    if lay.cp > 1 and (config.dropout > 0 or lay.recompute == "selective"):
+        why = "08's ring has no dropout, and 06's selective policy does not know it"
+        raise PlanError(f"cp > 1 needs dropout 0 and recompute none or full: {why}")
+    split = f"micro_batch {lay.micro_batch} x dp {lay.dp} x m"
+    if batch % (lay.micro_batch * lay.dp):
         raise PlanError(f"batch {batch} is not {split}")
-    zero_ok = L.zero in range(4) and (L.zero == 0 or L.dp * L.cp > 1)
-    if not zero_ok or L.zero == 3 and L.pp > 1:  # 07 refuses ZeRO-3 on pp's chunks
-        raise PlanError(f"zero {L.zero} needs a stage 0-3, dp > 1 and, at 3, pp 1")
-    if L.sequence_parallel and L.tp == 1:
+    zero_ok = lay.zero in range(4) and (lay.zero == 0 or lay.dp * lay.cp > 1)
+    if not zero_ok or lay.zero == 3 and lay.pp > 1:  # 07 refuses ZeRO-3 on pp's chunks
+        raise PlanError(f"zero {lay.zero} needs a stage 0-3, dp > 1 and, at 3, pp 1")
+    if lay.sequence_parallel and lay.tp == 1:
         raise PlanError("sequence parallelism needs tp > 1")
-    m = batch // (L.micro_batch * L.dp)
+    m = batch // (lay.micro_batch * lay.dp)
     try:
-        tp_lib.check_tp_config(config, L.tp)
-        schedule = L.schedule if L.pp > 1 else "1f1b"
-        pp_lib.check_config(schedule, L.pp, m, L.virtual_stages, config.n_layer)
-        assert L.recompute in mp_lib.RECOMPUTE, f"recompute {L.recompute!r}"
+        tp_lib.check_tp_config(config, lay.tp)
+        schedule = lay.schedule if lay.pp > 1 else "1f1b"
+        pp_lib.check_config(schedule, lay.pp, m, lay.virtual_stages, config.n_layer)
+        assert lay.recompute in mp_lib.RECOMPUTE, f"recompute {lay.recompute!r}"
     except AssertionError as e:
         raise PlanError(str(e)) from None
     return m
@@ -414,47 +379,67 @@ def plan(
     seq_len: int | None = None,
     dtype: str = "bf16",
     lora_rank: int = 0,
+    loss: str = "plain",
 ) -> Plan:
-    """The memory (its fullest GPU) and time of a step of `batch` sequences of T."""
+    """The memory (its fullest GPU) and time of a step of `batch` sequences of T;
+    loss: "plain" (02's) or "chunked" (06's, no (b, T, V) logits)."""
     spec = get_gpu(gpu)
     T = seq_len or config.block_size
-    L = layout
+    lay = layout
     m = check_layout(config, layout, batch, n_gpus)
-    b = L.micro_batch
+    if T % (2 * lay.cp):
+        raise PlanError(f"T={T} does not split into 2cp = {2 * lay.cp} zigzag chunks")
+    if loss not in ("plain", "chunked") or loss == "chunked" and lay.tp > 1:
+        raise PlanError(f"loss {loss!r}: plain, or chunked at tp 1 (06's)")
+    b = lay.micro_batch
     ranks = []
-    for r in range(L.pp):
+    for r in range(lay.pp):
         memory = model_state_bytes(config, layout, r, lora_rank)
-        memory["activations"], alive = activation_bytes(
-            config, layout, b, m, T, dtype, r
-        )
-        last = r == L.pp - 1  # the loss's logits: b·T·V/tp, the largest temporary
-        V = config.padded_vocab_size
-        memory["logits"] = BYTES[dtype] * b * (T // L.cp) * V // L.tp if last else 0
+        args = (config, layout, b, m, T, dtype, r, loss)
+        memory["activations"], alive = activation_bytes(*args)
+        # The largest temporary, on the last stage: the loss's (b, T/cp, V/tp) logits,
+        # or the chunked loss's (1,024 tokens, V) of them.
+        rows = b * T // lay.cp if loss == "plain" else min(CHUNK_TOKENS, b * T)
+        logits = BYTES[dtype] * rows * config.padded_vocab_size // lay.tp
+        memory["logits"] = logits if r == lay.pp - 1 else 0
         memory["total"] = sum(memory.values())
         comm = collective_bytes(config, layout, b, m, T, r, lora_rank, dtype)
         ranks.append(
             dict(memory=memory, collectives=comm, in_flight=alive, dtype=dtype)
         )
     fullest = max(ranks, key=lambda x: x["memory"]["total"])
-    items = _items(config)
-    fpt = _flops(items, T)
-    extra = recompute_flops_per_token(config, T, L.recompute)
+    fpt = _flops(_items(config), T)
+    extra = recompute_flops_per_token(config, T, lay.recompute)
     tokens = batch * T
-    e = efficiency(dtype, gpu.lower())
-    t = dict(compute=tokens * (fpt + extra) / n_gpus / (spec.flops[dtype] * e))
-    bubble = pp_lib.bubble_formula(L.pp, m, L.virtual_stages)  # of the whole step
+    e, c = calibrate(dtype, gpu.lower())
+    matmuls = tokens * (fpt + extra) / n_gpus / (spec.flops[dtype] * e)
+    slowdown = SELECTIVE_SLOWDOWN if lay.recompute == "selective" else 1.0
+    fixed = (
+        m * config.n_layer / lay.pp * c
+    )  # each microbatch, each of the stage's layers
+    t = dict(compute=matmuls * slowdown + fixed)
+    bubble = pp_lib.bubble_formula(lay.pp, m, lay.virtual_stages)  # of the whole step
     t["bubble"] = t["compute"] * bubble / (1 - bubble)
     worst = max(ranks, key=lambda x: sum(x["collectives"].values()))["collectives"]
-    tp_wire = 2 * (L.tp - 1) / L.tp * worst["all_reduce"] if L.tp > 1 else 0
-    if L.tp > 1 and L.sequence_parallel:
-        tp_wire = (L.tp - 1) / L.tp * (worst["all_gather"] + worst["reduce_scatter"])
-    t["tp"] = tp_wire / _link(spec, L.tp, 1, gpus_per_node)
-    t["pp"] = worst["send"] / _link(spec, L.pp, L.tp * L.cp * L.dp, gpus_per_node)
-    N = L.dp * L.cp
-    grads = model_state_bytes(config, dataclasses.replace(L, zero=0), 0, lora_rank)
+    tp_wire = 2 * (lay.tp - 1) / lay.tp * worst["all_reduce"] if lay.tp > 1 else 0
+    if lay.tp > 1 and lay.sequence_parallel:
+        tp_wire = (
+            (lay.tp - 1) / lay.tp * (worst["all_gather"] + worst["reduce_scatter"])
+        )
+    t["tp"] = tp_wire / _link(spec, lay.tp, 1, gpus_per_node)
+    stride = lay.tp * lay.cp * lay.dp  # a pipeline's neighbours are a grid slice apart
+    t["pp"] = worst["send"] / _link(spec, lay.pp, stride, gpus_per_node)
+    # 08's zigzag: every CP rank computes (cp+1)/2 blocks, so the FLOPs split evenly;
+    # the ring hides behind the attention FLOPs (02's 12·L·C·T a token) it overlaps.
+    assert len(set(cp_lib.blocks_per_rank(lay.cp, "zigzag"))) == 1
+    attention = matmuls * 12 * config.n_layer * config.n_embd * T / (fpt + extra)
+    ring = worst["ring"] / _link(spec, lay.cp, lay.tp, gpus_per_node)
+    t["cp"] = max(0.0, ring - attention)
+    N = lay.dp * lay.cp
+    grads = model_state_bytes(config, dataclasses.replace(lay, zero=0), 0, lora_rank)
     dp_wire = 2 * (N - 1) / N * grads["grads"] if N > 1 else 0
-    dp_wire += (N - 1) / N * grads["grads"] * 2 * m if L.zero == 3 else 0
-    dp_time = dp_wire / _link(spec, N, L.tp, gpus_per_node)
+    dp_wire += (N - 1) / N * grads["grads"] * 2 * m if lay.zero == 3 else 0
+    dp_time = dp_wire / _link(spec, N, lay.tp, gpus_per_node)
     hidden = 2 / 3 * t["compute"] / m  # the last microbatch's backward overlaps it
     t["dp"] = max(0.0, dp_time - hidden)
     t["total"] = sum(t.values())
@@ -469,37 +454,17 @@ def plan_run(cfg, gpt_config, gpu: str, gpus_per_node: int = 8) -> Plan:
     the model it builds): train.py --plan prints it, and its first log lines."""
     cpu = gpu.lower() == "cpu"
     dtype = "fp32" if cfg.dtype == "fp32" or cfg.dtype == "auto" and cpu else "bf16"
-    grid = (cfg.dp, cfg.tp, cfg.pp, 1, cfg.zero, cfg.recompute, cfg.micro_batch_size)
+    cp = getattr(cfg, "cp", 1)
+    grid = (cfg.dp, cfg.tp, cfg.pp, cp, cfg.zero, cfg.recompute, cfg.micro_batch_size)
     pipe = (cfg.schedule, cfg.virtual_stages, cfg.sequence_parallel)
     layout = Layout(*grid, *pipe)
-    n = cfg.dp * cfg.tp * cfg.pp
+    n = cfg.dp * cfg.tp * cfg.pp * cp
     options = (gpus_per_node, gpt_config.block_size, dtype, cfg.lora_rank)
-    return plan(gpt_config, layout, cfg.batch_size, gpu, n, *options)
+    loss = getattr(cfg, "loss", "plain")
+    return plan(gpt_config, layout, cfg.batch_size, gpu, n, *options, loss=loss)
 
 
 # ------------------------------------------------------------ the search
-def layouts(config, batch: int, n_gpus: int, gpus_per_node: int):
-    """Every layout worth trying: TP inside a node, each pipeline schedule, every ZeRO
-    stage and recompute mode, micro-batches that are powers of two."""
-    sizes = [d for d in range(1, n_gpus + 1) if n_gpus % d == 0]
-    for tp, pp in itertools.product(sizes, repeat=2):
-        dp = n_gpus // (tp * pp)
-        if n_gpus % (tp * pp) or tp > gpus_per_node or batch % dp:
-            continue
-        if config.n_head % tp or pp > config.n_layer:
-            continue
-        schedules = (
-            [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)] if pp > 1 else [("1f1b", 1)]
-        )
-        zeros = [0] if dp == 1 else ([0, 1, 2] if pp > 1 else [0, 1, 2, 3])
-        mbs = [b for b in (1, 2, 4, 8, 16, 32, 64) if (batch // dp) % b == 0]
-        for (schedule, v), zero, recompute, mb in itertools.product(
-            schedules, zeros, mp_lib.RECOMPUTE, mbs
-        ):
-            for sp in (False, True) if tp > 1 else (False,):
-                yield Layout(dp, tp, pp, 1, zero, recompute, mb, schedule, v, sp)
-
-
 def search(
     config,
     batch: int,
@@ -509,13 +474,14 @@ def search(
     seq_len=None,
     dtype="bf16",
     lora_rank=0,
+    loss="plain",
 ) -> list[Plan]:
     """Every valid layout's plan, the fitting ones first, fastest first."""
     plans = []
-    for layout in layouts(config, batch, n_gpus, gpus_per_node):
+    for layout in layouts(config, batch, n_gpus, gpus_per_node, seq_len):
         try:
             args = (config, layout, batch, gpu, n_gpus, gpus_per_node, seq_len, dtype)
-            plans.append(plan(*args, lora_rank))
+            plans.append(plan(*args, lora_rank, loss))
         except PlanError:
             continue  # e.g. interleaved's m % p, a vocabulary that does not split
     plans.sort(key=_rank)
@@ -524,17 +490,20 @@ def search(
 
 def _rank(p: Plan) -> tuple:
     """Fitting plans first, fastest first; on a tie (to 0.1%) the simpler one: a lower
-    ZeRO stage, less recomputation, then less memory. Others: least memory first."""
+    ZeRO stage, less recomputation, no ring, then the larger micro-batch (an assumption:
+    fewer microbatches cost no more, where c is not measured), then less memory. The
+    plans that do not fit: least memory first."""
     if not p.fits:
         return (1, p.memory["total"])
     speed = round(math.log(p.tokens_per_s), 3)
-    simpler = (p.layout.zero, mp_lib.RECOMPUTE.index(p.layout.recompute))
-    return (0, -speed, *simpler, p.memory["total"])
+    lay = p.layout
+    simpler = (lay.zero, mp_lib.RECOMPUTE.index(lay.recompute), lay.cp)
+    return (0, -speed, *simpler, -lay.micro_batch, p.memory["total"])
 
 
 def worked_example() -> None:
-    """GPT-2 124M on one H200, B = 32, bf16: the plan beside the sums done by hand."""
-    gib = plan_report.gib
+    """GPT-2 124M on one H200, B = 32, bf16: the plan beside its formulas' arithmetic
+    with the numbers filled in; then gpt2-medium, a run that calibrated nothing."""
     config = model_config("gpt2")
     p = plan(config, Layout(micro_batch=32), 32, "h200", 1)
     psi = model_lib.count_params(config)
@@ -543,19 +512,33 @@ def worked_example() -> None:
     states = sum(p.memory[k] for k in ("weights", "grads", "optimizer"))
     print(f"  model states: 16Ψ = 16 x {psi:,} = {hand:,.0f} B (07); plan {states:,} B")
     print("    (plan adds AdamW's 4-byte step counter for each of the 148 tensors)")
-    act = mp_lib.activation_formula(config, 32, 1024, "bf16 autocast", "none")
-    print(f"  activations: 06's formula {act:,} B; plan {p.memory['activations']:,} B")
-    logits = 2 * 32 * 1024 * config.padded_vocab_size
+    # 06's formula by hand: C = 768, L = 12, nh = 12, V = 50,304; a = 2 (bf16 matmul
+    # operands), r = 4 (the fp32 residual stream).
+    layer = 2 * 770 * 4 + 14 * 768 * 2 + 4 * 12  # LayerNorms, operands, lse
+    rest = 770 * 4 + 8  # ln_f's input, mean and rstd; the int64 id
+    head = 768 * 2 + 4 * 50_304 + 8  # lm_head's input, the fp32 log-softmax, target
+    copies = 2 * 12 * 12 * 768**2 + 2 * 50_304 * 768  # autocast's bf16 weights
+    act = 32 * 1024 * (12 * layer + rest + head) + 8 * 1024 + 4 + copies
+    print(f"  a layer, a token: 2(C+2)4 + 14C·2 + 4nh = {layer:,} B (06's none)")
+    print(f"  activations: 32·1,024·(12·{layer:,} + {rest:,} + {head:,})")
     print(
-        f"  logits: 2 x 32 x 1,024 x 50,304 = {logits:,} B; plan {p.memory['logits']:,}"
+        f"    + 8·1,024 + 4 + {copies:,} = {act:,} B; plan {p.memory['activations']:,}"
     )
-    print(f"  peak {gib(p.memory['total'])} GiB; measured 21.3 GiB (docs/results.md)")
+    logits = 2 * 32 * 1024 * 50_304
+    print(f"  logits: 2·32·1,024·50,304 = {logits:,} B; plan {p.memory['logits']:,}")
+    print(f"  peak {plan_report.gib(p.memory['total'])} GiB; measured 21.3 GiB")
+    e, c = calibrate("bf16", "h200")
     fpt = model_lib.flops_per_token(config, 1024)
-    e = efficiency("bf16", "h200")
-    step = 32 * 1024 * fpt / (989.5e12 * e)
-    hand = f"{1e3 * step:.1f} ms; plan {1e3 * p.time['total']:.1f} ms"
-    print(f"  time: 32,768 x {fpt:,} FLOPs / (989.5e12 x e {e:.3f}) = {hand}")
-    print(f"  tokens/s {p.tokens_per_s:,.0f}: the calibrating run (measured 515,639)")
+    step = 32 * 1024 * fpt / (989.5e12 * e) + 12 * c
+    calc = f"32,768 x {fpt:,} / (989.5e12 x e {e:.3f}) + 12 x c {1e3 * c:.3f} ms"
+    print(f"  time: {calc} = {1e3 * step:.1f} ms; plan {1e3 * p.time['total']:.1f} ms")
+    print(f"    = {p.tokens_per_s:,.0f} tokens/s: a calibrating run, measured 515,639")
+    medium = plan(model_config("gpt2-medium"), Layout(micro_batch=32), 32, "h200", 1)
+    rate = medium.tokens_per_s
+    gib = medium.memory["total"] / GIB
+    print(f"gpt2-medium, B = 32, calibrated nothing: plan {rate:,.0f} tokens/s,")
+    print(f"  {gib:.1f} GiB; measured 194,643 tokens/s, 41.2 GiB (docs/results.md):")
+    print(f"  {rate / 194_643 - 1:+.1%}, {gib / 41.2 - 1:+.1%}")
 
 
 def main(argv=None) -> None:
@@ -571,6 +554,7 @@ def main(argv=None) -> None:
     add("--seq-len", type=int, default=None, help="T; default: the model's block_size")
     add("--dtype", default="bf16", choices=tuple(BYTES), help="bf16: autocast")
     add("--lora-rank", type=int, default=0, help="LoRA: only its factors train")
+    add("--loss", default="plain", choices=("plain", "chunked"), help="06's chunked")
     add("--price", type=float, default=None, help="dollars per GPU-hour, for the cost")
     add("--top", type=int, default=5, help="how many fitting layouts to print")
     args = parser.parse_args(argv)
@@ -583,7 +567,7 @@ def main(argv=None) -> None:
             raise PlanError(f"{args.gpus} GPUs are not {nodes}")
         config = model_config(args.model)
         cluster = (args.gpu, args.gpus, args.gpus_per_node)
-        options = (args.seq_len, args.dtype, args.lora_rank)
+        options = (args.seq_len, args.dtype, args.lora_rank, args.loss)
         plans = search(config, args.batch_size, *cluster, *options)
         if not plans:
             raise PlanError(f"no layout of {args.model} divides {args.gpus} GPUs")

@@ -78,32 +78,40 @@ GPUS = {
 }
 
 
-# The matmul efficiency e: measured tokens/s x 02's FLOPs per token / peak, one run per
-# dtype. Every other run in docs/results.md is a prediction from these (09_plan.py).
+# The matmul efficiency e and a layer's fixed time per microbatch c (launches and small
+# kernels that do not grow with it): a step of m microbatches of b sequences of T takes
+# m (b T FLOPs/token / (peak e) + L c). runs: (micro-batch, measured tokens/s), one
+# microbatch a step; two runs fit both e and c, one run fits e (c = 0). Every other run
+# in docs/results.md is a prediction from these (09_plan.py).
 CALIBRATION = {
     "bf16": dict(
         gpu="h200",
         model="gpt2",
-        tokens_per_s=515_639,
+        runs=((32, 515_639), (64, 519_019)),
         seq_len=1024,
-        run="docs/results.md: bench_compiled_step.py, GPT-2 124M, B = 32, compiled",
+        run="docs/results.md: bench_compiled_step.py, GPT-2 124M, B = 32 and 64, compiled",
     ),
     "fp32": dict(
         gpu="h200",
         model="gpt2",
-        tokens_per_s=54_461,
+        runs=((16, 54_461),),
         seq_len=1024,
         run="docs/results.md: bench_mixed_precision.py, GPT-2 124M, fp32, B = 16",
     ),
     "cpu": dict(
         gpu="cpu",
         model="small",
-        tokens_per_s=8_500,
+        runs=((32, 8_500),),
         seq_len=128,
         vocab_size=4096,
         run="docs/training.md: the main job, 500 steps of 4,096 tokens, 2-core VM",
     ),
 }
+
+# Selective recomputation's time: its step over none's, measured (docs/results.md,
+# "Recomputation": bf16 autocast, B = 16, eager, one H200: 67.6 / 49.8 ms). Not measured
+# under torch.compile, where the calibrating runs ran: there it is an upper bound.
+SELECTIVE_SLOWDOWN = 67.6 / 49.8
 
 
 def get_gpu(name: str) -> GPU:

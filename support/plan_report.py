@@ -1,18 +1,110 @@
-"""09_plan.py's report: why the best layout wins, what would make another fit, and
-the printed table. Plumbing: it reads Plan and Layout objects and teaches nothing new.
+"""09_plan.py's records and report: the Layout and Plan dataclasses, why the best layout
+wins over every other value of each choice, what would make another fit, and the
+printed table. Plumbing: it teaches nothing new; 09 computes every number it prints.
 """
 
 import dataclasses
+import itertools
+from dataclasses import dataclass, field
 
 from support.gpu_specs import GPUS
 
 GIB = 2**30
+MIB = 2**20
+KNOBS = ("tp", "pp", "cp", "zero", "recompute", "micro_batch", "schedule")
+RECOMPUTE = ("none", "selective", "full")  # 06's modes, least recomputation first
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a step is cut: the grid (dp·tp·pp·cp GPUs), ZeRO, recomputation, batch."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    micro_batch: int = 1  # Sequences per microbatch per DP rank.
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+
+    def __str__(self) -> str:
+        grid = f"dp {self.dp} tp {self.tp}{' sp' if self.sequence_parallel else ''}"
+        pipe = f"pp {self.pp}"
+        if self.pp > 1:
+            v = self.virtual_stages
+            pipe += f" {self.schedule}" + (f" v{v}" if v > 1 else "")
+        cp = f" cp {self.cp}" if self.cp > 1 else ""
+        rest = f"zero {self.zero} mb {self.micro_batch} {self.recompute}"
+        return f"{grid} {pipe}{cp} {rest}"
+
+
+@dataclass
+class Plan:
+    """09's plan(): bytes per GPU (its fullest one), seconds per step, and rates."""
+
+    layout: Layout
+    gpu: str
+    n_gpus: int
+    tokens_per_step: int
+    memory: dict  # weights, grads, optimizer, activations, logits, total: bytes
+    time: dict  # compute, bubble, tp, pp, cp, dp, total: seconds per step
+    ranks: list  # Per pipeline rank: memory dict, collectives dict, in_flight
+    flops_per_token: int
+    capacity: float  # The bytes a plan may use: FIT x the GPU's memory.
+    fits: bool = field(init=False)
+
+    def __post_init__(self):
+        self.fits = self.memory["total"] <= self.capacity
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.time["total"]
+
+    @property
+    def mfu(self) -> float:
+        peak = self.n_gpus * GPUS[self.gpu].flops[self.ranks[0]["dtype"]]
+        return self.tokens_per_s * self.flops_per_token / peak
+
+    def budget(self, tokens: float, price: float | None = None) -> dict:
+        """Hours to `tokens`, GPU-hours, energy in kWh (None: no power known), cost."""
+        hours = tokens / self.tokens_per_s / 3600
+        gpu_hours = hours * self.n_gpus
+        watts = GPUS[self.gpu].watts
+        kwh = None if watts is None else gpu_hours * watts / 1000
+        cost = None if price is None else gpu_hours * price
+        return dict(hours=hours, gpu_hours=gpu_hours, kwh=kwh, cost=cost)
+
+
+def layouts(config, batch: int, n_gpus: int, gpus_per_node: int, T=None):
+    """Every layout worth trying: TP, then CP, inside a node, each pipeline schedule,
+    every ZeRO stage and recompute mode, micro-batches that are powers of two."""
+    T = T or config.block_size
+    sizes = [d for d in range(1, n_gpus + 1) if n_gpus % d == 0]
+    for tp, pp, cp in itertools.product(sizes, repeat=3):
+        dp = n_gpus // (tp * pp * cp)
+        if n_gpus % (tp * pp * cp) or tp * cp > gpus_per_node or batch % dp:
+            continue
+        if config.n_head % tp or pp > config.n_layer or T % (2 * cp):
+            continue
+        schedules = (
+            [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)] if pp > 1 else [("1f1b", 1)]
+        )
+        zeros = [0] if dp * cp == 1 else ([0, 1, 2] if pp > 1 else [0, 1, 2, 3])
+        mbs = [b for b in (1, 2, 4, 8, 16, 32, 64) if (batch // dp) % b == 0]
+        for (schedule, v), zero, recompute, mb in itertools.product(
+            schedules, zeros, RECOMPUTE, mbs
+        ):
+            for sp in (False, True) if tp > 1 else (False,):
+                yield Layout(dp, tp, pp, cp, zero, recompute, mb, schedule, v, sp)
 
 
 def differs_in(a, b, name: str) -> bool:
-    """b is a with `name` changed (and dp with tp or pp, as the world is fixed)."""
-    free = {name, "dp"} if name in ("tp", "pp") else {name}
-    if name == "pp":
+    """b is a with `name` changed (and dp with tp, pp or cp, as the world is fixed)."""
+    free = {name, "dp"} if name in ("tp", "pp", "cp") else {name}
+    if name in ("pp", "schedule"):
         free |= {"schedule", "virtual_stages"}
     if name == "tp":
         free.add("sequence_parallel")
@@ -24,31 +116,56 @@ def differs_in(a, b, name: str) -> bool:
     return same and getattr(a, name) != getattr(b, name)
 
 
-def why_best(plans: list) -> list[str]:
-    """For each choice of the best plan: the best rival that differs only there, and
-    why it loses (it does not fit, or the step part that grows most)."""
-    best = plans[0]
-    reasons = []
-    for name in ("tp", "pp", "zero", "recompute", "micro_batch", "schedule"):
-        rivals = [p for p in plans[1:] if differs_in(best.layout, p.layout, name)]
-        if not rivals:
-            continue
-        rival = min(rivals, key=lambda p: (not p.fits, -p.tokens_per_s))
-        mine = f"{name} {getattr(best.layout, name)}"
-        theirs = f"{name} {getattr(rival.layout, name)}"
-        if not rival.fits:
-            need = rival.memory["total"] / GIB
-            reasons.append(f"{mine} fits ({theirs} needs {need:.1f} GiB)")
-            continue
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def size(n: float) -> str:
+    """Bytes in GiB, or in MiB below 1 GiB (a CPU plan's sizes are not 0.0 GiB)."""
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def cost_of(best, rival) -> str:
+    """What taking `rival` instead of `best` would cost: memory it lacks, or time."""
+    if not rival.fits:
+        return f"does not fit: needs {size(rival.memory['total'])}"
+    slower = 1 - rival.tokens_per_s / best.tokens_per_s
+    if slower >= 0.0005:
         parts = [k for k in best.time if k != "total"]
         worse = max(parts, key=lambda k: rival.time[k] - best.time[k])
-        slower = 1 - rival.tokens_per_s / best.tokens_per_s
-        if slower < 0.005:  # a tie: the ranking took the simpler, then the smaller
-            smaller = best.memory["total"] < rival.memory["total"]
-            why = "needs less memory" if smaller else "is simpler"
-            reasons.append(f"{mine}: {theirs} is as fast, {mine} {why}")
-            continue
-        reasons.append(f"{mine}: {theirs} is {slower:.0%} slower (more {worse})")
+        grows = 1e3 * (rival.time[worse] - best.time[worse])
+        return f"{slower:.1%} slower ({worse} +{grows:.1f} ms)"
+    a = best.layout
+    b = rival.layout
+    if b.zero > a.zero:
+        why = "a higher ZeRO stage"
+    elif RECOMPUTE.index(b.recompute) > RECOMPUTE.index(a.recompute):
+        why = "more recomputation"
+    elif b.cp > a.cp:
+        why = "a ring to run"
+    elif b.micro_batch < a.micro_batch:
+        why = "more microbatches (the ranking assumes they cost time)"
+    else:
+        why = f"{size(rival.memory['total'])} against {size(best.memory['total'])}"
+    return f"as fast; ranked below for {why}"
+
+
+def why_best(plans: list) -> list[str]:
+    """For each choice of the best plan and each other value it could take: the best
+    plan that differs only there (its whole layout: dp moves with tp, pp and cp), and
+    what that value would cost (it does not fit, or the step part that grows most)."""
+    best = plans[0]
+    reasons = []
+    for name in KNOBS:
+        rivals = {}
+        for p in plans[1:]:  # ranked: the first of each value is its best
+            if differs_in(best.layout, p.layout, name):
+                rivals.setdefault(getattr(p.layout, name), p)
+        mine = f"{name} {getattr(best.layout, name)}"
+        for value, rival in rivals.items():
+            reasons.append(
+                f"{mine}, not {value} ({rival.layout}): {cost_of(best, rival)}"
+            )
     return reasons
 
 
@@ -57,28 +174,24 @@ def fix_for(bad, plans: list) -> str:
     for p in plans:
         if not p.fits:
             break
-        for name in ("zero", "recompute", "micro_batch", "tp", "pp"):
+        for name in ("zero", "recompute", "micro_batch", "tp", "pp", "cp"):
             if differs_in(bad.layout, p.layout, name):
-                return f"{name} {getattr(p.layout, name)} would fit"
+                return f"{name} {getattr(p.layout, name)} would fit: {p.layout}"
     return "no single change fits"
 
 
-def gib(n: float) -> str:
-    return f"{n / GIB:.1f}"
-
-
 def describe(p) -> list[str]:
-    """Two lines: memory (GiB) and step time (ms) broken down, then the rates."""
+    """Two lines: memory (GiB, or MiB under 1 GiB) and step time (ms), then rates."""
     m = p.memory
-    mem = "+".join(gib(m[k]) for k in ("weights", "grads", "optimizer"))
-    mem += f" +act {gib(m['activations'])} +logits {gib(m['logits'])}"
+    scale, unit = (GIB, "GiB") if m["total"] >= GIB else (MIB, "MiB")
+    mem = "+".join(f"{m[k] / scale:.1f}" for k in ("weights", "grads", "optimizer"))
+    mem += f" +act {m['activations'] / scale:.1f} +logits {m['logits'] / scale:.1f}"
     t = p.time
-    ms = " ".join(
-        f"{k} {1e3 * t[k]:.0f}" for k in ("compute", "bubble", "tp", "pp", "dp")
-    )
-    head = f"{str(p.layout):<42} {gib(m['total']):>5} GiB"
+    parts = ("compute", "bubble", "tp", "pp", "cp", "dp")
+    ms = " ".join(f"{k} {1e3 * t[k]:.0f}" for k in parts)
+    head = f"{str(p.layout):<42} {m['total'] / scale:>5.1f} {unit}"
     rate = f"{p.tokens_per_s:>10,.0f} tok/s MFU {p.mfu:.0%}"
-    return [f"{head} {rate}", f"GiB {mem}; ms {ms}"]
+    return [f"{head} {rate}", f"{unit} {mem}; ms {ms}"]
 
 
 def print_search(plans: list, args, fit_share: float) -> None:
@@ -88,21 +201,21 @@ def print_search(plans: list, args, fit_share: float) -> None:
     gpu = GPUS[args.gpu.lower()]
     what = f"{args.model} on {args.gpus} x {args.gpu} ({args.gpus_per_node} a node)"
     print(f"\n{what}, batch {args.batch_size} x {args.seq_len or 'T'}, {args.dtype}:")
-    share = f"{fit_share:.0%} of {gib(gpu.memory)} GiB"
+    share = f"{fit_share:.0%} of {size(gpu.memory)}"
     print(f"{len(plans)} layouts, {len(fit)} fit in {share}; the fastest:")
     for i, p in enumerate(fit[: args.top]):
         lines = describe(p)
         print(f"{i + 1:>2}. {lines[0]}\n    {lines[1]}")
-    print("why the best wins:")
+    print("why the best wins: each other value of each choice, at its best")
     for reason in why_best(plans):
         print(f"  {reason}")
     for p in [p for p in plans if not p.fits][:2]:
-        over = (p.memory["total"] - p.capacity) / GIB
-        print(f"does not fit: {p.layout}: {over:.1f} GiB over")
+        over = p.memory["total"] - p.capacity
+        print(f"does not fit: {p.layout}: {size(over)} over")
         print(f"  {fix_for(p, plans)}")
     cost = fit[0].budget(args.tokens, args.price)
     hours = f"{cost['hours']:.1f} h, {cost['gpu_hours']:,.0f} GPU-hours"
-    print(f"the best on {args.tokens:.3g} tokens: {hours}")
+    print(f"the best on {args.tokens:,.0f} tokens: {hours}")
     if cost["kwh"] is not None:
         print(f"  energy {cost['kwh']:,.0f} kWh at {gpu.watts:.0f} W ({gpu.name} TDP)")
     if cost["cost"] is not None:
