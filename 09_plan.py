@@ -21,7 +21,9 @@ The model of one step, per GPU (Ψ parameters, N = dp·cp ranks sharing ZeRO's s
     TP      = comm_formula's bytes · 2(tp-1)/tp / link, on the critical path   (04)
     ring    = 08's ring_bytes_per_layer · L/pp · m / link, less attention's compute,
               which hides it (08 posts each transfer before the block's compute)
-    DP      = 2(N-1)/N · 4Ψ/tp/pp / link, hidden behind the last backward  (03, 07)
+    DP      = 2(N-1)/N · 4Ψ/tp/pp / link, hidden behind the last backward for DP
+              (03); ZeRO-1/2's all-gather after the step, ZeRO-1's reduce-scatter
+              after backward, exposed (07)
     links: NVLink inside a node, else the network (grid arange(world).view(pp, dp, cp,
     tp): TP, then CP, share a node when they fit). CP's zigzag gives every rank (cp+1)/2
     blocks of attention (08's blocks_per_rank), so compute divides evenly over cp.
@@ -437,16 +439,30 @@ def plan(
     t["cp"] = max(0.0, ring - attention)
     N = lay.dp * lay.cp
     grads = model_state_bytes(config, dataclasses.replace(lay, zero=0), 0, lora_rank)
-    dp_wire = 2 * (N - 1) / N * grads["grads"] if N > 1 else 0
-    dp_wire += (N - 1) / N * grads["grads"] * 2 * m if lay.zero == 3 else 0
-    dp_time = dp_wire / _link(spec, N, lay.tp, gpus_per_node)
+    half = (N - 1) / N * grads["grads"]  # one reduce-scatter or one all-gather
+    overlapped, exposed = _dp_wire(lay.zero, half, m) if N > 1 else (0.0, 0.0)
+    link = _link(spec, N, lay.tp, gpus_per_node)
     hidden = 2 / 3 * t["compute"] / m  # the last microbatch's backward overlaps it
-    t["dp"] = max(0.0, dp_time - hidden)
+    t["dp"] = max(0.0, overlapped / link - hidden) + exposed / link
     t["total"] = sum(t.values())
     capacity = FIT * spec.memory
     return Plan(
         layout, gpu.lower(), n_gpus, tokens, fullest["memory"], t, ranks, fpt, capacity
     )
+
+
+def _dp_wire(zero: int, half: float, m: int) -> tuple[float, float]:
+    """(bytes overlapped, bytes exposed) a DP rank sends a step, as 03 and 07 send
+    them; half: one reduce-scatter's. DP all-reduces in backward; ZeRO-1 reduce-scatters
+    after it and ZeRO-1/2 all-gather after the step, exposed; ZeRO-3 gathers each unit
+    in forward and backward (m times) beside the compute."""
+    if zero == 0:
+        return 2 * half, 0.0
+    if zero == 1:
+        return 0.0, 2 * half
+    if zero == 2:
+        return half, half
+    return half + 2 * m * half, 0.0
 
 
 def plan_run(cfg, gpt_config, gpu: str, gpus_per_node: int = 8) -> Plan:

@@ -405,3 +405,21 @@ def test_bad_requests_are_one_line_errors():
         plan_lib.plan(config, Layout(tp=8), 8, "h100", 8)
     with pytest.raises(SystemExit):
         plan_lib.main(["--model", "gpt2-xl", "--gpus", "1", "--gpu", "cpu"])
+
+
+def test_zero_1_and_2_expose_what_07_sends_after_backward():
+    """07's ZeRO-1 reduce-scatters after backward and ZeRO-1/2 all-gather after the
+    step: nothing overlaps them. On one node of 8 H100s (NVLink) with a long step,
+    plain DP's all-reduce hides behind backward (0 s exposed); ZeRO-1 exposes both
+    halves, 2 h / link, and ZeRO-2 one, h / link, with h = (N-1)/N · 4Ψ (fp32)."""
+    config = plan_lib.model_config("gpt2")
+    spec = plan_lib.get_gpu("h100")
+    exposed = {}
+    for zero in range(3):
+        layout = Layout(dp=8, zero=zero, micro_batch=16)
+        exposed[zero] = plan_lib.plan(config, layout, 8 * 16 * 8, "h100", 8).time["dp"]
+    psi = plan_lib.model_state_bytes(config, Layout(dp=8, micro_batch=16))["grads"]
+    h = 7 / 8 * psi
+    assert exposed[0] == 0.0
+    assert exposed[1] == pytest.approx(2 * h / spec.nvlink, rel=1e-9)
+    assert exposed[2] == pytest.approx(h / spec.nvlink, rel=1e-9)
