@@ -343,7 +343,7 @@ def check_layout(config, layout: Layout, batch: int, n_gpus: int) -> int:
         sizes = f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp} x cp {lay.cp} = {world}"
         raise PlanError(f"{sizes} does not fill {n_gpus} GPUs")
     if lay.cp > 1 and (config.dropout > 0 or lay.recompute == "selective"):
-        why = "08's ring has no dropout, and 06's selective policy does not know it"
+        why = "08's ring has no dropout; selective would replay the ring (not modelled)"
         raise PlanError(f"cp > 1 needs dropout 0 and recompute none or full: {why}")
     split = f"micro_batch {lay.micro_batch} x dp {lay.dp} x m"
     if batch % (lay.micro_batch * lay.dp):
