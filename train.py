@@ -423,7 +423,6 @@ def train(run: Run) -> None:
         if val is None:
             return  # Preempted in the last evaluation: saved already, so exit now.
         log.val_row(step, val)
-    run.train.close()
     if run.grid.rank == 0:  # One process exports the last checkpoint, plots, samples.
         model_pt = export(cfg.out_dir)
         plot = run_log.plot_losses(cfg.out_dir)
@@ -463,7 +462,10 @@ def main(argv=None) -> None:
     try:
         run = build_run(cfg, gpt_config, build_grid(cfg, rank, world), device)
         distributed.print0(run_lib.describe(run))
-        train(run)
+        try:
+            train(run)
+        finally:  # Every exit, preempted too, stops the prefetch thread.
+            run.train.close()
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()

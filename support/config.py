@@ -110,7 +110,7 @@ class TrainConfig:
     # A vote is an all-reduce and a sync. At 0.1-0.5 s a step on GPUs, 10 steps keep a
     # signal's wait under ~5 s, far inside Slurm's usual warning of a minute or more.
     vote_interval: int = flag(
-        10, "steps between the ranks' votes on a preemption signal"
+        10, "steps between the ranks' votes on a preemption signal (its longest wait)"
     )
     # Rank 0 alone writes checkpoint metadata behind barriers, maybe on slow storage.
     timeout_minutes: float = flag(10.0, "a collective waiting this long is an error")

@@ -20,7 +20,10 @@ class Prefetcher:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch")
+        # subtle: the thread starts on device 0; pinning and the stream's context would
+        # then open a CUDA context on GPU 0 for every rank. Set this rank's device first.
+        init = (torch.cuda.set_device, (self.device,)) if cuda else (None, ())
+        self.pool = ThreadPoolExecutor(1, "prefetch", init[0], init[1])
         self.ahead = {}  # step -> the future of its (x, y)
 
     def read(self, step: int):
