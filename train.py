@@ -102,7 +102,9 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0, plan: bool = Fals
     else:
         config.prepare_default_data(cfg, rank, data_lib.main)
         meta = config.read_data_meta(cfg)
-    config.check_block_size(cfg, model_lib.PRESETS[cfg.model]["block_size"])
+    grown = config.check_block_size(cfg, model_lib.PRESETS[cfg.model]["block_size"])
+    if grown and rank == 0:  # More positions than the preset: said first.
+        print(grown)
     sizes = {k: getattr(cfg, k) for k in ("block_size", "n_layer") if getattr(cfg, k)}
     extra = dict(vocab_size=meta["vocab_size"], dropout=cfg.dropout)
     extra.update(pad_vocab_multiple=vocab.tp_multiple(cfg.tp))  # 64·tp: support/vocab

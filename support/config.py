@@ -58,7 +58,8 @@ class TrainConfig:
     # 32 sequences of 128 tokens: a step a CPU takes in well under a second.
     batch_size: int = flag(32, "global batch: sequences per optimizer step, all ranks")
     micro_batch_size: int = flag(8, "sequences per microbatch per DP rank")
-    # The preset's context: a shorter one would leave positions untrained.
+    # The preset's context: a shorter one would leave positions untrained. A longer one
+    # sizes the learned position table (wpe) to it: check_block_size.
     block_size: int = flag(0, "tokens per sequence, the model's context; 0: preset")
     # The small preset (4 layers of 128) trains on a CPU in minutes.
     model: str = flag("small", "02_model.py's preset (not given: --init-from's shape)")
@@ -358,13 +359,24 @@ def check_flags(cfg, world_size: int, choices: dict, presets: dict, check_pipeli
     check_out_dir_path(cfg)
 
 
-def check_block_size(cfg: TrainConfig, context: int) -> None:
-    """--block-size fits the preset's `context` (its number of positions)."""
-    if cfg.block_size > context:
-        preset = f"--model {cfg.model} ({context} positions)"
-        raise ConfigError(
-            f"--block-size {cfg.block_size} exceeds the context of {preset}"
-        )
+def check_block_size(cfg: TrainConfig, context: int) -> str:
+    """--block-size against the preset's `context`: the line a run opens with when the
+    model gets more positions than its preset, else "".
+
+    More is allowed. GPT-2's positions are a learned table, wpe, one row a position: its
+    1,024 rows are GPT-2's choice, not a limit of the architecture (attention has none).
+    From scratch the table is simply sized to --block-size and trained like the rest.
+    With --init-from, the checkpoint's rows are copied and the rows beyond them keep the
+    model's init, so they start untrained: check_init_from refuses that only where they
+    would stay so (LoRA freezes wpe). Sampling crops a prompt to the model's positions
+    (02's generate), so a longer prompt is never an error.
+    """
+    if cfg.block_size <= context:
+        return ""
+    more = f"positions: {cfg.block_size:,} (the preset has {context:,})"
+    if not cfg.init_from:
+        return f"{more}: wpe holds a learned row for each, from the init"
+    return f"{more}: wpe's first rows from --init-from, the others from the init"
 
 
 def check_data(cfg: TrainConfig, T: int, loader_class) -> None:
@@ -466,13 +478,21 @@ def check_init_from(cfg: TrainConfig, meta: dict, gpt_config, load_pretrained) -
         for k in keys
         if getattr(have, k) != getattr(gpt_config, k)
     ]
-    # A longer context is fine: wpe is cut to --block-size.
-    if have.block_size < gpt_config.block_size:
-        bad.append(f"block_size={have.block_size}")
+    # Any context: wpe's first rows are the checkpoint's (cut to --block-size, or the
+    # rows beyond it keep the init: check_block_size), except under LoRA, which freezes
+    # wpe, so those rows would never train.
     if bad:
         differ = ", ".join(bad)
         raise ConfigError(
             f"--init-from {cfg.init_from} has {differ}: not --model {cfg.model}'s"
+        )
+    if cfg.lora_rank and have.block_size < gpt_config.block_size:
+        rows = f"positions {have.block_size:,}..{gpt_config.block_size - 1:,}"
+        why = f"--lora-rank freezes wpe, so {rows} would never leave their random init"
+        fix = f"use --block-size {have.block_size} or full fine-tuning"
+        raise ConfigError(
+            f"--init-from {cfg.init_from} has {have.block_size:,} "
+            f"positions; {why}: {fix}"
         )
 
 

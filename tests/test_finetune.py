@@ -100,7 +100,7 @@ def test_init_from_gives_the_checkpoints_loss_at_1_process_and_dp2_tp2_pp2(
     "extra, expected",
     [
         (["--tokenizer", "char"], "--init-from needs data of --tokenizer gpt2"),
-        (["--model", "small"], "has n_layer=2, n_head=2, n_embd=32, block_size=64: not --model"),
+        (["--model", "small"], "has n_layer=2, n_head=2, n_embd=32: not --model"),
         (["--init-from", "/nonexistent/gpt2"], "--init-from /nonexistent/gpt2: [Errno 2] No such"),
         (["--init-from", "GARBAGE"], "garbage.bin: "),  # not a pickle: one line too
     ],

@@ -619,7 +619,7 @@ def test_an_older_model_pt_whose_config_holds_recompute_still_samples(tmp_path):
          "--n-layer 4: virtual_stages=2 > 1 needs schedule='interleaved'"),
         (["--pp", "2", "--virtual-stages", "2", "--schedule", "interleaved", "--micro-batch-size",
           "8"], 2, "interleaved needs microbatches divisible by pp_size (m=1, p=2)"),
-        (["--block-size", "64"], 1, "--block-size 64 exceeds the context of --model tiny (32"),
+        # --block-size above the preset's 32 positions trains now: tests/test_long_context.py.
         (["--data-dir", "/no/such/dir"], 1, "run `python 01_data.py --out /no/such/dir`"),
         (["--dropout", "1.5"], 1, "--dropout 1.5: a probability, in [0, 1)"),
         (["--n-layer", "-1"], 1, "--n-layer must be >= 0, got -1"),
@@ -659,7 +659,7 @@ def test_an_older_model_pt_whose_config_holds_recompute_still_samples(tmp_path):
         (["--loss", "fused"], 1, "--loss fused: use one of plain, chunked"),
     ],
     ids=["world-size", "n_head", "n_layer", "microbatches", "schedule-unknown",
-         "virtual-needs-interleaved", "interleaved-microbatches", "block-size", "data-dir", "dropout",
+         "virtual-needs-interleaved", "interleaved-microbatches", "data-dir", "dropout",
          "n-layer", "lr", "lr-nan", "grad-clip", "warmup", "eval-interval", "ckpt-interval",
          "steps-this-run", "negative-sizes", "batch-over-data", "out-dir-file", "zero-at-dp1",
          "zero-4", "zero3-with-pp",

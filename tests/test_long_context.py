@@ -1,0 +1,102 @@
+"""More positions than the preset: train.py --block-size above the preset's context.
+
+GPT-2's 1,024 positions are a learned table (wpe), GPT-2's choice and not a limit of the
+model, so a long-context run (recipes/long-context.toml) sizes wpe to --block-size: from
+scratch every row starts from the init and trains; with --init-from the checkpoint's rows
+come first and the rows beyond them keep the init; under LoRA (wpe frozen) that would leave
+them untrained forever, a one-line error. The checkpoint and GPT-2-token data are
+tests/test_finetune.py's (tiny's shape, 64 positions; the tiny preset has 32).
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from support import config
+from support.grid import Grid
+from tests.test_finetune import FLAGS, checkpoint, gpt2_data  # noqa: F401 - fixtures
+
+train = importlib.import_module("train")
+model_lib = importlib.import_module("02_model")
+
+
+def built_wpe(argv) -> tuple[torch.Tensor, object]:
+    """The wpe train.py builds for these flags on one process, before any step: validate's
+    checks (which print the positions line), then build_chunks."""
+    cfg, _ = config.parse_args(argv)
+    gpt_config = train.validate(cfg, 1)
+    chunks = train.build_chunks(cfg, gpt_config, Grid(), torch.device("cpu"))
+    return chunks[0].transformer.wpe.weight.detach().clone(), gpt_config
+
+
+def test_a_run_trains_more_positions_than_its_preset(gpt2_data, tmp_path, capsys):  # noqa: F811
+    """tiny has 32 positions; --block-size 128 trains 128. The run opens with the positions
+    line, the exported model has 128 rows of wpe, and after one step without weight decay
+    (so a row moves only if its position had a gradient) every row moved off the init: each
+    sequence covers positions 0..127. A prompt longer than 128 tokens samples (cropped).
+    Catches check_block_size refusing the run (the old cap), validate cutting wpe to the
+    preset's 32, and the loader reading windows of 32."""
+    out = tmp_path / "scratch"
+    argv = FLAGS + [
+        "--data-dir",
+        gpt2_data,
+        "--out-dir",
+        str(out),
+        "--block-size",
+        "128",
+    ]
+    init, gpt_config = built_wpe(argv)
+    assert gpt_config.block_size == 128 and init.shape[0] == 128
+    train.main(argv + ["--weight-decay", "0"])
+    said = capsys.readouterr().out
+    assert "positions: 128 (the preset has 32)" in said, said
+    model, blob = train.load_exported(out / "model.pt")
+    assert blob["model_config"]["block_size"] == 128
+    trained = model.transformer.wpe.weight.detach()
+    assert trained.shape == init.shape
+    moved = (trained - init).abs().amax(dim=1)  # Each row's largest change.
+    # AdamW's first step moves every coordinate with a gradient by about lr/warmup =
+    # 6e-5; a row without one would move by exactly 0.
+    assert bool((moved > 1e-6).all()), f"rows left at the init: {(moved <= 1e-6).sum()}"
+    text = train.sample(out / "model.pt", "def f(x):\n    return x\n" * 40, 4)
+    assert text.startswith("def f(x)")
+
+
+def test_init_from_a_shorter_checkpoint_copies_its_rows_first(
+    gpt2_data,  # noqa: F811
+    checkpoint,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    """--block-size 128 from a 64-position checkpoint: wpe rows 0..63 are the checkpoint's,
+    exactly, and rows 64..127 are the init a run from scratch gives (same seed, same
+    shape), exactly. Every other tensor comes from the checkpoint as before
+    (tests/test_finetune.py). Catches check_init_from refusing a shorter checkpoint (the old
+    rule), the copy skipping wpe, and the rows beyond being zeroed or tiled."""
+    flags = FLAGS + ["--data-dir", gpt2_data, "--out-dir", str(tmp_path)]
+    grown, _ = built_wpe(flags + ["--block-size", "128", "--init-from", checkpoint])
+    said = capsys.readouterr().out
+    assert (
+        "positions: 128 (the preset has 32): wpe's first rows from --init-from" in said
+    )
+    scratch, _ = built_wpe(flags + ["--block-size", "128"])
+    want = model_lib.GPT.load_pretrained(checkpoint).transformer.wpe.weight.detach()
+    assert want.shape[0] == 64
+    assert torch.equal(grown[:64], want)
+    assert torch.equal(grown[64:], scratch[64:])
+    assert not torch.equal(scratch[:64], want)  # The checkpoint is not the init.
+
+
+def test_lora_on_a_shorter_checkpoint_is_one_line(gpt2_data, checkpoint, tmp_path):  # noqa: F811
+    """LoRA freezes wpe, so rows beyond the checkpoint's 64 would never train: a one-line
+    error before anything starts. At --block-size 64 the same LoRA run is fine."""
+    flags = FLAGS + ["--data-dir", gpt2_data, "--out-dir", str(tmp_path)]
+    lora = flags + ["--init-from", checkpoint, "--lora-rank", "2"]
+    with pytest.raises(SystemExit) as e:
+        train.main(lora + ["--block-size", "128"])
+    message = str(e.value)
+    assert "\n" not in message
+    assert "has 64 positions; --lora-rank freezes wpe, so positions 64..127" in message
+    cfg, _ = config.parse_args(lora + ["--block-size", "64"])
+    assert train.validate(cfg, 1).block_size == 64
