@@ -48,31 +48,79 @@ def fake_clock():
     return types.SimpleNamespace(perf_counter=perf_counter)
 
 
+def recording(build_grid, used: list):
+    """train.build_grid that also appends the grid it returns to `used`: the grid, and
+    so the groups, that train.main really trains with."""
+
+    def build_and_record(cfg, rank, world):
+        grid = build_grid(cfg, rank, world)
+        used.append(grid)
+        return grid
+
+    return build_and_record
+
+
+def members(group, rank: int) -> list[int]:
+    """The global ranks of a group; a group of one (None) is this rank alone."""
+    return [rank] if group is None else dist.get_process_group_ranks(group)
+
+
 def _layouts(rank, world, data_dir, tmp, configs, resume_extra):
-    """Each config's train.main under the fake clock (rank 0 returns its train and val
-    rows and the grid's group sizes), then, if given, 3 + 3 resumed steps against 6."""
-    real = run_log.time
+    """Each config's train.main under the fake clock, recording the grid it built and
+    counting 06's chunked-loss calls. Every rank returns, per config, the members of the
+    DP x CP and CP groups that run used and the size of its DP x CP group; rank 0 also
+    its train and val rows. Then, if given, 3 + 3 resumed steps against 6."""
+    real_time = run_log.time
+    real_grid = train.build_grid
+    real_chunked = train.mp_lib.chunked_cross_entropy
+    calls = []
+
+    def chunked_spy(*args, **kwargs):
+        calls.append(1)
+        return real_chunked(*args, **kwargs)
+
+    used = []
     run_log.time = fake_clock()
+    train.build_grid = recording(real_grid, used)
+    train.mp_lib.chunked_cross_entropy = chunked_spy
     out = []
     try:
         for name, extra in configs:
             out_dir = f"{tmp}/{name}"
-            argv = BASE + ["--data-dir", data_dir, "--out-dir", out_dir] + extra
-            train.main(argv)
-            cfg, _ = train.parse_args(argv)
-            grid = train.build_grid(cfg, rank, world)
-            sizes = [dist.get_world_size(grid.dp_cp_group), grid.dp_cp, grid.cp]
+            calls.clear()
+            train.main(BASE + ["--data-dir", data_dir, "--out-dir", out_dir] + extra)
+            grid = used[-1]
+            groups = {
+                "dp_cp": members(grid.dp_cp_group, rank),
+                "cp": members(grid.cp_group, rank),
+                "dp_cp_size": dist.get_world_size(grid.dp_cp_group),
+                "chunked_calls": len(calls),
+            }
             dist.barrier()
             rows = (metrics(out_dir), metrics(out_dir, "val")) if rank == 0 else None
-            out.append((rows, sizes))
+            out.append((rows, groups))
     finally:
-        run_log.time = real
+        run_log.time = real_time
+        train.build_grid = real_grid
+        train.mp_lib.chunked_cross_entropy = real_chunked
     resumed = None
     if resume_extra is not None:
         resumed = _straight_and_resumed(
             rank, world, data_dir, f"{tmp}/resume", resume_extra
         )
     return out, resumed
+
+
+def check_groups(name, per_rank, expected):
+    """Every rank's DP x CP and CP groups are the parts of the hand-written partitions
+    `expected` that hold it: the groups train.main used, so a run that averaged its
+    gradients over DP only (or over the wrong ranks) fails here."""
+    for rank, groups in enumerate(per_rank):
+        for key in ("dp_cp", "cp"):
+            mine = [part for part in expected[key] if rank in part]
+            assert groups[key] == mine[0], f"{name}, rank {rank}: {key} group"
+        size = len(expected["dp_cp"][0])
+        assert groups["dp_cp_size"] == size, f"{name}: DP x CP = {size} ranks"
 
 
 def check_layout(name, got, val, one_process):
@@ -92,33 +140,47 @@ def check_layout(name, got, val, one_process):
     assert [r["tokens_per_s"] for r in got] == [float(TOKENS_PER_STEP)] * 4, name
 
 
+# The DP x CP and CP groups of each layout, written out from arange(world).view(pp, dp,
+# cp, tp): rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank.
+CP2 = {"dp_cp": [[0, 1]], "cp": [[0, 1]]}
+DP2_CP2 = {"dp_cp": [[0, 1, 2, 3]], "cp": [[0, 1], [2, 3]]}
+CP2_TP2 = {"dp_cp": [[0, 2], [1, 3]], "cp": [[0, 2], [1, 3]]}  # TP peers 0-1, 2-3
+CP2_PP2 = {"dp_cp": [[0, 1], [2, 3]], "cp": [[0, 1], [2, 3]]}  # stage 0: 0-1
+DP2_CP2_TP2 = {
+    "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+    "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+}
+
+
 def test_cp2_alone_trains_evaluates_resumes_and_exports_as_one_process(
     data_dir, tmp_path, one_process
 ):
     """cp 2 with 1 and 4 microbatches, with ZeRO-1 and ZeRO-3 sharding over the 2 CP
-    ranks (dp 1: the DP x CP group is the CP ranks), and with selective and full
-    recomputation (the ring run again in the backward); the gradient-averaging group
-    holds both CP ranks; model.pt equals one process's; 3 steps, --resume, 3 more: bit
-    for bit."""
+    ranks (dp 1: the DP x CP group is the CP ranks), with selective and full
+    recomputation (the ring run again in the backward), and with 06's chunked loss
+    (lm_head + loss by chunks of each rank's T/cp tokens); the gradient-averaging group
+    the runs used holds both CP ranks; model.pt equals one process's; 3 steps, --resume,
+    3 more: bit for bit."""
     cp2 = ["--cp", "2"]
+    mb4 = cp2 + ["--micro-batch-size", "4"]
     configs = [
         ("cp2", cp2 + ["--micro-batch-size", "8"]),
         ("cp2-accumulate", cp2 + ["--micro-batch-size", "2"]),
-        ("cp2-zero1", cp2 + ["--micro-batch-size", "4", "--zero", "1"]),
-        ("cp2-zero3", cp2 + ["--micro-batch-size", "4", "--zero", "3"]),
-        (
-            "cp2-selective",
-            cp2 + ["--micro-batch-size", "4", "--recompute", "selective"],
-        ),
-        ("cp2-full", cp2 + ["--micro-batch-size", "4", "--recompute", "full"]),
+        ("cp2-zero1", mb4 + ["--zero", "1"]),
+        ("cp2-zero3", mb4 + ["--zero", "3"]),
+        ("cp2-selective", mb4 + ["--recompute", "selective"]),
+        ("cp2-full", mb4 + ["--recompute", "full"]),
+        ("cp2-chunked", mb4 + ["--loss", "chunked"]),
     ]
-    resume = cp2 + ["--micro-batch-size", "4"]
-    out, resumed = run_ranks(
-        _layouts, 2, data_dir, str(tmp_path), configs, resume, timeout=300
-    )[0]
-    for (name, _), ((got, val), sizes) in zip(configs, out):
+    ranks = run_ranks(_layouts, 2, data_dir, str(tmp_path), configs, mb4, timeout=300)
+    out, resumed = ranks[0]
+    for i, (name, _) in enumerate(configs):
+        (got, val), _ = out[i]
         check_layout(name, got, val, one_process)
-        assert sizes == [2, 2, 2], f"{name}: gradients averaged over DP x CP = 2 ranks"
+        check_groups(name, [r[0][i][1] for r in ranks], CP2)
+        # Once a microbatch: 4 steps of 2, then the final evaluation's batch in 2.
+        chunked = 4 * 2 + 2 if name == "cp2-chunked" else 0
+        assert out[i][1]["chunked_calls"] == chunked, f"{name}: 06's chunked loss"
     ref = torch.load(one_process / "model.pt", weights_only=True)
     for name in ("cp2", "cp2-zero3"):
         got = torch.load(tmp_path / name / "model.pt", weights_only=True)
@@ -143,37 +205,42 @@ def test_cp2_with_dp_tp_pp_on_4_ranks_equals_one_process(
 ):
     """dp 2 x cp 2 (gradients over all 4 ranks; ZeRO-2 sharding over them), cp 2 x tp 2
     with sequence parallelism (T/cp = 16 tokens a rank, 8 a TP rank), cp 2 x pp 2 under
-    1F1B (the pipeline's activations are (b, T/cp, C))."""
+    every schedule of 05: GPipe, 1F1B and interleaved with 2 virtual stages (4 blocks, a
+    block a chunk), the pipeline's activations (b, T/cp, C)."""
+    dp2_cp2 = ["--dp", "2", "--cp", "2"]
+    cp2_tp2 = ["--cp", "2", "--tp", "2"]
+    cp2_pp2 = ["--cp", "2", "--pp", "2", "--micro-batch-size", "2"]
+    interleaved = ["--schedule", "interleaved", "--virtual-stages", "2"]
     configs = [
-        ("dp2-cp2", ["--dp", "2", "--cp", "2", "--micro-batch-size", "2"]),
-        (
-            "dp2-cp2-zero2",
-            ["--dp", "2", "--cp", "2", "--micro-batch-size", "4", "--zero", "2"],
-        ),
-        (
-            "cp2-tp2-sp",
-            [
-                "--cp",
-                "2",
-                "--tp",
-                "2",
-                "--micro-batch-size",
-                "4",
-                "--sequence-parallel",
-            ],
-        ),
-        ("cp2-pp2", ["--cp", "2", "--pp", "2", "--micro-batch-size", "2"]),
+        ("dp2-cp2", dp2_cp2 + ["--micro-batch-size", "2"]),
+        ("dp2-cp2-zero2", dp2_cp2 + ["--micro-batch-size", "4", "--zero", "2"]),
+        ("cp2-tp2-sp", cp2_tp2 + ["--micro-batch-size", "4", "--sequence-parallel"]),
+        ("cp2-pp2-gpipe", cp2_pp2 + ["--schedule", "gpipe"]),
+        ("cp2-pp2-1f1b", cp2_pp2 + ["--schedule", "1f1b"]),
+        ("cp2-pp2-interleaved", cp2_pp2 + interleaved),
     ]
-    out, _ = run_ranks(
-        _layouts, 4, data_dir, str(tmp_path), configs, None, timeout=400
-    )[0]
-    expected = {"dp2-cp2": 4, "dp2-cp2-zero2": 4, "cp2-tp2-sp": 2, "cp2-pp2": 2}
-    for (name, _), ((got, val), sizes) in zip(configs, out):
+    expected = [DP2_CP2, DP2_CP2, CP2_TP2, CP2_PP2, CP2_PP2, CP2_PP2]
+    ranks = run_ranks(_layouts, 4, data_dir, str(tmp_path), configs, None, timeout=400)
+    for i, (name, _) in enumerate(configs):
+        (got, val), _ = ranks[0][0][i]
         check_layout(name, got, val, one_process)
-        n = expected[name]
-        assert sizes == [n, n, 2], (
-            f"{name}: gradients averaged over DP x CP = {n} ranks"
-        )
+        check_groups(name, [r[0][i][1] for r in ranks], expected[i])
+
+
+def test_dp2_cp2_tp2_with_sequence_parallelism_on_8_ranks_equals_one_process(
+    data_dir, tmp_path, one_process
+):
+    """All three splits of the activations at once (issue 32 item 5): dp 2 x cp 2 x
+    tp 2 with sequence parallelism, 2 microbatches of 2 sequences a DP rank, each rank
+    holding 8 of the 32 tokens of a sequence (T/cp = 16, /tp = 8). One process's curve,
+    validation loss and tokens; the gradients averaged over the 4 DP x CP ranks of each
+    TP rank. (~90 s on 2 cores under load, 60 of them starting 8 ranks.)"""
+    flags = ["--dp", "2", "--cp", "2", "--tp", "2", "--micro-batch-size", "2"]
+    configs = [("dp2-cp2-tp2-sp", flags + ["--sequence-parallel"])]
+    ranks = run_ranks(_layouts, 8, data_dir, str(tmp_path), configs, None, timeout=420)
+    (got, val), _ = ranks[0][0][0]
+    check_layout(configs[0][0], got, val, one_process)
+    check_groups(configs[0][0], [r[0][0][1] for r in ranks], DP2_CP2_TP2)
 
 
 def test_cp_flags_fail_in_one_line(data_dir, capsys):
