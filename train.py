@@ -387,6 +387,13 @@ def open_log(run: Run, start: int) -> run_log.Logger:
 
 
 # --------------------------------------------------------------------------- the loop
+def save(run: Run, log: run_log.Logger, step: int) -> int:
+    """save_checkpoint at `step`, its time left out of tokens/s. Returns the step."""
+    with log.paused():
+        save_checkpoint(run, step)
+    return step
+
+
 def train(run: Run) -> None:
     cfg = run.cfg
     # Watch first: a signal during the load counts too.
@@ -404,24 +411,26 @@ def train(run: Run) -> None:
         stats = train_step(run, step)
         if step % cfg.log_interval == 0 or step == stop - 1 or stats.get("skipped"):
             log.train_row(step, stats)  # A sync: it reads the loss and the norm.
+        val = 0.0  # None: preempted while evaluating (all ranks agree), as by a vote.
         if cfg.eval_interval and step % cfg.eval_interval == 0:  # Step 0: a baseline.
-            val = evaluate(run, preempted)  # None: preempted while evaluating.
+            with log.paused():  # Not a training step's time.
+                val = evaluate(run, preempted)
             if val is not None:
                 log.val_row(step, val)
         if cfg.ckpt_interval and (step + 1) % cfg.ckpt_interval == 0:
-            saved = step
-            save_checkpoint(run, step)
+            saved = save(run, log, step)
         # A collective and a sync: every --vote-interval steps (alone: free, each step).
         vote = run.grid.world == 1 or (step + 1) % cfg.vote_interval == 0
-        if vote and preempted():
+        if val is None or (vote and preempted()):
             distributed.print0(f"preemption signal: saving at step {step} and exiting")
             if saved != step:
-                save_checkpoint(run, step)
+                save(run, log, step)
             return
     if step >= start and saved != step:
-        save_checkpoint(run, step)
+        save(run, log, step)
     if stop == cfg.max_steps and step >= start:
-        val = evaluate(run, preempted)
+        with log.paused():
+            val = evaluate(run, preempted)
         if val is None:
             return  # Preempted in the last evaluation: saved already, so exit now.
         log.val_row(step, val)

@@ -4,7 +4,8 @@ TP varies fastest, then CP, so TP and CP peers share a node and its NVLink (as
 Megatron-LM orders them); PP varies slowest, so only pipeline sends cross nodes.
 rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. CP ranks hold the same
 weights and different tokens of the same sequences, so gradients are averaged, and
-ZeRO shards, over the DP x CP ranks: dp_cp_group (dp_group itself when cp = 1).
+ZeRO shards, over the DP x CP ranks: dp_cp_group (dp_group itself when cp = 1, and
+cp_group itself when dp = 1).
 """
 
 from dataclasses import dataclass
@@ -35,8 +36,34 @@ class Grid:
     embed_group: object = None  # The {first, last} stage, holding the tied embeddings.
 
     @property
+    def world_size(self) -> int:  # DESIGN §4's names of the sizes, as properties.
+        return self.world
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.pp
+
+    @property
     def cp_size(self) -> int:
         return self.cp
+
+    @property
+    def pp_is_first(self) -> bool:
+        """This rank holds the first pipeline stage (the embeddings)."""
+        return self.pp_rank == 0
+
+    @property
+    def pp_is_last(self) -> bool:
+        """This rank holds the last pipeline stage (the head and the loss)."""
+        return self.pp_rank == self.pp - 1
 
     @property
     def dp_cp(self) -> int:
@@ -71,6 +98,8 @@ def build_grid(
     if cp > 1:  # Created after the others, so cp = 1 makes the groups it always made.
         cp_lists = ranks.permute(0, 1, 3, 2).reshape(-1, cp).tolist()  # [p, d, :, t]
         grid.cp_group = mine(cp_lists)
+        grid.dp_cp_group = grid.cp_group  # dp = 1: the same ranks: no second group.
+    if cp > 1 and dp > 1:  # dp and cp alike on every rank: every rank makes these.
         dp_cp_lists = ranks.permute(0, 3, 1, 2).reshape(-1, dp * cp).tolist()
         grid.dp_cp_group = mine(dp_cp_lists)  # ranks[p, :, :, t]
     return grid

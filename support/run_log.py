@@ -3,14 +3,17 @@
 A train row: step, loss (the logged step's own mean loss, not a mean since the last
 row), lr, grad_norm (and comm_bytes with dp > 1; with fp16, skipped: whether the loss
 scaler skipped the step, and a skipped step always gets a row),
-tokens seen, tokens/s (all ranks and per rank), MFU and HFU (support/gpus.py), peak
-memory (the GPU's allocator, or the CPU's peak RSS) and the ETA; beside them 09's
+tokens seen, tokens/s (all ranks and per rank; the time of the steps alone, without
+evaluation and checkpoints: Logger.paused), MFU and HFU (support/gpus.py), peak memory
+(the GPU's allocator, or the CPU's peak RSS; the MAX over all ranks, the fullest GPU, as
+09 predicts it) and the ETA (from the steps' time too); beside them 09's
 prediction of this run, predicted_tokens_per_s and predicted_peak_mem_gb (its fullest
 GPU), so every run checks the planner. A val row: step, val_loss, tokens. The model's
 FLOPs per token come from train.py, which knows the model; 09's plan_run comes from it
 too, as does --plan's (plan_text).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from support import gpus, plan_report
 from support.config import ConfigError
@@ -93,6 +97,8 @@ class Logger:
     recomputation redoes. `dtype_name` ("fp32", "bf16", "fp16") picks the GPU's peak.
     `grid` tells this rank (`.rank`) and the number of ranks (`.world`). `plan` is
     09's Plan of this run (logged beside the measured), or why there is none (a str).
+    Time spent inside `paused()` (evaluation, checkpoints) is left out of tokens/s, MFU
+    and the ETA: they measure the training steps.
     """
 
     def __init__(
@@ -118,6 +124,8 @@ class Logger:
         self.device = device
         self.t_start = time.perf_counter()
         self.t_last = self.t_start
+        self.paused_since_row = 0.0  # Seconds paused since the last train row.
+        self.paused_total = 0.0  # Seconds paused since the start (the ETA's).
         self.step_start = start_step
         self.step_last = start_step - 1
         cuda = device.type == "cuda"
@@ -158,25 +166,52 @@ class Logger:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
+    @contextlib.contextmanager
+    def paused(self):
+        """The time inside is left out of tokens/s and the ETA (evaluation, saves)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - began
+            self.paused_since_row += took
+            self.paused_total += took
+
     def peak_memory(self) -> int:
         """Bytes: the GPU's peak allocation, or on the CPU the peak RSS (Linux: KiB)."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device)
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+    def fullest_rank_memory(self) -> int:
+        """peak_memory's MAX over all ranks: one all-reduce of one number."""
+        mem = self.peak_memory()
+        if self.world == 1:
+            return mem
+        t = torch.tensor(mem, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
     def train_row(self, step: int, stats: dict) -> None:
         """Log a train step: `stats` holds loss, lr, grad_norm (and comm_bytes; with
-        fp16, skipped), the loss and the norm as device tensors, read here (a sync)."""
+        fp16, skipped), the loss and the norm as device tensors, read here (a sync).
+
+        Called on every rank at the same steps (a collective: the peak memory's MAX).
+        train.py's condition is alike on all ranks: the step, and fp16's skipped flag,
+        whose inf check 06's scaler all-reduces over the world."""
         stats = {k: v.item() if torch.is_tensor(v) else v for k, v in stats.items()}
         now = time.perf_counter()
         steps = step - self.step_last
-        tok_s = self.tokens_per_step * steps / (now - self.t_last)
+        took = now - self.t_last - self.paused_since_row  # The steps' own time.
+        tok_s = self.tokens_per_step * steps / took
         self.t_last = now
         self.step_last = step
+        self.paused_since_row = 0.0
         util = gpus.mfu(tok_s, self.flops, self.world, self.peak)
         hw = gpus.mfu(tok_s, self.hw_flops, self.world, self.peak)
-        mem = self.peak_memory()
-        per_step = (now - self.t_start) / (step + 1 - self.step_start)
+        mem = self.fullest_rank_memory()
+        trained = now - self.t_start - self.paused_total
+        per_step = trained / (step + 1 - self.step_start)
         eta = per_step * (self.max_steps - step - 1)
         tokens = (step + 1) * self.tokens_per_step
         row = {"kind": "train", "step": step, **stats, "tokens": tokens}
@@ -229,15 +264,19 @@ def open_log(run, start, flops, n_params, dtype_name, plan_run=None) -> Logger:
     """A train.Run's Logger from step `start` on. `flops`: 02's FLOPs per token (6N +
     attention); with LoRA, less the frozen weights' gradients (`n_params`: 02's N, the
     non-embedding parameters); HFU adds what --recompute redoes (support/gpus.py).
-    `plan_run` is 09's: rank 0 plans the run on this GPU, with the ranks of a node."""
+    `plan_run` is 09's: rank 0 plans the run on this GPU, with the ranks of a node; a
+    plan that fails, however, is printed as one line and the run goes on without it."""
     cfg = run.cfg
     plan = None
     if plan_run is not None and run.grid.rank == 0:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", run.grid.world))
-        try:
+        try:  # Advisory: a failure is said in one line, and the run goes on.
             plan = plan_of(plan_run, cfg, run.gpt_config, gpu_key(run.device), per_node)
-        except ConfigError as e:  # No plan: said, and the run goes on.
+        except ConfigError as e:  # A layout or GPU 09 refuses.
             plan = str(e)
+        except Exception as e:  # 09 failed (a KeyError, a ZeroDivisionError, ...).
+            why = " ".join(f"{type(e).__name__}: {e}".split())  # One line.
+            plan = f"failed: {why}"
     if cfg.lora_rank:  # No gradients of the frozen weights; the factors' instead.
         flops = lora_flops_per_token(flops, n_params, run.gpt_config, cfg.lora_rank)
     hfu = flops + gpus.recompute_flops_per_token(run.gpt_config, run.T, cfg.recompute)

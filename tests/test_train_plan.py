@@ -34,17 +34,23 @@ def run_train(*args, timeout=300):
     )
 
 
-def test_a_recipe_runs_under_the_command_line_and_writes_its_settings(tmp_path):
-    """cpu-demo.toml under a recipe of this test (base =) and flags: the file's values
-    reach the run, the flags win, config.toml reloads to the same settings, and every
-    logged row holds 09's prediction of this very run beside the measured numbers."""
-    src = tmp_path / "src"
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A small char-level corpus: 12 documents of pseudo-code."""
+    root = tmp_path_factory.mktemp("plan-data")
+    src = root / "src"
     src.mkdir()
     for d in range(12):
         lines = [f"def f{d}_{i}(x):\n    return x * {i} + {d}\n" for i in range(60)]
         (src / f"doc{d}.py").write_text("".join(lines))
-    data = tmp_path / "data"
-    data_lib.prepare(str(src), "char", data, block_size=32)
+    data_lib.prepare(str(src), "char", root / "data", block_size=32)
+    return root / "data"
+
+
+def test_a_recipe_runs_under_the_command_line_and_writes_its_settings(tmp_path, data):
+    """cpu-demo.toml under a recipe of this test (base =) and flags: the file's values
+    reach the run, the flags win, config.toml reloads to the same settings, and every
+    logged row holds 09's prediction of this very run beside the measured numbers."""
     demo = ROOT / "recipes" / "cpu-demo.toml"
     child = tmp_path / "child.toml"
     text = f'base = "{demo}"\n[model]\nmodel = "tiny"\n[optimizer]\nlr = 0.002\n'
@@ -85,6 +91,32 @@ def test_a_recipe_runs_under_the_command_line_and_writes_its_settings(tmp_path):
         # JSON keeps a float's shortest repr: equal to the last bit.
         assert row["predicted_tokens_per_s"] == want.tokens_per_s
         assert row["predicted_peak_mem_gb"] == want.memory["total"] / 1e9
+
+
+def test_a_planner_that_fails_is_one_line_and_the_run_trains(
+    tmp_path, data, capsys, monkeypatch
+):
+    """09's plan is advisory in a run: a plan_run that raises something other than 09's
+    ValueError (here a KeyError) is one printed line, and the run trains without a plan.
+    Before, only ValueError was caught: the KeyError ended the run (on rank 0 alone, with
+    more ranks: the others waited in a collective until the timeout)."""
+
+    def broken(*args):
+        raise KeyError("n_head")
+
+    monkeypatch.setattr(plan_lib, "plan_run", broken)
+    flags = ["--model", "tiny", "--block-size", "32", "--batch-size", "8"]
+    flags += ["--max-steps", "2", "--eval-interval", "0", "--eval-steps", "1"]
+    flags += ["--ckpt-interval", "0", "--sample-tokens", "0", "--log-interval", "1"]
+    train.main(flags + ["--data-dir", str(data), "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out.splitlines()
+    said = [line for line in out if "09_plan.py" in line]
+    want = "predicted by 09_plan.py: nothing (failed: KeyError: 'n_head')"
+    assert said == [want], out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    rows = [r for r in rows if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert not any("predicted_tokens_per_s" in r for r in rows)
 
 
 BAD = {

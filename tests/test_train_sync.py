@@ -1,6 +1,8 @@
 """train.py at full speed: a plain step (no log line, no evaluation, no checkpoint) makes no
 host-device synchronisation from the project's own code, and the next batch is prefetched
-without changing which batch a step reads. Also: fp16's skipped steps logged, the timeout.
+without changing which batch a step reads. Also: fp16's skipped steps logged, the timeout,
+what the log measures (tokens/s without evaluation and checkpoints, the fullest rank's peak
+memory), a preemption during a mid-run evaluation, and the grid's names.
 
 A sync is a call that makes the CPU wait for the GPU to drain: `.item()`, `.tolist()`,
 `.numpy()`, `.cpu()`, `bool()`, `int()`, `float()` or formatting of a tensor. On a CPU none of
@@ -12,13 +14,18 @@ numbered lessons, train.py, support/), never when torch calls it from inside its
 import contextlib
 import importlib
 import math
+import os
+import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from support import checkpoint, run_log
+from support.grid import Grid
 from support.prefetch import Prefetcher
 from tests.distributed import run_ranks
 from tests.test_train import BASE, data_dir, metrics  # noqa: F401 (data_dir: the fixture)
@@ -118,26 +125,168 @@ LAYOUTS = [
     ("dp2", ["--dp", "2", "--micro-batch-size", "2"]),
     ("tp2", ["--tp", "2", "--micro-batch-size", "4"]),
     ("pp2", ["--pp", "2", "--micro-batch-size", "2"]),
+    ("cp2", ["--cp", "2", "--micro-batch-size", "2"]),
+    ("dp2-zero3", ["--dp", "2", "--zero", "3", "--micro-batch-size", "2"]),
 ]
 
 
 def _two_ranks(rank, world, data, tmp):
+    """Each layout's syncs per step, with every grid train.main built kept, and a peak
+    memory of 1 GB on rank 0 and 2 GB on rank 1; then a preemption in an evaluation."""
+    grids = []
+    real_grid = train.build_grid
+    real_peak = run_log.Logger.peak_memory
+
+    def kept_grid(*args):
+        grids.append(real_grid(*args))
+        return grids[-1]
+
+    train.build_grid = kept_grid
+    run_log.Logger.peak_memory = lambda self: (1 + self.rank) * 10**9
     out = []
-    for name, extra in LAYOUTS:
-        out.append(syncs_per_step(flags(data, f"{tmp}/{name}", extra)))
-        dist.barrier()
-    return out
+    try:
+        for name, extra in LAYOUTS:
+            out.append(syncs_per_step(flags(data, f"{tmp}/{name}", extra)))
+            dist.barrier()
+    finally:
+        train.build_grid = real_grid
+        run_log.Logger.peak_memory = real_peak
+    cp = grids[[name for name, _ in LAYOUTS].index("cp2")]
+    one_group = cp.dp_cp_group is cp.cp_group and dist.get_world_size(cp.cp_group) == 2
+    peaks = [[r["peak_mem_gb"] for r in metrics(f"{tmp}/{name}")] for name, _ in LAYOUTS]
+
+    def signal_rank_1(stop):  # SIGTERM to rank 1 alone, as a node's kill would.
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stop
+
+    extra = ["--dp", "2", "--micro-batch-size", "2", "--vote-interval", "100"]
+    preempted = preempted_in_evaluation(data, f"{tmp}/preempt", extra, signal_rank_1)
+    return out, one_group, peaks, preempted
 
 
-def test_a_plain_step_makes_no_sync_at_dp2_tp2_pp2(data_dir, tmp_path):  # noqa: F811
-    """The same at dp 2, tp 2 and pp 2, on every rank. Before, the preemption vote (an
-    all-reduce and .item()) ran after every step; now once every --vote-interval steps."""
-    results = run_ranks(_two_ranks, 2, data_dir, str(tmp_path), timeout=300)
-    for rank, per_layout in enumerate(results):
-        for (name, _), per_step in zip(LAYOUTS, per_layout):
+def test_a_plain_step_makes_no_sync_at_dp2_tp2_pp2_cp2_zero3(data_dir, tmp_path):  # noqa: F811
+    """The same at dp 2, tp 2, pp 2, cp 2 and dp 2 with ZeRO-3, on every rank. Before, the
+    preemption vote (an all-reduce and .item()) ran after every step; now once every
+    --vote-interval steps. In the same world: at dp 1, cp 2 the DP x CP group is cp_group
+    itself (it was a second communicator over the same ranks); metrics.jsonl's peak memory
+    is the fullest rank's (rank 1's 2 GB here; it was rank 0's own 1 GB); a SIGTERM to rank
+    1 during step 2's evaluation saves at step 2 on both ranks and resumes bit for bit."""
+    results = run_ranks(_two_ranks, 2, data_dir, str(tmp_path), timeout=420)
+    for rank, (per_layout, one_group, peaks, _) in enumerate(results):
+        assert one_group, f"rank {rank}: dp 1, cp 2 made a second group for DP x CP"
+        for (name, _), per_step, peak in zip(LAYOUTS, per_layout, peaks):
             check_plain_steps(per_step, 2, f"{name}, rank {rank}")
             if rank == 0:
                 assert any(per_step[STEPS - 1]), f"{name}: the last step logs (reads the loss)"
+            assert peak == [2.0, 2.0], f"{name}: the rows at steps 0 and 7 hold the max"
+    check_preempted_in_evaluation(*results[0][3])
+
+
+# ---------------------------------------------------------------------------------------------
+# A preemption during a mid-run evaluation saves at that step and exits
+# ---------------------------------------------------------------------------------------------
+def preempted_in_evaluation(data, tmp, extra, at_step_2):
+    """5 steps straight (evaluating at steps 0, 2 and 4); then the same run, with step 2's
+    evaluation given the stop `at_step_2(stop)` returns, then resumed to the end. Returns
+    (straight train rows, val rows; resumed ones; the checkpoints and rows at the stop)."""
+    common = BASE + ["--data-dir", data, "--max-steps", "5", "--eval-interval", "2"]
+    common += extra
+    train.main(common + ["--out-dir", f"{tmp}/straight"])
+    real = train.evaluate
+    calls = []
+
+    def evaluate(run, stop):
+        calls.append(stop)
+        return real(run, at_step_2(stop) if len(calls) == 2 else stop)
+
+    train.evaluate = evaluate
+    try:
+        train.main(common + ["--out-dir", f"{tmp}/stopped"])
+    finally:
+        train.evaluate = real
+    if dist.is_initialized():
+        dist.barrier()  # Rank 0 has written every row.
+    ckpts = [c.name for c in checkpoint.complete_checkpoints(f"{tmp}/stopped")]
+    at_stop = (ckpts, metrics(f"{tmp}/stopped"), metrics(f"{tmp}/stopped", "val"))
+    train.main(common + ["--out-dir", f"{tmp}/stopped", "--resume"])
+    if dist.is_initialized():
+        dist.barrier()
+    straight = (metrics(f"{tmp}/straight"), metrics(f"{tmp}/straight", "val"))
+    resumed = (metrics(f"{tmp}/stopped"), metrics(f"{tmp}/stopped", "val"))
+    return straight, resumed, at_stop
+
+
+def check_preempted_in_evaluation(straight, resumed, at_stop):
+    """Saved at step 2 and stopped there (before: trained on to the next vote, or the end),
+    no val row for the half-done evaluation, and the resumed run equal to the straight one
+    bit for bit (==): train rows, and the val rows but step 2's."""
+    ckpts, rows, val = at_stop
+    assert ckpts == ["step_0000002"], ckpts
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in val] == [0]
+    keys = ("step", "loss", "grad_norm", "lr")
+    assert [[r[k] for k in keys] for r in resumed[0]] == [
+        [r[k] for k in keys] for r in straight[0]
+    ]
+    want = [(r["step"], r["val_loss"]) for r in straight[1] if r["step"] != 2]
+    assert [(r["step"], r["val_loss"]) for r in resumed[1]] == want
+    assert [r["step"] for r in straight[1]] == [0, 2, 4, 4]  # Step 4's, then the last.
+
+
+def test_a_stop_in_a_mid_run_evaluation_saves_there_and_resumes(data_dir, tmp_path, capsys):  # noqa: F811
+    """One process: step 2's evaluation is stopped (its stop() says True: a signal while
+    evaluating), and the later votes say False. Before, evaluate's None was only skipped:
+    the run trained on to step 4 and saved there."""
+    got = preempted_in_evaluation(data_dir, str(tmp_path), [], lambda stop: lambda: True)
+    assert "preemption signal: saving at step 2 and exiting" in capsys.readouterr().out
+    check_preempted_in_evaluation(*got)
+
+
+# ---------------------------------------------------------------------------------------------
+# tokens/s and the ETA measure the training steps alone
+# ---------------------------------------------------------------------------------------------
+def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(data_dir, tmp_path, monkeypatch):  # noqa: F811
+    """A fake clock that moves only when a step (1 s), an evaluation (50 s) or a checkpoint
+    (30 s) runs. Every row then reads 8 x 32 tokens a second, and an ETA of 1 s a step left,
+    exactly (sums of whole seconds are exact in floats). Before, the row after an
+    evaluation and a checkpoint read 2 steps in 82 s."""
+    now = [0.0]
+    monkeypatch.setattr(run_log, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def taking(seconds, fn):
+        def timed(*args, **kwargs):
+            now[0] += seconds
+            return fn(*args, **kwargs)
+
+        return timed
+
+    monkeypatch.setattr(train, "train_step", taking(1.0, train.train_step))
+    monkeypatch.setattr(train, "evaluate", taking(50.0, train.evaluate))
+    monkeypatch.setattr(train, "save_checkpoint", taking(30.0, train.save_checkpoint))
+    argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "6"]
+    train.main(argv + ["--log-interval", "2", "--eval-interval", "2", "--ckpt-interval", "2"])
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 2, 4, 5]
+    assert [r["tokens_per_s"] for r in rows] == [256.0] * 4, rows
+    assert [r["eta_s"] for r in rows] == [5.0, 3.0, 1.0, 0.0], rows
+    assert now[0] == 6 * 1 + 4 * 50 + 3 * 30  # Evaluated at 0, 2, 4 and the end.
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid's names (DESIGN §4)
+# ---------------------------------------------------------------------------------------------
+def test_the_grid_answers_to_design_s_names():
+    """The sizes by their DESIGN names, and which stage a rank holds."""
+    grid = Grid(rank=5, world=8, dp=2, tp=2, pp=2, pp_rank=1, dp_rank=0, tp_rank=1)
+    sizes = (grid.world_size, grid.dp_size, grid.tp_size, grid.pp_size, grid.cp_size)
+    assert sizes == (8, 2, 2, 2, 1)
+    assert (grid.pp_is_first, grid.pp_is_last) == (False, True)
+    first = Grid(world=4, pp=4, pp_rank=0)
+    assert (first.pp_is_first, first.pp_is_last) == (True, False)
+    middle = Grid(world=4, pp=4, pp_rank=2)
+    assert (middle.pp_is_first, middle.pp_is_last) == (False, False)
+    assert Grid().pp_is_first and Grid().pp_is_last  # One stage: both.
 
 
 # ---------------------------------------------------------------------------------------------
