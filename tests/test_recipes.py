@@ -16,36 +16,35 @@ from support.config import TrainConfig, parse_args
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))
 plan_lib = importlib.import_module("09_plan")
+train = importlib.import_module("train")
 
 
-def gpt_config(cfg: TrainConfig):
-    """The model train.py would build for cfg: the preset, its vocabulary from the
-    tokenizer (GPT-2's 50,257 or the default BPE's 4,096), overrides applied."""
-    sizes = dict(vocab_size=50257 if cfg.tokenizer == "gpt2" else 4096)
-    if cfg.block_size:
-        sizes["block_size"] = cfg.block_size
-    if cfg.n_layer:
-        sizes["n_layer"] = cfg.n_layer
-    return plan_lib.model_config(cfg.model, **sizes)
-
-
-def test_the_recipes_folder_holds_the_five_recipes():
+def test_the_recipes_folder_holds_the_six_recipes():
     names = {p.name for p in RECIPES}
     want = {"cpu-demo", "gpt2-124m-1gpu", "gpt2-124m-8gpu", "gpt2-xl-16gpu"}
-    assert {f"{n}.toml" for n in want | {"finetune-lora"}} <= names
+    want |= {"finetune-lora", "long-context"}
+    assert {f"{n}.toml" for n in want} <= names
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_parses_validates_and_fits_its_gpu(path):
+    """Each recipe as `train.py --config FILE --plan` takes it: train.py's own checks and
+    model (validate, plan=True: the vocabulary of its tokenizer, padded; wpe of
+    --block-size rows), then 09's plan on the recipe's GPU. Catches a recipe train.py
+    refuses (long-context.toml's 65,536 positions under the old cap of the preset's
+    1,024) and one that does not fit."""
     values, plan = recipe.load(path)
     cfg = TrainConfig(**values)  # every key a field, every value of its type
     text = path.read_text()
     assert text.startswith("# "), f"{path.name} opens with its comment"
     for part in ("Launch:", "Needs:", "Predicted by 09", "Measured:"):
         assert part in text, f"{path.name}'s comment says nothing under {part!r}"
-    p = plan_lib.plan_run(
-        cfg, gpt_config(cfg), plan["gpu"], plan.get("gpus_per_node", 8)
-    )
+    cfg, args = parse_args(["--config", str(path), "--plan"])
+    world = cfg.dp * cfg.cp * cfg.tp * cfg.pp
+    gpt_config = train.validate(cfg, world, plan=True)
+    preset = plan_lib.model_config(cfg.model)
+    assert gpt_config.block_size == (cfg.block_size or preset.block_size)
+    p = plan_lib.plan_run(cfg, gpt_config, args.plan_gpu, args.gpus_per_node)
     assert p.fits, f"{path.name}: {p.memory['total'] / 2**30:.1f} GiB > {p.capacity}"
 
 
