@@ -168,7 +168,12 @@ class Logger:
 
     @contextlib.contextmanager
     def paused(self):
-        """The time inside is left out of tokens/s and the ETA (evaluation, saves)."""
+        """The time inside is left out of tokens/s and the ETA (evaluation, saves).
+
+        On a GPU the steps' queued kernels are drained first (a sync, here only): they
+        are the steps' time, which evaluation's .item() would otherwise wait out."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         began = time.perf_counter()
         try:
             yield

@@ -273,6 +273,22 @@ def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(data_dir, tmp_path, 
     assert now[0] == 6 * 1 + 4 * 50 + 3 * 30  # Evaluated at 0, 2, 4 and the end.
 
 
+def test_a_pause_on_a_gpu_drains_the_steps_kernels_before_it_reads_the_clock(monkeypatch):
+    """No step is synced on a GPU, so its kernels may still be queued when an evaluation
+    starts: paused() synchronises first, and only then reads the clock, so their time counts
+    as the steps'. (No GPU here: a "cuda" device with torch.cuda's calls recorded.)"""
+    events = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    clock = SimpleNamespace(perf_counter=lambda: events.append("clock") or 0.0)
+    monkeypatch.setattr(run_log, "time", clock)
+    log = run_log.Logger("unused", 0, 256, 4, 1, 1, "bf16", Grid(rank=1), torch.device("cuda"))
+    events.clear()
+    with log.paused():
+        events.append("evaluate")
+    assert events == ["sync", "clock", "evaluate", "clock"]
+
+
 # ---------------------------------------------------------------------------------------------
 # The grid's names (DESIGN §4)
 # ---------------------------------------------------------------------------------------------
