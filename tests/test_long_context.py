@@ -9,12 +9,14 @@ tests/test_finetune.py's (tiny's shape, 64 positions; the tiny preset has 32).
 """
 
 import importlib
+import json
 
 import pytest
 import torch
 
 from support import config
 from support.grid import Grid
+from tests.distributed import run_ranks
 from tests.test_finetune import FLAGS, checkpoint, gpt2_data  # noqa: F401 - fixtures
 
 train = importlib.import_module("train")
@@ -100,3 +102,33 @@ def test_lora_on_a_shorter_checkpoint_is_one_line(gpt2_data, checkpoint, tmp_pat
     assert "has 64 positions; --lora-rank freezes wpe, so positions 64..127" in message
     cfg, _ = config.parse_args(lora + ["--block-size", "64"])
     assert train.validate(cfg, 1).block_size == 64
+
+
+def _grown_cp2(rank, world, argv):
+    train.main(argv)
+
+
+def test_grown_positions_under_cp2_equal_one_process(gpt2_data, tmp_path):  # noqa: F811
+    """The recipe's combination: 08's ring at cp 2 over 128 positions of a 32-position
+    preset. Each rank looks wpe up at its zigzag chunks' true positions, rows 0..127, so
+    two steps' losses and the exported wpe equal one process's. fp32, the same sums in
+    another order (the loss's shares, the gradients' average over 2 ranks): 1e-5
+    relative. Catches a CP lookup bounded by the preset's context, or positions taken
+    modulo it."""
+    argv = FLAGS + ["--data-dir", gpt2_data, "--block-size", "128", "--max-steps", "2"]
+    one = tmp_path / "one"
+    two = tmp_path / "cp2"
+    train.main(argv + ["--out-dir", str(one)])
+    run_ranks(_grown_cp2, 2, argv + ["--cp", "2", "--out-dir", str(two)], timeout=300)
+    curves = []
+    for d in (one, two):
+        rows = map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+        curves.append([r.get("loss", r.get("val_loss")) for r in rows])
+    assert len(curves[0]) == 3  # Two steps and the last evaluation.
+    torch.testing.assert_close(curves[1], curves[0], rtol=1e-5, atol=0)
+    wpe = [
+        train.load_exported(d / "model.pt")[0].transformer.wpe.weight
+        for d in (one, two)
+    ]
+    assert wpe[1].shape[0] == 128
+    torch.testing.assert_close(wpe[1], wpe[0], rtol=1e-5, atol=1e-7)
