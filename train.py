@@ -117,7 +117,9 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0, plan: bool = Fals
         return gpt_config
     config.check_data(cfg, gpt_config.block_size, data_lib.DataLoader)
     if cfg.init_from:  # Last, since it reads the whole checkpoint.
-        config.check_init_from(cfg, meta, gpt_config, pretrained)
+        fewer = config.check_init_from(cfg, meta, gpt_config, pretrained)
+        if fewer and rank == 0:  # Rows beyond the checkpoint's: from the init.
+            print(fewer)
     checkpoint.check_out_dir(cfg)
     return gpt_config
 

@@ -461,8 +461,9 @@ def read_data_meta(cfg: TrainConfig) -> dict:
     return meta
 
 
-def check_init_from(cfg: TrainConfig, meta: dict, gpt_config, load_pretrained) -> None:
-    """--init-from's checkpoint fits: GPT-2's tokenizer, and `gpt_config`'s shape.
+def check_init_from(cfg: TrainConfig, meta: dict, gpt_config, load_pretrained) -> str:
+    """--init-from's checkpoint fits: GPT-2's tokenizer, and `gpt_config`'s shape. Returns
+    the line a run opens with when the checkpoint has fewer positions, else "".
 
     `load_pretrained(path)` is 02's GPT.load_pretrained: a model with its `.config`.
     Whatever it raises on a missing, foreign or damaged file becomes one line.
@@ -494,6 +495,11 @@ def check_init_from(cfg: TrainConfig, meta: dict, gpt_config, load_pretrained) -
             f"--init-from {cfg.init_from} has {have.block_size:,} "
             f"positions; {why}: {fix}"
         )
+    if have.block_size >= gpt_config.block_size:
+        return ""
+    rows = f"wpe's rows {have.block_size:,}+ start from the init"
+    of = f"{have.block_size:,} of the model's {gpt_config.block_size:,} positions"
+    return f"--init-from has {of}: {rows}"
 
 
 def read_init_from(cfg: TrainConfig, load_pretrained):
