@@ -1,12 +1,12 @@
 """More positions than the preset: train.py --block-size above the preset's context.
 
-GPT-2's 1,024 positions are a learned table (wpe), GPT-2's choice and not a limit of the
-model, so a long-context run (recipes/long-context.toml) sizes wpe to --block-size: from
-scratch every row starts from the init and trains; with --init-from the checkpoint's rows
-come first and the rows beyond them keep the init; under LoRA (wpe frozen) that would leave
-them untrained forever, a one-line error. The checkpoint and GPT-2-token data are
-tests/test_finetune.py's (tiny's shape, 64 positions; the tiny preset has 32).
-"""
+GPT-2's 1,024 positions are a learned table (wpe), GPT-2's choice and not a limit of
+the model, so a long-context run (recipes/long-context.toml) sizes wpe to
+--block-size: from scratch every row starts from the init and trains; with
+--init-from the checkpoint's rows come first and the rows beyond them keep the init;
+under LoRA (wpe frozen) that would leave them untrained forever, a one-line error.
+The checkpoint and GPT-2-token data are tests/test_finetune.py's (tiny's shape, 64
+positions; the tiny preset has 32)."""
 
 import importlib
 import json
@@ -24,21 +24,26 @@ model_lib = importlib.import_module("02_model")
 
 
 def built_wpe(argv) -> tuple[torch.Tensor, object]:
-    """The wpe train.py builds for these flags on one process, before any step: validate's
-    checks (which print the positions line), then build_chunks."""
+    """The wpe train.py builds for these flags on one process, before any step:
+    validate's checks (which print the positions line), then build_chunks."""
     cfg, _ = config.parse_args(argv)
     gpt_config = train.validate(cfg, 1)
     chunks = train.build_chunks(cfg, gpt_config, Grid(), torch.device("cpu"))
     return chunks[0].transformer.wpe.weight.detach().clone(), gpt_config
 
 
-def test_a_run_trains_more_positions_than_its_preset(gpt2_data, tmp_path, capsys):  # noqa: F811
-    """tiny has 32 positions; --block-size 128 trains 128. The run opens with the positions
-    line, the exported model has 128 rows of wpe, and after one step without weight decay
-    (so a row moves only if its position had a gradient) every row moved off the init: each
-    sequence covers positions 0..127. A prompt longer than 128 tokens samples (cropped).
-    Catches check_block_size refusing the run (the old cap), validate cutting wpe to the
-    preset's 32, and the loader reading windows of 32."""
+def test_a_run_trains_more_positions_than_its_preset(
+    gpt2_data,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    """tiny has 32 positions; --block-size 128 trains 128. The run opens with the
+    positions line, the exported model has 128 rows of wpe, and after one step
+    without weight decay (so a row moves only if its position had a gradient) every
+    row moved off the init: each sequence covers positions 0..127. A prompt longer
+    than 128 tokens samples (cropped). Catches check_block_size refusing the run (the
+    old cap), validate cutting wpe to the preset's 32, and the loader reading windows
+    of 32."""
     out = tmp_path / "scratch"
     argv = FLAGS + [
         "--data-dir",
@@ -71,11 +76,12 @@ def test_init_from_a_shorter_checkpoint_copies_its_rows_first(
     tmp_path,
     capsys,
 ):
-    """--block-size 128 from a 64-position checkpoint: wpe rows 0..63 are the checkpoint's,
-    exactly, and rows 64..127 are the init a run from scratch gives (same seed, same
-    shape), exactly. Every other tensor comes from the checkpoint as before
-    (tests/test_finetune.py). Catches check_init_from refusing a shorter checkpoint (the old
-    rule), the copy skipping wpe, and the rows beyond being zeroed or tiled."""
+    """--block-size 128 from a 64-position checkpoint: wpe rows 0..63 are the
+    checkpoint's, exactly, and rows 64..127 are the init a run from scratch gives
+    (same seed, same shape), exactly. Every other tensor comes from the checkpoint as
+    before (tests/test_finetune.py). Catches check_init_from refusing a shorter
+    checkpoint (the old rule), the copy skipping wpe, and the rows beyond being
+    zeroed or tiled."""
     flags = FLAGS + ["--data-dir", gpt2_data, "--out-dir", str(tmp_path)]
     grown, _ = built_wpe(flags + ["--block-size", "128", "--init-from", checkpoint])
     said = capsys.readouterr().out
@@ -90,9 +96,14 @@ def test_init_from_a_shorter_checkpoint_copies_its_rows_first(
     assert not torch.equal(scratch[:64], want)  # The checkpoint is not the init.
 
 
-def test_lora_on_a_shorter_checkpoint_is_one_line(gpt2_data, checkpoint, tmp_path):  # noqa: F811
-    """LoRA freezes wpe, so rows beyond the checkpoint's 64 would never train: a one-line
-    error before anything starts. At --block-size 64 the same LoRA run is fine."""
+def test_lora_on_a_shorter_checkpoint_is_one_line(
+    gpt2_data,  # noqa: F811
+    checkpoint,  # noqa: F811
+    tmp_path,
+):
+    """LoRA freezes wpe, so rows beyond the checkpoint's 64 would never train: a
+    one-line error before anything starts. At --block-size 64 the same LoRA run is
+    fine."""
     flags = FLAGS + ["--data-dir", gpt2_data, "--out-dir", str(tmp_path)]
     lora = flags + ["--init-from", checkpoint, "--lora-rank", "2"]
     with pytest.raises(SystemExit) as e:
@@ -109,12 +120,12 @@ def _grown_cp2(rank, world, argv):
 
 
 def test_grown_positions_under_cp2_equal_one_process(gpt2_data, tmp_path):  # noqa: F811
-    """The recipe's combination: 08's ring at cp 2 over 128 positions of a 32-position
-    preset. Each rank looks wpe up at its zigzag chunks' true positions, rows 0..127, so
-    two steps' losses and the exported wpe equal one process's. fp32, the same sums in
-    another order (the loss's shares, the gradients' average over 2 ranks): 1e-5
-    relative. Catches a CP lookup bounded by the preset's context, or positions taken
-    modulo it."""
+    """The recipe's combination: 08's ring at cp 2 over 128 positions of a
+    32-position preset. Each rank looks wpe up at its zigzag chunks' true positions,
+    rows 0..127, so two steps' losses and the exported wpe equal one process's. fp32,
+    the same sums in another order (the loss's shares, the gradients' average over 2
+    ranks): 1e-5 relative. Catches a CP lookup bounded by the preset's context, or
+    positions taken modulo it."""
     argv = FLAGS + ["--data-dir", gpt2_data, "--block-size", "128", "--max-steps", "2"]
     one = tmp_path / "one"
     two = tmp_path / "cp2"

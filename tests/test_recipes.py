@@ -28,8 +28,8 @@ def test_the_recipes_folder_holds_the_six_recipes():
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
 def test_every_recipe_parses_validates_and_fits_its_gpu(path):
-    """Each recipe as `train.py --config FILE --plan` takes it: train.py's own checks and
-    model (validate, plan=True: the vocabulary of its tokenizer, padded; wpe of
+    """Each recipe as `train.py --config FILE --plan` takes it: train.py's own checks
+    and model (validate, plan=True: the vocabulary of its tokenizer, padded; wpe of
     --block-size rows), then 09's plan on the recipe's GPU. Catches a recipe train.py
     refuses (long-context.toml's 65,536 positions under the old cap of the preset's
     1,024) and one that does not fit."""
