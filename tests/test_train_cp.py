@@ -8,6 +8,7 @@ every sequence. One world is spawned per world size; every layout runs inside it
 
 import functools
 import importlib
+import os
 import re
 import types
 
@@ -241,6 +242,33 @@ def test_dp2_cp2_tp2_with_sequence_parallelism_on_8_ranks_equals_one_process(
     (got, val), _ = ranks[0][0][0]
     check_layout(configs[0][0], got, val, one_process)
     check_groups(configs[0][0], [r[0][0][1] for r in ranks], DP2_CP2_TP2)
+
+
+def _compiled(rank, world, *args):
+    """_layouts, and the graphs dynamo compiled in this rank (0 if nothing compiled)."""
+    out = _layouts(rank, world, *args)
+    from torch._dynamo.utils import counters  # Imported here: only this test needs it.
+
+    return out, counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.skipif(
+    os.environ.get("CP_COMPILE") != "1",
+    reason="slow: ~130 s of inductor compilation on 2 cores (08's ring recompiles at "
+    "its batch_isend_irecv graph break); run with CP_COMPILE=1",
+)
+def test_compiled_cp2_equals_one_process(data_dir, tmp_path, one_process):
+    """--compile with --cp 2: each chunk compiled in place (inductor, C++ here), the
+    ring's autograd.Function and its batch_isend_irecv graph-break (dynamo runs them
+    eagerly between compiled graphs) and the run stays one process's: its curve,
+    validation loss and tokens. Tolerance: check_layout's, the reduction order of cp 2
+    (fused kernels add ~1e-7 relative to it); a bug is off by > 1e-2."""
+    configs = [("cp2-compile", ["--cp", "2", "--micro-batch-size", "4", "--compile"])]
+    ranks = run_ranks(_compiled, 2, data_dir, str(tmp_path), configs, None, timeout=590)
+    (got, val), _ = ranks[0][0][0][0]
+    check_layout(configs[0][0], got, val, one_process)
+    check_groups(configs[0][0], [r[0][0][0][1] for r in ranks], CP2)
+    assert all(graphs > 0 for _, graphs in ranks), "--compile compiled no graph"
 
 
 def test_cp_flags_fail_in_one_line(data_dir, capsys):
