@@ -3,8 +3,9 @@ printed as `PASS` or `FAIL` with what was measured. bench/gpu_run.sh runs it wit
 
     python bench/gpu_checks.py        (needs a GPU; 14 s on an H200)
 
-Six checks; the fourth prints a line per recomputation mode. On a GPU without bf16 (V100, T4)
-the third and fifth report that, as they should.
+Eight checks; the fourth prints a line per recomputation mode. On a GPU without bf16 (V100, T4)
+the third and fifth report that, as they should. The seventh and eighth need `python 01_data.py`
+run first (data/stdlib-bpe4096).
 
 1. the loss scaler's inf flag on the GPU for an optimizer with no gradients (06; NCCL needs it);
 2. 04's RNGStateTracker with the CUDA generator: the fork's stream is its own, the default
@@ -13,11 +14,18 @@ the third and fifth report that, as they should.
 4. recomputation (02, selective and full) with dropout on CUDA's generator: loss and gradients
    against no recomputation, beside a second run without it (the GPU's own run-to-run noise);
 5. --dtype auto (train.resolve_dtype) picks bf16 where torch.cuda.is_bf16_supported();
-6. the card's dense peaks in support/gpus.py's table (MFU's denominator).
+6. the card's dense peaks in support/gpus.py's table (MFU's denominator);
+7. train.py's plain steps make no host-device sync from the project's files, seen by CUDA itself
+   (torch.cuda.set_sync_debug_mode("warn") during each step that neither logs, evaluates nor
+   checkpoints; tests/test_train_sync.py counts the calls on a CPU, this is the GPU's word);
+8. support/prefetch.py on CUDA: the batches it copied ahead on its side stream equal 01's
+   DataLoader's, in order and after a jump (a resume), on this GPU.
 """
 
 import importlib
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -27,7 +35,11 @@ model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
 mp_lib = importlib.import_module("06_mixed_precision")
 gpus = importlib.import_module("support.gpus")
+data_lib = importlib.import_module("01_data")
 train = importlib.import_module("train")
+Prefetcher = importlib.import_module("support.prefetch").Prefetcher
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "data" / "stdlib-bpe4096"  # python 01_data.py's default output
 
 
 def report(name: str, ok: bool, detail: str) -> bool:
@@ -118,12 +130,74 @@ def peaks() -> bool:
     return report("peak FLOP/s known", table["bf16"] is not None, f"{name!r}: {table}")
 
 
+def ours(filename: str) -> bool:
+    """A file of the project: the numbered lessons, train.py, support/ (not torch, not bench)."""
+    path = Path(filename).resolve()
+    return path.parent in (ROOT, ROOT / "support") and path.suffix == ".py"
+
+
+def plain_steps_sync_free(device) -> bool:
+    """train.py for 12 steps (a log line at steps 0, 10 and 11, no evaluation, no checkpoint),
+    every train_step under CUDA's sync debug mode: each synchronizing call warns, from the
+    Python line that made it. Steps 1-9 are plain; torch's own syncs (if any) are listed too."""
+    real_step = train.train_step
+    seen = {"ours": [], "torch": []}
+
+    def watched(run, step):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                stats = real_step(run, step)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for w in caught:
+            where = f"step {step}: {Path(w.filename).name}:{w.lineno}"
+            seen["ours" if ours(w.filename) else "torch"].append(where)
+        return stats
+
+    argv = ["--model", "small", "--data-dir", str(DATA), "--max-steps", "12"]
+    argv += ["--log-interval", "10", "--eval-interval", "0", "--ckpt-interval", "0"]
+    argv += ["--sample-tokens", "0", "--dtype", "bf16"]
+    train.train_step = watched
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            train.main(argv + ["--out-dir", out])
+    finally:
+        train.train_step = real_step
+    for where in seen["torch"][:5]:
+        print(f"      torch's own sync, {where}")
+    detail = f"{len(seen['ours'])} syncs from our files in 12 steps {seen['ours'][:5]}, "
+    detail += f"{len(seen['torch'])} from torch's"
+    return report("plain steps sync-free", not seen["ours"], detail)
+
+
+def prefetch_on_cuda(device) -> bool:
+    """Steps 0, 1, 2, then 7, 8 (a jump, as after a resume) through the Prefetcher on CUDA
+    against the same DataLoader's batches copied by hand: equal, on the GPU."""
+    loader = data_lib.DataLoader(str(DATA), "train", 8, 128, 0, 0, 1)
+    ahead = Prefetcher(loader, device)
+    ok = True
+    try:
+        for step in (0, 1, 2, 7, 8):
+            got = ahead.get_batch(step)
+            want = [t.to(device) for t in loader.get_batch(step)]
+            ok &= all(g.device.type == "cuda" and g.equal(w) for g, w in zip(got, want))
+    finally:
+        ahead.close()
+    return report("prefetch on CUDA", ok, "steps 0, 1, 2, 7, 8: equal to on-demand batches")
+
+
 def main() -> None:
     assert torch.cuda.is_available(), "gpu_checks.py needs a CUDA GPU"
     device = torch.device("cuda")
     print(gpus.machine(), f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
     checks = (scaler_without_gradients, rng_tracker, attention_kernels, recompute_with_dropout,
               auto_dtype)  # fmt: skip
+    if DATA.is_dir():  # The two train.py checks read python 01_data.py's tokens.
+        checks += (plain_steps_sync_free, prefetch_on_cuda)
+    else:
+        print(f"skipping checks 7 and 8: no {DATA} (run python 01_data.py first)")
     results = [check(device) for check in checks] + [peaks()]
     print(f"{sum(results)} of {len(results)} checks passed")
     sys.exit(0 if all(results) else 1)

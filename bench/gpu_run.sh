@@ -13,7 +13,8 @@
 # H200, whose speed the timeouts assume. It deletes /tmp/gpu_runs (train.py's run folders) first.
 # Read: every line of summary.txt says exit 0 (a timeout is 124), checks.log ends "6 of 6 checks
 # passed", compare.log says "bit-exact True" twice; the numbers are in the timing sections' logs.
-# PYTHON picks the interpreter (python3); PHASES=1 runs phase 1 alone (to try the script).
+# PYTHON picks the interpreter (python3); PHASES=1 runs phase 1 alone (to try the script);
+# PHASES=speed runs only issue 31's measurements (speed_phase, below).
 #
 # Phase 1 checks correctness, its jobs side by side (nothing is timed); phase 2 times, one job
 # at a time, the most wanted first.
@@ -94,6 +95,57 @@ demos() {  # every numbered script at world size 1 (03-05 under torchrun: NCCL w
 section env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton, tiktoken, numpy; \
 print(torch.__version__, torch.version.cuda, torch.backends.cudnn.version(), triton.__version__, \
 tiktoken.__version__, numpy.__version__)'; nproc; free -g"
+
+speed_phase() {  # PHASES=speed: issue 31's numbers alone, most wanted first. Not run yet: each
+    # section compiles once (about a minute cold), so SPEED_MODELS=gpt2 (about 7 sections) and
+    # SPEED_MODELS=gpt2-medium may need a call each under a 10-minute limit. Carry
+    # data/stdlib-gpt2 and data/stdlib-bpe4096, or prepare them there (python 01_data.py,
+    # with and without --tokenizer gpt2). train.py against the lean step at the same
+    # micro-batch, with each loss.
+    section checks 120 "$PY" bench/gpu_checks.py  # 7: no sync in plain steps; 8: the prefetch
+    pack
+    local gpt2=(--data-dir data/stdlib-gpt2 --dtype bf16 --compile --max-steps 30 --warmup-steps 5
+        --lr 6e-4 --log-interval 10 --eval-interval 0 --ckpt-interval 0 --sample-tokens 0)
+    local model micro loss
+    for model in ${SPEED_MODELS:-gpt2 gpt2-medium}; do
+        section "lean_${model}_b32" 150 "$PY" bench/bench_compiled_step.py --presets "$model" \
+            --batch-size 32
+        pack
+        for micro in 32 64; do
+            for loss in plain chunked; do
+                section "train_${model}_${micro}_${loss}" 180 "$PY" train.py --model "$model" \
+                    "${gpt2[@]}" --batch-size 64 --micro-batch-size "$micro" --loss "$loss" \
+                    --out-dir "$R/${model}_${micro}_${loss}"
+                cp "$R/${model}_${micro}_${loss}/metrics.jsonl" \
+                    "$W/train_${model}_${micro}_${loss}.jsonl" 2>/dev/null
+                pack
+            done
+        done
+        [ "$model" = gpt2 ] && section lean_gpt2_b64 150 "$PY" bench/bench_compiled_step.py \
+            --presets gpt2 --batch-size 64 && pack
+        [ "$model" = gpt2 ] && section loss_bytes 150 "$PY" bench/bench_loss.py --measure 16,32 \
+            && pack
+    done
+    section speed_table 30 "$PY" -c '
+import glob, json, os, statistics
+for path in sorted(glob.glob(os.path.join(os.sys.argv[1], "train_*.jsonl"))):
+    rows = [json.loads(line) for line in open(path)]
+    rows = [r for r in rows if r["kind"] == "train" and r["step"] >= 10]  # compiled by then
+    if rows:
+        tok = statistics.median(r["tokens_per_s"] for r in rows)
+        mfu = statistics.median(r["mfu"] for r in rows)
+        mem = max(r["peak_mem_gb"] for r in rows)
+        name = os.path.basename(path)[6:-6]
+        print(f"{name:28s} {tok:>10,.0f} tok/s  mfu {100 * mfu:.1f}%  peak {mem:.1f} GB")
+' "$W"
+    cat "$W/speed_table.log" "$W/summary.txt"
+    pack
+}
+
+if [ "${PHASES:-12}" = speed ]; then
+    speed_phase
+    exit 0
+fi
 
 # phase 1: correctness, side by side
 section checks 120 "$PY" bench/gpu_checks.py &
