@@ -17,14 +17,28 @@ Failure handling, because a distributed test that hangs is worse than one that f
 
 Results travel back through `torch.save` files rather than a multiprocessing queue: a tensor in a
 queue is shared memory owned by the child, which dies before the parent reads it.
+
+Ranks are forked from a zygote: one helper interpreter per test session (`python -m
+tests.distributed`) that imports torch once and forks each rank from there. A spawned rank spent
+3-6 s of CPU importing torch (and torch._dynamo, which torch.optim's first use imports); at 2 to
+8 ranks a world on 2 cores that was most of a small world's time. A forked rank runs the same
+_worker, then leaves with sys.exit, unwinding to the zygote's top level, so it exits through the
+interpreter's normal finalisation as a torchrun rank does (multiprocessing's forkserver would end
+it with os._exit, hiding an abort at exit). The zygote reaps its children and writes their exit
+codes (negative: the signal) next to the results.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
+import gc
 import os
+import pickle
+import select
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -119,28 +133,23 @@ def _worker(fn, rank, world_size, port, args, kwargs, out_dir, init, pg_timeout_
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, init: bool = True, **kwargs):
-    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` spawned processes.
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` forked processes.
 
     Returns the list of per-rank return values, in rank order. Raises `RankError` with every
     failing rank's traceback, or naming the ranks still running after `timeout` seconds.
     """
     assert world_size >= 1, f"world_size must be >= 1, got {world_size}"
-    ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="ranks-") as out_dir:
         # subtle: the process group's own timeout must be shorter than ours, so a collective
         # waiting on a dead peer raises inside the rank instead of only being killed from outside.
         pg_timeout_s = max(5.0, timeout - GRACE_S)
-        procs = [
-            ctx.Process(
-                target=_worker,
-                args=(fn, r, world_size, port, args, kwargs, out_dir, init, pg_timeout_s),
-                daemon=True,
-            )
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
+        job = (fn, world_size, port, args, kwargs, out_dir, init, pg_timeout_s)
+        where = (dict(os.environ), list(sys.path), os.getcwd())  # what spawn would pass on
+        with open(Path(out_dir) / "job.pkl", "wb") as f:
+            pickle.dump(where, f)  # read first: the job's functions may need the path
+            pickle.dump(job, f)
+        procs = _Zygote.get().fork(out_dir, world_size)
         try:
             timed_out = _wait(procs, out_dir, timeout)
         finally:
@@ -149,6 +158,111 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, init: bool = T
                     p.kill()
                 p.join(5)
         return _collect(procs, out_dir, timed_out, timeout)
+
+
+class _Rank:
+    """The parent's view of a rank the zygote forked: its pid, and its exit code once reaped."""
+
+    def __init__(self, out_dir: str, rank: int, pid: int):
+        self.exit_file = Path(out_dir) / f"rank{rank}.exit"
+        self.pid = pid
+
+    @property
+    def exitcode(self):
+        return int(self.exit_file.read_text()) if self.exit_file.exists() else None
+
+    def is_alive(self) -> bool:
+        return not self.exit_file.exists()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+class _Zygote:
+    """The helper interpreter that forks ranks: started once, fed one line (a job folder) per
+    world on its stdin; it writes rank{r}.pid for each fork, then rank{r}.exit once reaped."""
+
+    proc = None
+
+    @classmethod
+    def get(cls) -> _Zygote:
+        if cls.proc is None or cls.proc.poll() is not None:
+            root = Path(__file__).resolve().parents[1]
+            argv = [sys.executable, "-m", "tests.distributed"]
+            cls.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, cwd=root)
+        return cls()
+
+    def fork(self, out_dir: str, world_size: int) -> list:
+        self.proc.stdin.write(f"{world_size} {out_dir}\n".encode())
+        self.proc.stdin.flush()
+        pids = [Path(out_dir) / f"rank{r}.pid" for r in range(world_size)]
+        deadline = time.monotonic() + 120  # the zygote's first imports, on a loaded machine
+        while not all(p.exists() for p in pids):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RankError(f"the zygote forked no ranks (exit {self.proc.poll()})")
+            time.sleep(0.02)
+        return [_Rank(out_dir, r, int(p.read_text())) for r, p in enumerate(pids)]
+
+
+def _write(path: Path, text: str) -> None:
+    """Whole or not at all (the parent polls for it); a folder already gone is ignored."""
+    with contextlib.suppress(OSError):
+        path.with_suffix(".tmp").write_text(text)
+        path.with_suffix(".tmp").rename(path)
+
+
+def _serve() -> None:
+    """The zygote's loop: fork the ranks of each job named on stdin, reap the ones that exit.
+    A forked rank returns from here only by raising SystemExit (see _rank)."""
+    children = {}
+    lines = b""
+    while True:
+        readable, _, _ = select.select([sys.stdin.fileno()], [], [], 0.02)
+        if readable:
+            chunk = os.read(sys.stdin.fileno(), 65536)
+            if not chunk:  # the test session is over
+                return
+            lines += chunk
+        while b"\n" in lines:
+            line, lines = lines.split(b"\n", 1)
+            world_size, out_dir = line.decode().split(" ", 1)
+            for rank in range(int(world_size)):
+                pid = os.fork()
+                if pid == 0:
+                    _rank(out_dir, rank)
+                children[pid] = Path(out_dir) / f"rank{rank}.exit"
+                _write(Path(out_dir) / f"rank{rank}.pid", str(pid))
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            _write(children.pop(pid), str(os.waitstatus_to_exitcode(status)))
+
+
+def _rank(out_dir: str, rank: int) -> None:
+    """A forked rank: the parent's environment, path and folder, then _worker, then a normal
+    exit (SystemExit unwinds to the zygote's top level and the interpreter finalises)."""
+    try:
+        os.close(sys.stdin.fileno())  # the zygote's job queue is not this rank's
+        with open(Path(out_dir) / "job.pkl", "rb") as f:
+            env, path, cwd = pickle.load(f)
+            os.environ.clear()
+            os.environ.update(env)
+            sys.path[:] = path
+            os.chdir(cwd)
+            job = pickle.load(f)
+        fn, world_size, port, args, kwargs, out_dir, init, pg_timeout_s = job
+    except BaseException:  # noqa: BLE001 - an unpicklable job is reported as the rank's error
+        torch.save({"error": traceback.format_exc()}, Path(out_dir) / f"rank{rank}.pt")
+        sys.exit(1)
+    _worker(fn, rank, world_size, port, args, kwargs, out_dir, init, pg_timeout_s)
+    sys.exit(0)
 
 
 def _failed(out_dir: str) -> bool:
@@ -213,3 +327,15 @@ def case_results(per_rank: list, case: str) -> list:
         if isinstance(res, dict) and "error" in res:
             pytest.fail(f"case {case!r} raised on rank {r}:\n{res['error']}")
     return results
+
+
+if __name__ == "__main__":
+    # The zygote: import what every rank needs once, then fork ranks on demand.
+    import numpy  # noqa: F401
+    import torch.distributed.optim  # noqa: F401
+    import torch.nn.functional  # noqa: F401
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)])  # imports torch._dynamo, once
+    gc.collect()
+    gc.freeze()  # the ranks' collections skip (and so do not copy) the zygote's objects
+    _serve()
