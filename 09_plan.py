@@ -89,9 +89,7 @@ def model_config(name: str, **overrides) -> "model_lib.GPTConfig":
     """02's preset, its vocabulary padded to a multiple of 64 (train.py's and the
     benchmarks' choice: 50,257 -> 50,304, which splits over tp = 2..64)."""
     try:
-        return model_lib.GPTConfig.from_preset(
-            name, **{"pad_vocab_multiple": 64, **overrides}
-        )
+        return model_lib.GPTConfig.from_preset(name, pad_vocab_multiple=64, **overrides)
     except ValueError as e:
         raise PlanError(str(e)) from None
 
@@ -581,7 +579,9 @@ def main(argv=None) -> None:
         if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
             nodes = f"whole nodes of {args.gpus_per_node}"
             raise PlanError(f"{args.gpus} GPUs are not {nodes}")
-        config = model_config(args.model)
+        # wpe has T rows, as in train.py (--block-size): more than the preset's too.
+        sizes = {"block_size": args.seq_len} if args.seq_len else {}
+        config = model_config(args.model, **sizes)
         cluster = (args.gpu, args.gpus, args.gpus_per_node)
         options = (args.seq_len, args.dtype, args.lora_rank, args.loss)
         plans = search(config, args.batch_size, *cluster, *options)

@@ -143,3 +143,22 @@ def test_grown_positions_under_cp2_equal_one_process(gpt2_data, tmp_path):  # no
     ]
     assert wpe[1].shape[0] == 128
     torch.testing.assert_close(wpe[1], wpe[0], rtol=1e-5, atol=1e-7)
+
+
+def test_09s_seq_len_sizes_wpe_as_train_py_does(monkeypatch, capsys):
+    """09_plan.py --seq-len 65536 plans GPT-2 medium with 65,536 rows of wpe, as
+    train.py --block-size builds it: 64 x 1,024 more position parameters than the
+    preset's 1,024 rows (the model's config handed to 09's search is checked)."""
+    plan_lib = importlib.import_module("09_plan")
+    seen = []
+
+    def search(config, *args):
+        seen.append(config)
+        return []  # No layouts: 09 then exits with its one-line error.
+
+    monkeypatch.setattr(plan_lib, "search", search)
+    argv = ["--model", "gpt2-medium", "--gpus", "8", "--seq-len", "65536"]
+    with pytest.raises(SystemExit):
+        plan_lib.main(argv)
+    assert "no layout of gpt2-medium" in capsys.readouterr().err
+    assert [c.block_size for c in seen] == [65536]
