@@ -3,7 +3,8 @@
 Every layout below runs the same 4 steps as one process (test_train's BASE: the tiny
 GPT, 4 layers, 8 sequences of 32 tokens a step, fp32) and must give its loss curve,
 gradient norms and validation loss, each CP rank holding 2 of the 2·cp zigzag chunks of
-every sequence. One world is spawned per world size; every layout runs inside it.
+every sequence. One world is spawned per world size (2, 4, 8); every layout runs
+inside it, but --compile's, which is opt-in (CP_COMPILE=1: ~2 minutes to compile).
 """
 
 import functools
