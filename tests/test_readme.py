@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -75,21 +76,29 @@ def lesson_file(number: str) -> str:
 
 
 @functools.cache
-def run_output(args: tuple[str, ...], cwd: str, must_succeed: bool = True) -> str:
-    """Run `python ARGS` in the folder cwd, the lesson found in the repository; stdout+stderr."""
+def script_output(args: tuple[str, ...]) -> tuple[int, str]:
+    """Run `python ARGS` once per session, in a fresh temporary folder, the lesson found in the
+    repository: (exit code, stdout then stderr). A lesson's own demo test (test_ddp's,
+    test_zero's) reads the same run as its README check: one run of the demo, not two."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, str(ROOT / args[0]), *args[1:]],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = done.stdout + done.stderr
+    with tempfile.TemporaryDirectory(prefix="demo-") as cwd:
+        done = subprocess.run(
+            [sys.executable, str(ROOT / args[0]), *args[1:]],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    return done.returncode, done.stdout + done.stderr
+
+
+def run_output(args: tuple[str, ...], must_succeed: bool = True) -> str:
+    """script_output's text; with must_succeed, a non-zero exit fails the test."""
+    code, out = script_output(args)
     if must_succeed:
-        assert done.returncode == 0, f"python {' '.join(args)} failed:\n{out[-4000:]}"
+        assert code == 0, f"python {' '.join(args)} failed:\n{out[-4000:]}"
     return out
 
 
@@ -98,10 +107,10 @@ def missing(quotes: list[str], out: str) -> list[str]:
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_quoted_output_is_printed(lesson, tmp_path):
+def test_quoted_output_is_printed(lesson):
     quotes = look_for_quotes(lesson[:2]) + docstring_quotes(lesson)
     assert quotes, f"README quotes nothing of {lesson}'s output"
-    out = run_output((lesson,), str(tmp_path))
+    out = run_output((lesson,))
     assert not missing(quotes, out), (
         f"{lesson} does not print {missing(quotes, out)}:\n{out}"
     )
@@ -115,9 +124,9 @@ TRIES = [
 @pytest.mark.parametrize(
     "number, args, quotes", TRIES, ids=[" ".join(t[1]) for t in TRIES]
 )
-def test_try_items_print_what_they_quote(number, args, quotes, tmp_path):
+def test_try_items_print_what_they_quote(number, args, quotes):
     # A Try may end in the one-line error it describes, so its exit code is not checked.
-    out = run_output(tuple(args), str(tmp_path), must_succeed=False)
+    out = run_output(tuple(args), must_succeed=False)
     assert not missing(quotes, out), (
         f"python {' '.join(args)} does not print {missing(quotes, out)}:\n{out}"
     )

@@ -20,15 +20,13 @@ import importlib
 import io
 import math
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.distributed import case_results, run_cases, run_ranks
+from tests.test_readme import run_output
 
 zero_lib = importlib.import_module("07_zero")
 model_lib = importlib.import_module("02_model")
@@ -799,18 +797,14 @@ def test_collective_names_fall_back_to_older_torch(monkeypatch, tmp_path):
         assert "dist.all_gather_single(" not in source, lesson
 
 
-def test_the_demo_runs_as_a_script_and_prints_its_headline(tmp_path):
+def test_the_demo_runs_as_a_script_and_prints_its_headline():
     """`python 07_zero.py` relaunches itself under torchrun (2 ranks) and prints its two
     headlines with numbers that hold: every stage's losses and weights within fp32 rounding
     of one process's after 3 AdamW steps (a rank's data missing moves the weights by ~lr =
     1e-3), and the bytes per rank after backward of stages 0-3 within a few bytes of their
     formulas: the padding of the flat buffers (< N elements each) and AdamW's 4-byte step
     counters."""
-    script = Path(__file__).parents[1] / "07_zero.py"
-    run = [sys.executable, str(script)]
-    proc = subprocess.run(run, capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    out = run_output(("07_zero.py",))  # the run test_readme checks too, shared (stdout, stderr)
     assert "running: torchrun --standalone --nproc_per_node=2" in out, out
     assert "every stage == one process" in out, out
     stages = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
