@@ -125,6 +125,7 @@ speed_phase() {  # PHASES=speed: issue 31's numbers alone, most wanted first. No
             --presets gpt2 --batch-size 64 && pack
         [ "$model" = gpt2 ] && section loss_bytes 150 "$PY" bench/bench_loss.py --measure 16,32 \
             && pack
+        [ "$model" = gpt2 ] && section ring_kernel 120 "$PY" bench/bench_ring_kernel.py && pack
     done
     section speed_table 30 "$PY" -c '
 import glob, json, os, statistics
