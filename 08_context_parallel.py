@@ -326,6 +326,7 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+@torch.compiler.disable  # Eager, one graph break a layer (traced, it recompiled 8 times).
 def ring_attention(q, k, v, group, split="zigzag"):
     """allgather_attention's result, with K and V passed around the ring instead."""
     assert split in SPLITS, f"split must be one of {SPLITS}, got {split!r}"
