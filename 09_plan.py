@@ -340,9 +340,10 @@ def check_layout(config, layout: Layout, batch: int, n_gpus: int) -> int:
     if world != n_gpus:
         sizes = f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp} x cp {lay.cp} = {world}"
         raise PlanError(f"{sizes} does not fill {n_gpus} GPUs")
-    if lay.cp > 1 and (config.dropout > 0 or lay.recompute == "selective"):
-        why = "08's ring has no dropout; selective would replay the ring (not modelled)"
-        raise PlanError(f"cp > 1 needs dropout 0 and recompute none or full: {why}")
+    if lay.cp > 1 and config.dropout > 0:  # 08's ring has no attention dropout.
+        raise PlanError(f"cp {lay.cp} needs dropout 0: 08's ring has none")
+    if lay.cp > 1 and lay.recompute == "selective":  # Its replayed ring: not modelled.
+        raise PlanError("09 cannot plan selective recompute with cp (train.py runs it)")
     split = f"micro_batch {lay.micro_batch} x dp {lay.dp} x m"
     if batch % (lay.micro_batch * lay.dp):
         raise PlanError(f"batch {batch} is not {split}")
@@ -559,18 +560,18 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--model", default="gpt2-xl", help="02's preset")
-    add("--gpus", type=int, default=16, help="GPUs in all")
-    add("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink")
-    add("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
-    add("--tokens", type=float, default=10e9, help="the token budget of the run")
-    add("--batch-size", type=int, default=512, help="global batch, sequences (GPT-2's)")
-    add("--seq-len", type=int, default=None, help="T; default: the model's block_size")
-    add("--dtype", default="bf16", choices=tuple(BYTES), help="bf16: autocast")
-    add("--lora-rank", type=int, default=0, help="LoRA: only its factors train")
-    add("--loss", default="plain", choices=("plain", "chunked"), help="06's chunked")
-    add("--price", type=float, default=None, help="dollars per GPU-hour, for the cost")
-    add("--top", type=int, default=5, help="how many fitting layouts to print")
+    add("--model", default="gpt2-xl", help="02's preset (default: %(default)s)")
+    add("--gpus", type=int, default=16, help="GPUs in all (default: %(default)s)")
+    add("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default: 8)")
+    add("--gpu", default="h100", help=f"{', '.join(GPUS)} (default: %(default)s)")
+    add("--tokens", type=float, default=10e9, help="the run's tokens (default: 10e9)")
+    add("--batch-size", type=int, default=512, help="sequences (default: 512, GPT-2's)")
+    add("--seq-len", type=int, default=None, help="T, wpe's rows too (default: preset)")
+    add("--dtype", default="bf16", choices=tuple(BYTES), help="default: bf16, autocast")
+    add("--lora-rank", type=int, default=0, help="LoRA's rank (default: 0, off)")
+    add("--loss", default="plain", choices=("plain", "chunked"), help="default: plain")
+    add("--price", type=float, default=None, help="$ per GPU-hour (default: no cost)")
+    add("--top", type=int, default=5, help="fitting layouts printed (default: 5)")
     args = parser.parse_args(argv)
     try:
         if not argv:
@@ -579,7 +580,6 @@ def main(argv=None) -> None:
         if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
             nodes = f"whole nodes of {args.gpus_per_node}"
             raise PlanError(f"{args.gpus} GPUs are not {nodes}")
-        # wpe has T rows, as in train.py (--block-size): more than the preset's too.
         sizes = {"block_size": args.seq_len} if args.seq_len else {}
         config = model_config(args.model, **sizes)
         cluster = (args.gpu, args.gpus, args.gpus_per_node)

@@ -43,8 +43,8 @@ class TrainConfig:
     # Long sequences only: CP pays when activations of T tokens, not weights, fill memory.
     cp: int = flag(
         1,
-        "context-parallel ranks, each holding 2 zigzag chunks of every sequence (08); "
-        "for long --block-size, whose activations overflow a GPU",
+        "context-parallel ranks, each holding 2 zigzag chunks of every sequence (08), "
+        "for long --block-size: 2·cp must divide it; needs --dropout 0",
     )
     # 1F1B keeps at most pp microbatches' activations alive, GPipe all of them.
     schedule: str = flag("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved (05)")
@@ -60,7 +60,12 @@ class TrainConfig:
     micro_batch_size: int = flag(8, "sequences per microbatch per DP rank")
     # The preset's context: a shorter one would leave positions untrained. A longer one
     # sizes the learned position table (wpe) to it: check_block_size.
-    block_size: int = flag(0, "tokens per sequence, the model's context; 0: preset")
+    block_size: int = flag(
+        0,
+        "tokens per sequence, the model's context; 0: the preset's. More than the "
+        "preset's positions sizes wpe to it (--init-from copies the checkpoint's rows "
+        "first; refused with --lora-rank if the checkpoint has fewer)",
+    )
     # The small preset (4 layers of 128) trains on a CPU in minutes.
     model: str = flag("small", "02_model.py's preset (not given: --init-from's shape)")
     n_layer: int = flag(0, "number of blocks; 0: the preset's")
@@ -111,7 +116,9 @@ class TrainConfig:
     # A vote is an all-reduce and a sync. At 0.1-0.5 s a step on GPUs, 10 steps keep a
     # signal's wait under ~5 s, far inside Slurm's usual warning of a minute or more.
     vote_interval: int = flag(
-        10, "steps between the ranks' votes on a preemption signal (its longest wait)"
+        10,
+        "steps between the ranks' votes on a preemption signal: one is acted on at the "
+        "next vote (at most this many steps later), or at once during an evaluation",
     )
     # Rank 0 alone writes checkpoint metadata behind barriers, maybe on slow storage.
     timeout_minutes: float = flag(10.0, "a collective waiting this long is an error")
@@ -184,7 +191,7 @@ def parse_args(argv=None, description: str = "train.py", choices: dict | None = 
     sample = "sample from an exported model, then exit"
     parser.add_argument("--sample", metavar="MODEL_PT", help=sample)
     parser.add_argument("--prompt", default="def ", help="the prompt for --sample")
-    recipe = "a TOML recipe (recipes/): its settings, under the flags given here"
+    recipe = "a TOML recipe (recipes/) of settings; flags given here override it"
     parser.add_argument("--config", metavar="FILE", help=recipe)
     plan = "print 09_plan.py's plan of these settings and exit: no process starts"
     parser.add_argument("--plan", action="store_true", help=plan)

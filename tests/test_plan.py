@@ -403,6 +403,12 @@ def test_bad_requests_are_one_line_errors():
         plan_lib.plan(config, Layout(), 8, "tpu", 1)
     with pytest.raises(plan_lib.PlanError, match="n_head=12 is not divisible by tp=8"):
         plan_lib.plan(config, Layout(tp=8), 8, "h100", 8)
+    # With cp, each refusal names only its own setting, and selective is 09's gap.
+    with pytest.raises(plan_lib.PlanError, match=r"^09 cannot plan selective recomp"):
+        plan_lib.plan(config, Layout(cp=2, recompute="selective"), 8, "h100", 2)
+    dropout = plan_lib.model_config("gpt2", dropout=0.1)
+    with pytest.raises(plan_lib.PlanError, match=r"^cp 2 needs dropout 0: 08's ring"):
+        plan_lib.plan(dropout, Layout(cp=2), 8, "h100", 2)
     with pytest.raises(SystemExit):
         plan_lib.main(["--model", "gpt2-xl", "--gpus", "1", "--gpu", "cpu"])
 
