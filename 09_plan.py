@@ -175,7 +175,7 @@ def model_state_bytes(config, layout: Layout, pp_rank: int = 0, lora_rank=0) -> 
     flats = _flats(items, lora_rank, lay.tp, lay.pp, lay.virtual_stages, pp_rank)
     trainable = [n for n, t, *_ in flats if t]
     frozen = sum(n for n, t, *_ in flats if not t)
-    N = lay.dp * lay.cp  # ZeRO shards over DP x CP ranks (DESIGN §4).
+    N = lay.dp * lay.cp  # ZeRO shards over DP x CP ranks, as train.py's.
     S = [-(-n // N) for n in trainable]  # ⌈numel / N⌉ a flat
     psi = sum(trainable)
     if lay.zero == 0:  # 03's DataParallel: everything whole; one step counter a tensor
@@ -505,9 +505,9 @@ def search(
 
 def _rank(p: Plan) -> tuple:
     """Fitting plans first, fastest first; on a tie (to 0.1%) the simpler one: a lower
-    ZeRO stage, less recomputation, no ring, then the larger micro-batch (an assumption:
-    fewer microbatches cost no more, where c is not measured), then less memory. The
-    plans that do not fit: least memory first."""
+    ZeRO stage, less recomputation, fewer CP ranks, then the larger micro-batch (an
+    assumption: fewer microbatches cost no more, where c is not measured), then less
+    memory. The plans that do not fit: least memory first."""
     if not p.fits:
         return (1, p.memory["total"])
     speed = round(math.log(p.tokens_per_s), 3)

@@ -36,7 +36,7 @@ class Grid:
     embed_group: object = None  # The {first, last} stage, holding the tied embeddings.
 
     @property
-    def world_size(self) -> int:  # DESIGN §4's names of the sizes, as properties.
+    def world_size(self) -> int:  # The sizes by the names every file uses.
         return self.world
 
     @property
