@@ -24,6 +24,9 @@ Two blocks merge exactly, in any order, with the log-sum-exp rule (kept in fp32)
 so a rank's output is the merge of the blocks its queries see. The backward needs only
 the final lse: p_j = exp(s_j - lse) is block j's exact share of the softmax, and with
 D = rowsum(dO * O), dS_j = p_j * (dO v_j^T - D) (FlashAttention-2's rule, 2307.08691).
+As flash attention tiles, a block's scores are computed QUERY_TILE query rows at a time
+(a row's softmax, lse and dq are its own; dk, dv add up over tiles), so they take
+nh x tile x n_k, not nh x n_q x n_k; keys stay whole per block (one merge per block).
 
 The causal imbalance. Cut T into cp contiguous chunks and rank r's queries see chunks
 0..r: the last rank computes cp blocks of (T/cp)^2 scores, the first one. The zigzag
@@ -71,7 +74,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from support import sharding
+from support import cp_demo, sharding
 from support.activations import saved_activation_bytes
 from support.distributed import print0, run_on_ranks
 from support.ring import (
@@ -131,34 +134,53 @@ def zigzag_positions(T: int, cp_rank: int, cp_size: int, device=None):
 
 
 # ------------------------------------------------------------ one block, by hand
+# Query rows whose scores a block computes at once (the docstring's tiling): 1,024 keep
+# each matmul large; the tests set it small so that several tiles really run.
+QUERY_TILE = 1024
+
+
 def attend(q, k, v, mask=None):
     """One block in fp32 (fp64 stays): queries (B, nh, n_q, hs) against keys and values
     (B, nh, n_k, hs) -> out (B, nh, n_q, hs) and lse (B, nh, n_q). mask (n_q, n_k),
     True where a query sees a key; every query must see at least one key."""
     dtype = torch.promote_types(q.dtype, torch.float32)
     q, k, v = (t.to(dtype) for t in (q, k, v))
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, n_q, n_k)
-    if mask is not None:
-        s = s.masked_fill(~mask, -math.inf)
-    lse = torch.logsumexp(s, dim=-1)  # (B, nh, n_q)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
+    out = torch.empty((*q.shape[:-1], v.size(-1)), dtype=dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
+    for start in range(0, q.size(-2), QUERY_TILE):
+        rows = slice(start, start + QUERY_TILE)  # the last tile may be shorter
+        s = q[..., rows, :] @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+        if mask is not None:
+            s = s.masked_fill(~mask[rows], -math.inf)  # (B, nh, tile, n_k)
+        lse[..., rows] = torch.logsumexp(s, dim=-1)
+        out[..., rows, :] = torch.exp(s - lse[..., rows].unsqueeze(-1)) @ v
+    return out, lse
 
 
 def attend_backward(q, k, v, mask, lse, dout, delta):
     """attend's (dq, dk, dv) for one block, from the FINAL lse of its queries over all
     blocks and delta = rowsum(dO * O): p = exp(s - lse) is the block's exact share of
-    the softmax, so the blocks' gradients simply add up."""
+    the softmax, so the blocks' gradients (and the query tiles' dk, dv) simply add up."""
     dtype = lse.dtype
     q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
     scale = 1 / math.sqrt(q.size(-1))
-    s = q @ k.transpose(-2, -1) * scale  # (B, nh, n_q, n_k)
-    if mask is not None:
-        s = s.masked_fill(~mask, -math.inf)
-    p = torch.exp(s - lse.unsqueeze(-1))  # the softmax weights of this block
-    dv = p.transpose(-2, -1) @ dout  # (B, nh, n_k, hs)
-    dp = dout @ v.transpose(-2, -1)  # (B, nh, n_q, n_k)
-    ds = p * (dp - delta.unsqueeze(-1)) * scale  # the scores' gradient, scale folded in
-    return ds @ k, ds.transpose(-2, -1) @ q, dv  # dq (n_q), dk and dv (n_k)
+    dq = torch.empty(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=q.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=q.device)
+    for start in range(0, q.size(-2), QUERY_TILE):
+        rows = slice(start, start + QUERY_TILE)
+        q_t = q[..., rows, :]
+        do_t = dout[..., rows, :]
+        s = q_t @ k.transpose(-2, -1) * scale  # (B, nh, tile, n_k)
+        if mask is not None:
+            s = s.masked_fill(~mask[rows], -math.inf)
+        p = torch.exp(s - lse[..., rows].unsqueeze(-1))  # this tile's softmax weights
+        dv += p.transpose(-2, -1) @ do_t  # (B, nh, n_k, hs)
+        dp = do_t @ v.transpose(-2, -1)  # (B, nh, tile, n_k)
+        ds = p * (dp - delta[..., rows].unsqueeze(-1)) * scale  # scale folded in
+        dq[..., rows, :] = ds @ k
+        dk += ds.transpose(-2, -1) @ q_t
+    return dq, dk, dv
 
 
 def merge(out, lse, rows, out_b, lse_b):
@@ -491,14 +513,7 @@ def demo_attention(args, group, device):
             worst = sharding.equal_over_ranks(diffs, group, f"{name} attention")
             print0(f"  {name:<10} {split:<10} == SDPA(is_causal=True): max |Δ| {worst}")
             assert measured == formula, f"{name} {split}: {measured} != {formula}"
-    E = B * (T // cp) * C
-    print0(f"per rank, measured = formula: E = B·T/cp·C = {E:,}, b = a = 4 (fp32)")
-    terms = {"all-gather": "(cp-1)·2E·b + (cp-1)·2E·a"}
-    terms["ring"] = "(cp-1)·2E·b + (cp-1)·2E·b + cp·2E·a"
-    for name, ((forward, backward, kept), parts) in costs.items():
-        print0(f"  {name:<10} sends {forward:,} + {backward:,} = {terms[name]}")
-        held = " + ".join(f"{part} {n:,}" for part, n in parts.items())
-        print0(f"  {'':<10} keeps {kept:,} for the backward = {held}")
+    cp_demo.print_costs(costs, B * (T // cp) * C)  # E: one of K, V of T/cp tokens
 
 
 def demo_balance(args, group, device):
@@ -570,20 +585,6 @@ def demo_gpt(args, group, device):
     print0(f"  activations kept per rank {kept}")
 
 
-def add_arguments(parser):
-    add = parser.add_argument
-    add("--seq-len", type=int, default=64, help="T, divisible by 2cp")
-    add("--batch-size", type=int, default=2, help="B")
-    add("--heads", type=int, default=4, help="nh of the attention demo")
-    add("--head-size", type=int, default=8, help="hs of the attention demo")
-    add("--seed", type=int, default=1337, help="the same data on every rank")
-
-
-def check_args(args, cp: int):
-    """Before any rank starts: T must split into 2cp chunks."""
-    assert args.seq_len % (2 * cp) == 0, f"--seq-len {args.seq_len}: 2cp={2 * cp} ∤ T"
-
-
 def demo(args, rank, world_size, device):
     group = dist.new_group(list(range(world_size)))  # the CP group: every rank
     demo_attention(args, group, device)
@@ -592,7 +593,7 @@ def demo(args, rank, world_size, device):
 
 
 def main(argv=None):
-    run_on_ranks(demo, argv, __file__, __doc__, add_arguments, check_args)
+    run_on_ranks(demo, argv, __file__, __doc__, *cp_demo.ARGS)
 
 
 if __name__ == "__main__":

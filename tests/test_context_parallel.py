@@ -172,6 +172,24 @@ def test_ring_simulated_in_fp64_equals_sdpa(split):
         assert sent_b == [formula[1]] * cp, (cp, sent_b, formula)
 
 
+def test_query_tiles_equal_sdpa_in_fp64(monkeypatch):
+    """attend and attend_backward over several query tiles, the last one shorter: a
+    tile of 3 rows cuts cp 1's 16 queries into 3+3+3+3+3+1 and zigzag's half blocks of
+    4 (cp 2) into 3+1, so every tile boundary and the partial last tile run. Still
+    SDPA's output and gradients, to fp64's tolerance (close's comment)."""
+    monkeypatch.setattr(cp_lib, "QUERY_TILE", 3)
+    g = torch.Generator().manual_seed(1)
+    q, k, v, dout = (
+        torch.randn(B, 2, T, 4, dtype=torch.float64, generator=g) for _ in range(4)
+    )
+    out_want, grads_want = sdpa_reference(q, k, v, dout)
+    for cp in (1, 2, 4):
+        for split in SPLITS:
+            merged, *_ = simulate(cp, split, q, k, v, dout)
+            for name, got, want in zip(NAMES, merged, [out_want, *grads_want]):
+                close(got, want, f"tile 3, cp={cp} {split} {name}", fp64=True)
+
+
 def test_ring_in_bf16_accumulates_in_fp32():
     """What GPUs run: bf16 q, k, v and dO. The ring must equal fp32 SDPA on the same
     (bf16) inputs, rounded ONCE to bf16 at the end: its out and lse accumulators, its dq
