@@ -137,7 +137,7 @@ class Logger:
         if self.plan is not None:  # The run's first log lines: what 09 expects.
             mem = f"{self.plan.memory['total'] / 1e9:.2f} GB"
             tok_s = f"{self.plan.tokens_per_s:,.0f} tok/s"
-            what = f"peak memory {mem} (its fullest GPU), {tok_s}"
+            what = f"peak memory {mem} (its fullest rank), {tok_s}"
             print0(f"predicted by 09_plan.py ({self.plan.gpu}): {what}")
         elif plan is not None:
             print0(f"predicted by 09_plan.py: nothing ({plan})")
