@@ -2,10 +2,11 @@
 
     results = run_ranks(fn, world_size=2, *args)   # [fn(0, 2, *args), fn(1, 2, *args)]
 
-`fn(rank, world_size, *args, **kwargs)` must be a module-level function (it is pickled into
-freshly spawned processes). Each rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT on a free port) and, unless `init=False`, an initialised gloo default
-process group that is destroyed in `finally`.
+`fn(rank, world_size, *args, **kwargs)` must be a function of an importable module, not of
+a script's __main__ (it is pickled by name into freshly forked processes: see the zygote
+below). Each rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT on a free port) and, unless `init=False`, an initialised gloo default process
+group that is destroyed in `finally`.
 
 Failure handling, because a distributed test that hangs is worse than one that fails:
 - an exception on any rank fails the call with that rank's full traceback;
