@@ -10,22 +10,24 @@ control, with support/handles.py's retire() made to drop every handle at once (R
 
 Run:  python bench/bench_exit.py [--jobs 100] [--no-control]     (about 4 min per 100 jobs idle)
 
-The counts so far (moved here from tests/test_ddp.py, whose suite test is now 4 jobs without the
-busy processes: a plumbing check). Before the fix, with this setting (SWITCH_S=1.0, two busy
-processes), when the script alternated the naive and bucketed wrappers and both launched
-collectives in backward: 3 and 4 of 30 jobs aborted, 2, 9 and 11 of 40 with an earlier version,
-about 12% a job; without the busy processes it almost never showed (0 of 80). After the fix: 0
-of 150. Removing only the kept handles (weak hooks left) aborted 1 to 7 of 30. The naive wrapper
-all-reduces after backward, outside it, and cannot have the bug (30 naive-only jobs: 0).
-DataParallel with its handles dropped the moment they are waited (broken on purpose), on 2
-loaded cores: 3, 1, 5 and 0 of 30 jobs, then 2 and 1 of 30, about 6% a job; launched from hooks
-alone, 1 of 165. ZeRO-3 with its backward all-gathers dropped once waited: 1 of 30 and 3 of 45;
-the reduce-scatters dropped once waited: 1 of 212 ZeRO-2 and ZeRO-3 jobs; keeping only the last
-one until step(): 1 of 15 ZeRO-2 jobs in a CI run (2026-11-26). Every reduce-scatter kept a
-step: 0 of 90; kept to the zero_grad() after next: 0 of 60; 0 of 264 before those changes.
-Since 2026-11-27 the lessons hand every waited handle to support/handles.py's retire(): 0 of 60
-jobs aborted, and with retire() made a no-op (RETIRE=0, the control) 0 of 40 on that day's
-loaded 2-core machine: on this torch the abort did not reproduce at all.
+The counts so far (moved here from tests/test_ddp.py, whose suite test is now 4 jobs
+without the busy processes: a plumbing check). Before the fix, with this setting
+(SWITCH_S=1.0, two busy processes), when the script alternated the naive and bucketed
+wrappers and both launched collectives in backward: 3 and 4 of 30 jobs aborted, 2, 9 and
+11 of 40 with an earlier version, about 12% a job; without the busy processes it almost
+never showed (0 of 80). After the fix: 0 of 150. Removing only the kept handles (weak
+hooks left) aborted 1 to 7 of 30. The naive wrapper all-reduces after backward, outside
+it, and cannot have the bug (30 naive-only jobs: 0). DataParallel with its handles
+dropped the moment they are waited (broken on purpose), on 2 loaded cores: 3, 1, 5 and 0
+of 30 jobs, then 2 and 1 of 30, about 6% a job; launched from hooks alone, 1 of 165.
+ZeRO-3 with its backward all-gathers dropped once waited: 1 of 30 and 3 of 45; the
+reduce-scatters dropped once waited: 1 of 212 ZeRO-2 and ZeRO-3 jobs; keeping only the
+last one until step(): 1 of 15 ZeRO-2 jobs in a CI run (2026-11-26). Every reduce-
+scatter kept a step: 0 of 90; kept to the zero_grad() after next: 0 of 60; 0 of 264
+before those changes. Since 2026-11-27 the lessons hand every waited handle to
+support/handles.py's retire(): 0 of 60 jobs aborted, and with retire() made a no-op
+(RETIRE=0, the control) 0 of 40 on that day's loaded 2-core machine: on this torch the
+abort did not reproduce at all.
 """
 
 import argparse
