@@ -430,7 +430,8 @@ def train(run: Run) -> None:
             return
     if step >= start and saved != step:
         save(run, log, step)
-    if stop == cfg.max_steps and step >= start:
+    just_evaluated = cfg.eval_interval and step % cfg.eval_interval == 0  # In the loop.
+    if stop == cfg.max_steps and step >= start and not just_evaluated:
         with log.paused():
             val = evaluate(run, preempted)
         if val is None:

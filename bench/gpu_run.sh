@@ -11,7 +11,7 @@
 #
 # Needs a GPU with 48 GB or more (gpt2-medium at B = 32 peaks at 41 GiB); about 10 minutes on an
 # H200, whose speed the timeouts assume. It deletes /tmp/gpu_runs (train.py's run folders) first.
-# Read: every line of summary.txt says exit 0 (a timeout is 124), checks.log ends "6 of 6 checks
+# Read: every line of summary.txt says exit 0 (a timeout is 124), checks.log ends "8 of 8 checks
 # passed", compare.log says "bit-exact True" twice; the numbers are in the timing sections' logs.
 # PYTHON picks the interpreter (python3); PHASES=1 runs phase 1 alone (to try the script);
 # PHASES=speed runs only issue 31's measurements (speed_phase, below).
@@ -31,7 +31,8 @@ TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node=1)
 section() {  # section NAME TIMEOUT_S COMMAND...: run it, log its output and its exit code
     local name=$1 limit=$2 t0=$SECONDS rc
     shift 2
-    timeout "$limit" "$@" >"$W/$name.log" 2>&1
+    # -k: train.py takes SIGTERM as preemption (it saves, then exits): KILL 20 s later.
+    timeout -k 20 "$limit" "$@" >"$W/$name.log" 2>&1
     rc=$?
     echo "$name: exit $rc, $((SECONDS - t0)) s: $*" >>"$W/summary.txt"
 }
@@ -96,22 +97,30 @@ section env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton, tiktoken, nump
 print(torch.__version__, torch.version.cuda, torch.backends.cudnn.version(), triton.__version__, \
 tiktoken.__version__, numpy.__version__)'; nproc; free -g"
 
-speed_phase() {  # PHASES=speed: issue 31's numbers alone, most wanted first. Not run yet: each
-    # section compiles once (about a minute cold), so SPEED_MODELS=gpt2 (about 7 sections) and
-    # SPEED_MODELS=gpt2-medium may need a call each under a 10-minute limit. Carry
-    # data/stdlib-gpt2 and data/stdlib-bpe4096, or prepare them there (python 01_data.py,
-    # with and without --tokenizer gpt2). train.py against the lean step at the same
-    # micro-batch, with each loss.
+speed_phase() {  # PHASES=speed: issue 31's numbers (and 32's kernel timing) alone, the most
+    # wanted first. Not run yet: each train.py section compiles (about a minute cold), so the
+    # default SPEED_MODELS=gpt2 (8 sections) fits one 10-minute call; SPEED_MODELS=gpt2-medium
+    # is a second call (its micro-batch 64 needs about 80 GiB: run only on a GPU of 100 GiB
+    # or more). Carry data/stdlib-gpt2 and data/stdlib-bpe4096, or prepare them there
+    # (python 01_data.py, with and without --tokenizer gpt2). train.py against the lean step
+    # at the same micro-batch, with each loss.
     section checks 120 "$PY" bench/gpu_checks.py  # 7: no sync in plain steps; 8: the prefetch
+    section ring_kernel 120 "$PY" bench/bench_ring_kernel.py  # 08's blocks against SDPA
     pack
     local gpt2=(--data-dir data/stdlib-gpt2 --dtype bf16 --compile --max-steps 30 --warmup-steps 5
         --lr 6e-4 --log-interval 10 --eval-interval 0 --ckpt-interval 0 --sample-tokens 0)
-    local model micro loss
-    for model in ${SPEED_MODELS:-gpt2 gpt2-medium}; do
+    local gib model micro loss
+    gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    gib=$(( ${gib:-0} / 1024 ))
+    for model in ${SPEED_MODELS:-gpt2}; do
         section "lean_${model}_b32" 150 "$PY" bench/bench_compiled_step.py --presets "$model" \
             --batch-size 32
         pack
         for micro in 32 64; do
+            if [ "$model" != gpt2 ] && [ "$micro" = 64 ] && [ "$gib" -lt 100 ]; then
+                echo "${model}_64: skipped, ${gib} GiB < 100" >>"$W/summary.txt"
+                continue
+            fi
             for loss in plain chunked; do
                 section "train_${model}_${micro}_${loss}" 180 "$PY" train.py --model "$model" \
                     "${gpt2[@]}" --batch-size 64 --micro-batch-size "$micro" --loss "$loss" \
@@ -125,7 +134,6 @@ speed_phase() {  # PHASES=speed: issue 31's numbers alone, most wanted first. No
             --presets gpt2 --batch-size 64 && pack
         [ "$model" = gpt2 ] && section loss_bytes 150 "$PY" bench/bench_loss.py --measure 16,32 \
             && pack
-        [ "$model" = gpt2 ] && section ring_kernel 120 "$PY" bench/bench_ring_kernel.py && pack
     done
     section speed_table 30 "$PY" -c '
 import glob, json, os, statistics

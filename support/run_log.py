@@ -97,8 +97,9 @@ class Logger:
     recomputation redoes. `dtype_name` ("fp32", "bf16", "fp16") picks the GPU's peak.
     `grid` tells this rank (`.rank`) and the number of ranks (`.world`). `plan` is
     09's Plan of this run (logged beside the measured), or why there is none (a str).
-    Time spent inside `paused()` (evaluation, checkpoints) is left out of tokens/s, MFU
-    and the ETA: they measure the training steps.
+    Time spent inside `paused()` (evaluation, checkpoints) is left out of tokens/s and
+    MFU: they measure the training steps. The ETA keeps it (wall time per step so far):
+    evaluations and saves recur, and a job's time limit must cover them.
     """
 
     def __init__(
@@ -125,7 +126,6 @@ class Logger:
         self.t_start = time.perf_counter()
         self.t_last = self.t_start
         self.paused_since_row = 0.0  # Seconds paused since the last train row.
-        self.paused_total = 0.0  # Seconds paused since the start (the ETA's).
         self.step_start = start_step
         self.step_last = start_step - 1
         cuda = device.type == "cuda"
@@ -168,7 +168,7 @@ class Logger:
 
     @contextlib.contextmanager
     def paused(self):
-        """The time inside is left out of tokens/s and the ETA (evaluation, saves).
+        """The time inside is left out of tokens/s and MFU (evaluation, saves).
 
         On a GPU the steps' queued kernels are drained first (a sync, here only): they
         are the steps' time, which evaluation's .item() would otherwise wait out."""
@@ -178,9 +178,7 @@ class Logger:
         try:
             yield
         finally:
-            took = time.perf_counter() - began
-            self.paused_since_row += took
-            self.paused_total += took
+            self.paused_since_row += time.perf_counter() - began
 
     def peak_memory(self) -> int:
         """Bytes: the GPU's peak allocation, or on the CPU the peak RSS (Linux: KiB)."""
@@ -215,8 +213,8 @@ class Logger:
         util = gpus.mfu(tok_s, self.flops, self.world, self.peak)
         hw = gpus.mfu(tok_s, self.hw_flops, self.world, self.peak)
         mem = self.fullest_rank_memory()
-        trained = now - self.t_start - self.paused_total
-        per_step = trained / (step + 1 - self.step_start)
+        # The ETA keeps the pauses: evaluations and saves recur, spread over the steps.
+        per_step = (now - self.t_start) / (step + 1 - self.step_start)
         eta = per_step * (self.max_steps - step - 1)
         tokens = (step + 1) * self.tokens_per_step
         row = {"kind": "train", "step": step, **stats, "tokens": tokens}
