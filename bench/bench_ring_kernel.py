@@ -6,17 +6,27 @@ merge blocks exactly. At cp = 1 the ring is one causal block, so its forward and
 backward time and peak memory against F.scaled_dot_product_attention(is_causal=True)
 (a flash kernel in bf16 on a GPU) is the price of computing blocks by hand. Both run
 the same (B, nh, T, hs) queries, keys and values; the outputs are compared first.
+08 runs twice: tiled (QUERY_TILE query rows at a time, 08's default 1,024, or --tile)
+and untiled (one tile of all T rows, as 08 computed blocks before it tiled them).
 
     python bench/bench_ring_kernel.py                     # a CPU: small shapes, fp32
+    python bench/bench_ring_kernel.py --seq-lens 4096 --heads 4 --batch-size 1 --steps 2
     python bench/bench_ring_kernel.py --seq-lens 1024,4096 --batch-size 8   # a GPU, bf16
 
-Peak memory is the step's: torch.cuda.max_memory_allocated less what was held before
-(GPU only). Not run on a GPU yet (no GPU on the development VMs).
+Peak memory is the step's (forward + backward) above what was held before it. On a GPU:
+torch.cuda.max_memory_allocated. On a CPU, each variant runs once more in a fresh
+process with MALLOC_MMAP_THRESHOLD_ fixed at 64 KiB (so glibc maps every tensor and
+unmaps it when freed): the peak RSS (VmHWM) less the RSS before the step. Printed
+beside the formula of the block's transient scores, B nh rows T x 20 bytes (rows = T
+untiled, the tile when tiled; ~20 bytes a score at the backward's peak: s, p, dp and dS
+in fp32 and one more temporary). Not run on a GPU yet (no GPU on the development VMs).
 """
 
 import argparse
 import importlib
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,6 +82,58 @@ def step_time(fn, q, k, v, dout, steps: int):
     return statistics.median(times), peak
 
 
+def inputs(args, T: int, device, dtype):
+    """The same q, k, v (leaves) and dO for every variant: seeded."""
+    shape = (args.batch_size, args.heads, T, args.head_size)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    return q, k, v, torch.randn(shape, device=device, dtype=dtype)
+
+
+def variants(T: int, tile: int) -> dict:
+    """name -> (function, 08's QUERY_TILE while it runs)."""
+    tiled = f"08 tile {min(tile, T)}"
+    return {
+        "SDPA": (sdpa, tile),
+        "08 untiled": (ring_at_cp1, T),
+        tiled: (ring_at_cp1, tile),
+    }
+
+
+def status_bytes(key: str) -> int:
+    """VmRSS (resident now) or VmHWM (its high-water mark) of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(key))
+    return int(line.split()[1]) * 1024  # kB
+
+
+def measure_one(args) -> None:
+    """In a fresh process: one forward + backward of one variant; prints the peak RSS
+    above the RSS before it, in bytes. Writing 5 to /proc/self/clear_refs resets the
+    high-water mark to the RSS now (Linux 4.0+), so imports' peaks do not count."""
+    T = args.seq_lens
+    fn, tile = list(variants(T, args.tile).values())[args.measure_one]
+    cp_lib.QUERY_TILE = tile
+    q, k, v, dout = inputs(args, T, torch.device("cpu"), torch.float32)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status_bytes("VmRSS")
+    fn(q, k, v).backward(dout)
+    print(status_bytes("VmHWM") - before)
+
+
+def cpu_peak(args, T: int, index: int) -> int:
+    """measure_one's bytes, for variant `index` at T, from a fresh process."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(64 * 1024))
+    cmd = [sys.executable, __file__, "--seq-lens", str(T), "--tile", str(args.tile)]
+    cmd += ["--batch-size", str(args.batch_size), "--heads", str(args.heads)]
+    cmd += ["--head-size", str(args.head_size), "--measure-one", str(index)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     cuda = torch.cuda.is_available()
@@ -80,29 +142,42 @@ def main(argv=None) -> None:
     parser.add_argument("--heads", type=int, default=12, help="GPT-2 124M's")
     parser.add_argument("--head-size", type=int, default=64, help="GPT-2 124M's")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tile", type=int, default=cp_lib.QUERY_TILE, help="08's")
+    parser.add_argument("--measure-one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.measure_one is not None:
+        args.seq_lens = int(args.seq_lens)
+        return measure_one(args)
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     print(f"{device} ({torch.cuda.get_device_name() if cuda else 'CPU'}), {dtype}")
+    B = args.batch_size
+    nh = args.heads
+    print(
+        f"B={B} nh={nh} hs={args.head_size}; peak: measured | formula B nh rows T 20 B"
+    )
     for T in (int(t) for t in args.seq_lens.split(",")):
-        shape = (args.batch_size, args.heads, T, args.head_size)
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
-        for t in (q, k, v):
-            t.requires_grad_(True)
-        dout = torch.randn(shape, device=device, dtype=dtype)
+        q, k, v, dout = inputs(args, T, device, dtype)
         # bf16 inputs: both round their output to bf16 (8 bits of mantissa), so 2e-2.
         tol = dict(rtol=2e-2, atol=2e-2) if cuda else dict(rtol=1e-4, atol=1e-5)
-        with torch.no_grad():
-            torch.testing.assert_close(ring_at_cp1(q, k, v), sdpa(q, k, v), **tol)
-        ring_s, ring_peak = step_time(ring_at_cp1, q, k, v, dout, args.steps)
-        sdpa_s, sdpa_peak = step_time(sdpa, q, k, v, dout, args.steps)
-        row = f"B={args.batch_size} nh={args.heads} T={T:>5} hs={args.head_size}: "
-        row += f"SDPA {1e3 * sdpa_s:8.2f} ms, 08's blocks {1e3 * ring_s:8.2f} ms "
-        row += f"({ring_s / sdpa_s:.1f}x)"
-        if cuda:
-            row += f"; peak {sdpa_peak / 2**20:,.0f} vs {ring_peak / 2**20:,.0f} MiB"
-        print(row)
+        results = {}
+        for i, (name, (fn, tile)) in enumerate(variants(T, args.tile).items()):
+            cp_lib.QUERY_TILE = tile
+            with torch.no_grad():
+                torch.testing.assert_close(fn(q, k, v), sdpa(q, k, v), **tol)
+            seconds, peak = step_time(fn, q, k, v, dout, args.steps)
+            results[name] = (seconds, peak if cuda else cpu_peak(args, T, i))
+        sdpa_s = results["SDPA"][0]
+        for name, (seconds, peak) in results.items():
+            row = f"  T={T:>5} {name:<13} {1e3 * seconds:9.2f} ms"
+            row += f" ({seconds / sdpa_s:4.1f}x SDPA), peak {peak / 2**20:8,.1f} MiB"
+            if name != "SDPA":
+                rows = min(args.tile, T) if "tile " in name else T
+                formula = B * nh * rows * T * 20
+                row += f" | {formula / 2**20:8,.1f} MiB"
+                above = peak - results["SDPA"][1]  # q, k, v, O and grads held by both
+                row += f" ({above / (B * nh * rows * T):.1f} B a score above SDPA's)"
+            print(row)
 
 
 if __name__ == "__main__":
