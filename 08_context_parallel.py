@@ -10,7 +10,7 @@ The simple version (AllGatherAttention) all-gathers every rank's K and V, attend
 queries to all T keys and reduce-scatters dK, dV to their owners. Its forward sends what
 the ring's does, (cp-1) 2E b (E, b and a below), its backward (cp-1) 2E a. But each rank
 holds K and V of all T tokens (kept in every layer until the backward) and a (T/cp x T)
-score matrix, and no attention starts before the all-gather ends. The ring (Liu et al.
+mask, and no attention starts before the all-gather ends. The ring (Liu et al.
 2023, arXiv 2310.01889) keeps the queries at home and passes K and V around the ranks:
 a rank holds K, V and scores of T/cp tokens at a time, and each transfer hides behind a
 block's compute; its backward sends K and V again. The demo prints both versions' costs.
