@@ -140,20 +140,21 @@ QUERY_TILE = 1024
 
 
 def attend(q, k, v, mask=None):
-    """One block in fp32 (fp64 stays): queries (B, nh, n_q, hs) against keys and values
-    (B, nh, n_k, hs) -> out (B, nh, n_q, hs) and lse (B, nh, n_q). mask (n_q, n_k),
-    True where a query sees a key; every query must see at least one key."""
+    """One block in fp32 (fp64 stays; autocast off: a bf16 lse would break the backward):
+    q (B, nh, n_q, hs), k, v (B, nh, n_k, hs) -> out (B, nh, n_q, hs), lse (B, nh, n_q).
+    mask (n_q, n_k): True where a query sees a key; each query sees at least one key."""
     dtype = torch.promote_types(q.dtype, torch.float32)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     out = torch.empty((*q.shape[:-1], v.size(-1)), dtype=dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=dtype, device=q.device)
     for start in range(0, q.size(-2), QUERY_TILE):
         rows = slice(start, start + QUERY_TILE)  # the last tile may be shorter
-        s = q[..., rows, :] @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-        if mask is not None:
-            s = s.masked_fill(~mask[rows], -math.inf)  # (B, nh, tile, n_k)
-        lse[..., rows] = torch.logsumexp(s, dim=-1)
-        out[..., rows, :] = torch.exp(s - lse[..., rows].unsqueeze(-1)) @ v
+        with torch.autocast(q.device.type, enabled=False):
+            s = q[..., rows, :] @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+            if mask is not None:
+                s = s.masked_fill(~mask[rows], -math.inf)  # (B, nh, tile, n_k)
+            lse[..., rows] = torch.logsumexp(s, dim=-1)
+            out[..., rows, :] = torch.exp(s - lse[..., rows].unsqueeze(-1)) @ v
     return out, lse
 
 
@@ -569,9 +570,8 @@ def demo_gpt(args, group, device):
         diffs = {"logits": (whole - logits_full).abs().max()}
         diffs["loss"] = (total - loss_full).abs()
         want = dict(full.named_parameters())
-        gaps = [
-            (p.grad - want[n].grad).abs().max() for n, p in model.named_parameters()
-        ]
+        named = model.named_parameters()
+        gaps = [(p.grad - want[n].grad).abs().max() for n, p in named]
         diffs["every gradient"] = max(gaps)
         worst = sharding.equal_over_ranks(diffs, group, "the CP GPT")
         print0(f"  {case}: loss {total.item():.4f}, one process {loss_full.item():.4f}")

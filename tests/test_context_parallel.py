@@ -172,6 +172,22 @@ def test_ring_simulated_in_fp64_equals_sdpa(split):
         assert sent_b == [formula[1]] * cp, (cp, sent_b, formula)
 
 
+def test_blocks_stay_fp32_under_bf16_autocast():
+    """train.py runs the forward under bf16 autocast, the backward outside it. The blocks
+    must still compute their scores and lse in fp32: under autocast the forward's out and
+    lse equal the ones without it, bit for bit (the same fp32 ops). Were the scores
+    rounded to bf16 (8 bits of mantissa), the lse would be off by ~1e-2 and the backward's
+    p = exp(s - lse), recomputed in fp32, would not sum to 1 per row."""
+    torch.manual_seed(0)
+    q, k, v = (4 * torch.randn(2, 3, 16, 8).bfloat16() for _ in range(3))
+    want = cp_lib.ring_forward(q, k, v, 0, 1, "zigzag", None)  # cp 1: one causal block
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = cp_lib.ring_forward(q, k, v, 0, 1, "zigzag", None)
+    assert got[1].dtype == torch.float32
+    for name, a, b in zip(("out", "lse"), got, want):
+        assert torch.equal(a, b), f"{name} changed under autocast"
+
+
 def test_query_tiles_equal_sdpa_in_fp64(monkeypatch):
     """attend and attend_backward over several query tiles, the last one shorter: a
     tile of 3 rows cuts cp 1's 16 queries into 3+3+3+3+3+1 and zigzag's half blocks of

@@ -246,9 +246,15 @@ def test_dp2_cp2_tp2_with_sequence_parallelism_on_8_ranks_equals_one_process(
 
 
 def _compiled(rank, world, *args):
-    """_layouts, and the graphs dynamo compiled in this rank (0 if nothing compiled)."""
+    """_layouts, and the graphs dynamo compiled in this rank (0 if nothing compiled).
+    Each frame may compile twice (training, and evaluation's no_grad); a third compile
+    fails the run: a ring traced by dynamo recompiled up to its limit of 8."""
+    import torch._dynamo  # Imported here: only this test needs it.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.config.recompile_limit = 2
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     out = _layouts(rank, world, *args)
-    from torch._dynamo.utils import counters  # Imported here: only this test needs it.
 
     return out, counters["stats"]["unique_graphs"]
 
