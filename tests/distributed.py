@@ -19,8 +19,9 @@ Failure handling, because a distributed test that hangs is worse than one that f
 Results travel back through `torch.save` files rather than a multiprocessing queue: a tensor in a
 queue is shared memory owned by the child, which dies before the parent reads it.
 
-Ranks are forked from a zygote: one helper interpreter per test session (`python -m
-tests.distributed`) that imports torch once and forks each rank from there. A spawned rank spent
+Ranks are forked from zygotes: helper interpreters (`python -m tests.distributed`), one per rank
+index, started once per test session with their own PYTHONHASHSEED (string hashes, and so set
+orders, differ across ranks as under torchrun), that import torch once and fork ranks. A spawned rank spent
 3-6 s of CPU importing torch (and torch._dynamo, which torch.optim's first use imports); at 2 to
 8 ranks a world on 2 cores that was most of a small world's time. A forked rank runs the same
 _worker, then leaves with sys.exit, unwinding to the zygote's top level, so it exits through the
@@ -35,6 +36,7 @@ import contextlib
 import gc
 import os
 import pickle
+import random
 import select
 import signal
 import socket
@@ -150,7 +152,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, init: bool = T
         with open(Path(out_dir) / "job.pkl", "wb") as f:
             pickle.dump(where, f)  # read first: the job's functions may need the path
             pickle.dump(job, f)
-        procs = _Zygote.get().fork(out_dir, world_size)
+        procs = _Zygote.fork(out_dir, world_size)
         try:
             timed_out = _wait(procs, out_dir, timeout)
         finally:
@@ -186,27 +188,32 @@ class _Rank:
 
 
 class _Zygote:
-    """The helper interpreter that forks ranks: started once, fed one line (a job folder) per
-    world on its stdin; it writes rank{r}.pid for each fork, then rank{r}.exit once reaped."""
+    """The helper interpreters that fork ranks, one per rank index, each started once with its
+    own PYTHONHASHSEED: ranks hash strings differently, as torchrun's fresh interpreters do,
+    so a collective issued in a set's iteration order still disagrees across ranks here.
+    Each is fed one line (a job folder) per world on its stdin; it writes rank{r}.pid for its
+    fork, then rank{r}.exit once reaped."""
 
-    proc = None
+    procs = {}  # rank index -> its zygote's Popen
 
     @classmethod
-    def get(cls) -> _Zygote:
-        if cls.proc is None or cls.proc.poll() is not None:
-            root = Path(__file__).resolve().parents[1]
-            argv = [sys.executable, "-m", "tests.distributed"]
-            cls.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, cwd=root)
-        return cls()
-
-    def fork(self, out_dir: str, world_size: int) -> list:
-        self.proc.stdin.write(f"{world_size} {out_dir}\n".encode())
-        self.proc.stdin.flush()
+    def fork(cls, out_dir: str, world_size: int) -> list:
+        for rank in range(world_size):
+            proc = cls.procs.get(rank)
+            if proc is None or proc.poll() is not None:
+                root = Path(__file__).resolve().parents[1]
+                argv = [sys.executable, "-m", "tests.distributed"]
+                env = dict(os.environ, PYTHONHASHSEED=str(random.randrange(1, 2**32)))
+                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, cwd=root, env=env)
+                cls.procs[rank] = proc
+            proc.stdin.write(f"{rank} {out_dir}\n".encode())
+            proc.stdin.flush()
         pids = [Path(out_dir) / f"rank{r}.pid" for r in range(world_size)]
-        deadline = time.monotonic() + 120  # the zygote's first imports, on a loaded machine
+        deadline = time.monotonic() + 120  # the zygotes' first imports, on a loaded machine
         while not all(p.exists() for p in pids):
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RankError(f"the zygote forked no ranks (exit {self.proc.poll()})")
+            dead = [r for r in range(world_size) if cls.procs[r].poll() is not None]
+            if time.monotonic() > deadline or dead:
+                raise RankError(f"the zygotes of ranks {dead or 'all'} forked no rank")
             time.sleep(0.02)
         return [_Rank(out_dir, r, int(p.read_text())) for r, p in enumerate(pids)]
 
@@ -219,7 +226,7 @@ def _write(path: Path, text: str) -> None:
 
 
 def _serve() -> None:
-    """The zygote's loop: fork the ranks of each job named on stdin, reap the ones that exit.
+    """The zygote's loop: fork the rank of each job named on stdin, reap the ones that exit.
     A forked rank returns from here only by raising SystemExit (see _rank)."""
     children = {}
     lines = b""
@@ -232,13 +239,13 @@ def _serve() -> None:
             lines += chunk
         while b"\n" in lines:
             line, lines = lines.split(b"\n", 1)
-            world_size, out_dir = line.decode().split(" ", 1)
-            for rank in range(int(world_size)):
-                pid = os.fork()
-                if pid == 0:
-                    _rank(out_dir, rank)
-                children[pid] = Path(out_dir) / f"rank{rank}.exit"
-                _write(Path(out_dir) / f"rank{rank}.pid", str(pid))
+            rank, out_dir = line.decode().split(" ", 1)
+            rank = int(rank)
+            pid = os.fork()
+            if pid == 0:
+                _rank(out_dir, rank)
+            children[pid] = Path(out_dir) / f"rank{rank}.exit"
+            _write(Path(out_dir) / f"rank{rank}.pid", str(pid))
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:

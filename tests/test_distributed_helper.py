@@ -16,7 +16,7 @@ from tests.distributed import RankError, run_ranks
 def _sum_of_ranks(rank, world_size, scale):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)  # 0 + 1 + ... + (N-1) = N(N-1)/2 on every rank
-    return rank, world_size, scale * t.item()
+    return rank, world_size, scale * t.item(), hash("the same string")
 
 
 def _rank1_raises(rank, world_size):
@@ -41,7 +41,13 @@ def _rank1_aborts_at_exit(rank, world_size):
 def test_returns_each_ranks_result(world_size):
     expected_sum = world_size * (world_size - 1) / 2
     results = run_ranks(_sum_of_ranks, world_size, 10.0)
-    assert results == [(r, world_size, 10.0 * expected_sum) for r in range(world_size)]
+    got = [result[:3] for result in results]
+    assert got == [(r, world_size, 10.0 * expected_sum) for r in range(world_size)]
+    # Each rank hashes strings its own way, as torchrun's interpreters do (their own
+    # random hash seeds), so a set iterated in a collective's order differs across ranks
+    # here too; forked from one interpreter, they would all agree.
+    hashes = [result[3] for result in results]
+    assert len(set(hashes)) == world_size, f"ranks share a string hash: {hashes}"
 
 
 def test_a_failing_rank_fails_with_its_traceback():
