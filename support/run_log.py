@@ -5,10 +5,10 @@ row), lr, grad_norm (and comm_bytes with dp > 1; with fp16, skipped: whether the
 scaler skipped the step, and a skipped step always gets a row),
 tokens seen, tokens/s (all ranks and per rank; the time of the steps alone, without
 evaluation and checkpoints: Logger.paused), MFU and HFU (support/gpus.py), peak memory
-(the GPU's allocator, or the CPU's peak RSS; the MAX over all ranks, the fullest GPU, as
-09 predicts it) and the ETA (from the steps' time too); beside them 09's
-prediction of this run, predicted_tokens_per_s and predicted_peak_mem_gb (its fullest
-GPU), so every run checks the planner. A val row: step, val_loss, tokens. The model's
+(the GPU's allocator, or the CPU's peak RSS; the MAX over all ranks, the fullest rank, as
+09 predicts it) and the ETA (wall time per step so far, evaluations and saves included);
+beside them 09's prediction of this run, predicted_tokens_per_s and predicted_peak_mem_gb
+(its fullest rank), so every run checks the planner. A val row: step, val_loss, tokens. The model's
 FLOPs per token come from train.py, which knows the model; 09's plan_run comes from it
 too, as does --plan's (plan_text).
 """

@@ -1,4 +1,4 @@
-"""The house rules of DESIGN §2, checked on the source: who imports whom, the line budgets,
+"""The house rules, checked on the source: who imports whom, the line budgets,
 and the reader's density (long lines, packed assignments, formatter switches).
 
 Each rule fails when broken: import 07 from 03, add 40 lines of 100 characters to 02, or

@@ -303,7 +303,7 @@ def test_plan_predicts_the_h200_runs_within_10_percent(
     preset, batch, tokens_per_s, peak_gib
 ):
     p = h200_plan(preset, batch)
-    # 10%: DESIGN §8's target for runs the planner was not calibrated on.
+    # 10%: the project's target for runs the planner was not calibrated on.
     assert abs(p.tokens_per_s / tokens_per_s - 1) <= 0.10, p.tokens_per_s
     assert abs(p.memory["total"] / 2**30 / peak_gib - 1) <= 0.10, p.memory["total"]
 

@@ -292,10 +292,10 @@ def test_a_pause_on_a_gpu_drains_the_steps_kernels_before_it_reads_the_clock(mon
 
 
 # ---------------------------------------------------------------------------------------------
-# The grid's names (DESIGN §4)
+# The grid's names (the ones every file uses)
 # ---------------------------------------------------------------------------------------------
 def test_the_grid_answers_to_design_s_names():
-    """The sizes by their DESIGN names, and which stage a rank holds."""
+    """The sizes by the grid's common names, and which stage a rank holds."""
     grid = Grid(rank=5, world=8, dp=2, tp=2, pp=2, pp_rank=1, dp_rank=0, tp_rank=1)
     sizes = (grid.world_size, grid.dp_size, grid.tp_size, grid.pp_size, grid.cp_size)
     assert sizes == (8, 2, 2, 2, 1)
