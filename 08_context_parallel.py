@@ -229,8 +229,7 @@ class AllGatherAttention(torch.autograd.Function):
 
 
 def allgather_attention(q, k, v, group, split="zigzag"):
-    """Causal attention of this rank's (B, nh, T/cp, hs) q, k, v over the CP group,
-    with the whole sequence's K and V gathered on every rank."""
+    """Causal attention over the CP group, the whole sequence's K and V gathered."""
     return AllGatherAttention.apply(q, k, v, group, split)  # split_sequence checks it
 
 
@@ -349,7 +348,6 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-@torch.compiler.disable  # Eager, one graph break a layer (traced, it recompiled 8 times).
 def ring_attention(q, k, v, group, split="zigzag"):
     """allgather_attention's result, with K and V passed around the ring instead."""
     assert split in SPLITS, f"split must be one of {SPLITS}, got {split!r}"
@@ -398,13 +396,15 @@ class ContextParallelAttention(nn.Module):
         self.head_dim = attn.head_dim
         self.group = group
         self.split = split
+        # torch.compile leaves the ring eager; wrapped here, not at import (~3 s a process).
+        self.ring = torch.compiler.disable(ring_attention)
 
     def forward(self, x):  # (B, T/cp, C) this rank's tokens ((B, T/cp/tp, C) with SP)
         qkv = self.c_attn(x)  # (B, T/cp, 3C), or (B, T/cp, 3C/tp) under TP
         B, n, _ = qkv.shape
         heads = (t.view(B, n, -1, self.head_dim) for t in qkv.chunk(3, dim=-1))
         q, k, v = (t.transpose(1, 2) for t in heads)  # 3 x (B, nh, T/cp, hs)
-        y = ring_attention(q, k, v, self.group, self.split)
+        y = self.ring(q, k, v, self.group, self.split)
         y = y.transpose(1, 2).reshape(B, n, -1)  # (B, T/cp, C)
         return self.resid_dropout(self.c_proj(y))
 

@@ -7,6 +7,8 @@ write `a, b = 1, 2` in a lesson, and the matching test goes red.
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,14 @@ def test_the_density_check_can_fail(tmp_path):
     packed.write_text("a, b = 1, 2\n" + "x = 1  # " + "y" * 90 + "\n")
     problems = density_problems(packed)
     assert any("packed" in p for p in problems) and any("over 88" in p for p in problems)
+
+
+def test_importing_every_lesson_leaves_torch_dynamo_out():
+    """torch._dynamo adds ~3.4 s to each process that imports it (train.py took 7.1 s to
+    import with it, 4.0 s without, on a 2-core VM): every rank of every demo and run pays.
+    Only torch.compile and 08's ring, once CP is applied, import it. Decorate a function
+    of any lesson with @torch.compiler.disable and this goes red."""
+    code = "import sys, train; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
