@@ -20,13 +20,22 @@ import torch.distributed as dist
 from support import run_log
 from tests import test_train
 from tests.distributed import run_ranks
-from tests.test_train import BASE, _straight_and_resumed, assert_same_curve, metrics
+from tests.test_train import (
+    BASE,
+    COMPRESSED,
+    _straight_and_resumed,
+    assert_same_curve,
+    check_compressed,
+    metrics,
+)
 
 train = importlib.import_module("train")
 data_dir = (
     test_train.data_dir
 )  # The fixture: a small char-level corpus, made once here.
 TOKENS_PER_STEP = 8 * 32  # BASE's batch: 8 sequences of 32 tokens
+# test_train's fp16 and PowerSGD runs, their hooks over the CP ranks, not --dp 2's.
+CP_COMPRESSED = [(name.replace("dp2", "cp2"), flags[4:]) for name, flags in COMPRESSED]
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +168,9 @@ def test_cp2_alone_trains_evaluates_resumes_and_exports_as_one_process(
 ):
     """cp 2 with 1 and 4 microbatches, with ZeRO-1 and ZeRO-3 sharding over the 2 CP
     ranks (dp 1: the DP x CP group is the CP ranks), with selective and full
-    recomputation (the ring run again in the backward), and with 06's chunked loss
-    (lm_head + loss by chunks of each rank's T/cp tokens); the gradient-averaging group
+    recomputation (the ring run again in the backward), with 06's chunked loss
+    (lm_head + loss by chunks of each rank's T/cp tokens), and with 03's fp16 and
+    PowerSGD hooks over the CP ranks (test_train's bytes and tolerances); the group
     the runs used holds both CP ranks; model.pt equals one process's; 3 steps, --resume,
     3 more: bit for bit."""
     cp2 = ["--cp", "2"]
@@ -173,12 +183,16 @@ def test_cp2_alone_trains_evaluates_resumes_and_exports_as_one_process(
         ("cp2-selective", mb4 + ["--recompute", "selective"]),
         ("cp2-full", mb4 + ["--recompute", "full"]),
         ("cp2-chunked", mb4 + ["--loss", "chunked"]),
+        *[(name, mb4 + flags) for name, flags in CP_COMPRESSED],
     ]
     ranks = run_ranks(_layouts, 2, data_dir, str(tmp_path), configs, mb4, timeout=300)
     out, resumed = ranks[0]
     for i, (name, _) in enumerate(configs):
         (got, val), _ = out[i]
-        check_layout(name, got, val, one_process)
+        if name in dict(CP_COMPRESSED):  # 03's hooks: their bytes, near one process
+            check_compressed(name, got, metrics(one_process), out[0][0][0], data_dir)
+        else:
+            check_layout(name, got, val, one_process)
         check_groups(name, [r[0][i][1] for r in ranks], CP2)
         # Once a microbatch: 4 steps of 2, then the final evaluation's batch in 2.
         chunked = 4 * 2 + 2 if name == "cp2-chunked" else 0
