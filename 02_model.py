@@ -71,6 +71,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from support.meta import shapes_only
+
 DEMO_CORPUS = Path(__file__).resolve().parent / "support" / "demo_corpus.txt"
 
 
@@ -397,7 +399,7 @@ def count_params(config: GPTConfig, non_embedding: bool = False) -> int:
     device. Per block 12C² weights (c_attn C x 3C, attn.c_proj C x C, c_fc C x 4C,
     mlp.c_proj 4C x C) and 13C biases and gains. GPT-2:
     12·(12·768² + 13·768) + (50257 + 1024 + 2)·768 = 124,439,808."""
-    with torch.device("meta"):
+    with shapes_only():  # the meta device: shapes, no memory, nothing drawn
         return GPT(config).num_params(non_embedding)
 
 

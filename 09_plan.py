@@ -58,11 +58,10 @@ import importlib
 import math
 import sys
 
-import torch
-
 from support import plan_report
 from support.gpu_specs import CALIBRATION, GPUS, SELECTIVE_SLOWDOWN, get_gpu
 from support.gpus import recompute_flops_per_token
+from support.meta import shapes_only
 from support.plan_report import Layout, Plan, layouts
 from support.run import adamw_groups
 from support.sharding import comm_formula, tp_layout
@@ -122,18 +121,11 @@ def calibrate(dtype: str, gpu: str) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------ model states per rank
-class _Shapes(model_lib.GPT):
-    """02's GPT with its tensors' shapes only: on the meta device nothing is drawn."""
-
-    def _init_weights(self):
-        pass
-
-
 @functools.lru_cache(maxsize=8)
 def _meta_gpt(config_items: tuple, lora_rank: int):
     """02's GPT on the meta device (no memory), LoRA-wrapped if asked."""
-    with torch.device("meta"):
-        model = _Shapes(model_lib.GPTConfig(**dict(config_items)))
+    with shapes_only():  # support/meta.py: shapes only, nothing drawn
+        model = model_lib.GPT(model_lib.GPTConfig(**dict(config_items)))
         if lora_rank:
             model_lib.apply_lora(model, lora_rank, alpha=16.0)
     return model

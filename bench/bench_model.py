@@ -35,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
 model_lib = importlib.import_module("02_model")
 gpus = importlib.import_module("support.gpus")
+shapes_only = importlib.import_module("support.meta").shapes_only
 GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
 
 
@@ -113,7 +114,7 @@ def print_presets():
           f"{'non-embedding':>15} {'FLOPs/token':>15} {'attention':>9}")  # fmt: skip
     for name in model_lib.PRESETS:
         config = GPTConfig.from_preset(name)
-        with torch.device("meta"):  # real modules, no memory
+        with shapes_only():  # real modules, no memory
             model = GPT(config)
         n, n_ne = model.num_params(), model.num_params(non_embedding=True)
         assert (n, n_ne) == (model_lib.count_params(config), model_lib.count_params(config, True))

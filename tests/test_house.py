@@ -95,12 +95,23 @@ def test_the_density_check_can_fail(tmp_path):
     assert any("packed" in p for p in problems) and any("over 88" in p for p in problems)
 
 
-def test_importing_every_lesson_leaves_torch_dynamo_out():
-    """torch._dynamo adds ~3.4 s to each process that imports it (train.py took 7.1 s to
+PLAN_A_RUN = """
+import sys, train
+config = train.model_lib.GPTConfig.from_preset("gpt2")
+train.model_lib.count_params(config)
+train.plan_lib.model_state_bytes(config, train.plan_lib.Layout(dp=2, zero=1), lora_rank=4)
+print("torch._dynamo" in sys.modules)
+"""
+
+
+def test_importing_and_counting_leave_torch_dynamo_out():
+    """torch._dynamo adds ~3 s to each process that imports it (train.py took 7.1 s to
     import with it, 4.0 s without, on a 2-core VM): every rank of every demo and run pays.
     Only torch.compile and 08's ring, once CP is applied, import it. Decorate a function
-    of any lesson with @torch.compiler.disable and this goes red."""
-    code = "import sys, train; print('torch._dynamo' in sys.modules)"
+    of any lesson with @torch.compiler.disable, or count 02's parameters on the meta
+    device without support/meta.py's shapes_only (as every train.py run and plan does),
+    and this goes red."""
+    code = PLAN_A_RUN
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.stdout.strip() == "False", done.stdout + done.stderr
