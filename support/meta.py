@@ -5,9 +5,10 @@ On the meta device a tensor has a shape and no memory, so even GPT-2 XL costs no
 
 subtle: drawing a meta tensor's values, as nn.init.normal_ does (nn.Embedding's own init and
 02's GPT-2 init), runs torch's Python reference for normal_, whose first call imports
-torch._dynamo: 2.5 s on a 2-core VM, paid once by every process that counted parameters,
-which is every train.py run. A shape needs no values, so inside shapes_only() normal_ draws
-nothing. (uniform_, nn.Linear's init, has a compiled meta kernel and costs nothing.)
+torch._dynamo: 2.5 s on a 2-core VM, in `python 09_plan.py` and `train.py --plan`, which
+build no optimizer (torch.optim's optimizers import it when built). A shape needs no values,
+so inside shapes_only() normal_ draws nothing. (uniform_, nn.Linear's init, has a compiled
+meta kernel and costs nothing.)
 """
 
 import contextlib

@@ -106,11 +106,11 @@ print("torch._dynamo" in sys.modules)
 
 def test_importing_and_counting_leave_torch_dynamo_out():
     """torch._dynamo adds ~3 s to each process that imports it (train.py took 7.1 s to
-    import with it, 4.0 s without, on a 2-core VM): every rank of every demo and run pays.
-    Only torch.compile and 08's ring, once CP is applied, import it. Decorate a function
-    of any lesson with @torch.compiler.disable, or count 02's parameters on the meta
-    device without support/meta.py's shapes_only (as every train.py run and plan does),
-    and this goes red."""
+    import with it, 4.0 s without, on a 2-core VM). torch.optim's optimizers import it
+    when built, torch.compile and 08's ring (once CP is applied) too; nothing else should,
+    so that --help, --plan, --sample, 09 and 08's demo ranks start without it. Decorate a
+    function of any lesson with @torch.compiler.disable, or count 02's parameters on the
+    meta device without support/meta.py's shapes_only, and this goes red."""
     code = PLAN_A_RUN
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
