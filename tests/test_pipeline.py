@@ -459,7 +459,7 @@ def _compute_dtype(rank, p):
     for name in ("fp32 travel", "bf16 travel"):
         sent = []
 
-        def counting(ops):
+        def counting(ops, sent=sent):
             sent.extend(o.tensor.nbytes for o in ops if o.op is dist.isend)
             return real(ops)
 
@@ -539,7 +539,7 @@ def test_bf16_activations_travel_in_bf16_at_half_the_bytes_and_equal_fp32_travel
         for name, g in fp32["grads"].items():
             scale = g.abs().max().item()
             torch.testing.assert_close(bf16["grads"][name], g, rtol=0, atol=2e-2 * scale,
-                                       msg=lambda m, n=name: f"rank {rank} {n}: {m}")  # fmt: skip
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")  # fmt: skip
 
 
 @pytest.mark.parametrize("p", [2, 4])
