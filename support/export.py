@@ -47,7 +47,9 @@ def read_model(ckpt, merge) -> tuple[dict, dict]:
     full = {}
     for p in range(meta["pp"]):
         files = [ckpt / shard_name(p * dp * cp * tp + t) for t in range(tp)]
-        shards = [torch.load(f, "cpu", weights_only=True)["model"] for f in files]
+        # mmap: only the model's bytes are read, not the optimizer's beside them.
+        shards = [torch.load(f, "cpu", weights_only=True, mmap=True) for f in files]
+        shards = [shard["model"] for shard in shards]
         for chunk_states in zip(*shards):  # The stage's chunks, each split over TP.
             full.update(merge(chunk_states))
     return meta, full

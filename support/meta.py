@@ -12,8 +12,13 @@ meta kernel and costs nothing.)
 """
 
 import contextlib
+import threading
 
 import torch
+
+# Held while normal_ is replaced: two threads building at once would otherwise restore
+# out of order and leave it replaced (every later GPT undrawn). Reentrant: nesting is fine.
+_PATCHING = threading.RLock()
 
 
 def _draw_nothing(tensor, *args, **kwargs):
@@ -23,10 +28,11 @@ def _draw_nothing(tensor, *args, **kwargs):
 @contextlib.contextmanager
 def shapes_only():
     """Modules built inside live on the meta device; nn.init.normal_ leaves them undrawn."""
-    real_normal = torch.nn.init.normal_
-    torch.nn.init.normal_ = _draw_nothing
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        torch.nn.init.normal_ = real_normal
+    with _PATCHING:
+        real_normal = torch.nn.init.normal_
+        torch.nn.init.normal_ = _draw_nothing
+        try:
+            with torch.device("meta"):
+                yield
+        finally:
+            torch.nn.init.normal_ = real_normal
