@@ -29,8 +29,9 @@ Launch:
     python train.py --export out/run  # model.pt, one file from a sharded checkpoint
     python train.py --sample out/run/model.pt      # a cluster: docs/cluster.md
 
-What changed from 07: nothing new is taught; 01-07 composed, with what a real run needs
-(an LR schedule, global-norm clipping, evaluation, MFU). Plumbing lives in support/.
+What changed from 09: nothing new is taught; 01-08 composed (09 plans the run and its
+log's predictions), with what a real run needs (an LR schedule, global-norm clipping,
+evaluation, MFU). Plumbing lives in support/.
 """
 
 import functools
@@ -97,6 +98,7 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0, plan: bool = Fals
         have = config.read_init_from(cfg, pretrained).config
         config.shape_of_init_from(cfg, have, model_lib.PRESETS)
     check_flags(cfg, world_size)
+    model_config(cfg, None)  # Its heads and sizes, before any data is made.
     if plan:  # No data is made or read.
         meta = {"vocab_size": config.plan_vocab_size(cfg)}
     else:
@@ -105,14 +107,7 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0, plan: bool = Fals
     grown = config.check_block_size(cfg, model_lib.PRESETS[cfg.model]["block_size"])
     if grown and rank == 0:  # More positions than the preset: said first.
         print(grown)
-    sizes = {k: getattr(cfg, k) for k in ("block_size", "n_layer") if getattr(cfg, k)}
-    extra = dict(vocab_size=meta["vocab_size"], dropout=cfg.dropout)
-    extra.update(pad_vocab_multiple=vocab.tp_multiple(cfg.tp))  # 64·tp: support/vocab
-    try:  # GPTConfig's checks (n_embd % n_head, ...), then 04's (whole heads a rank).
-        gpt_config = model_lib.GPTConfig.from_preset(cfg.model, **sizes, **extra)
-        tp_lib.check_tp_config(gpt_config, cfg.tp)
-    except (ValueError, AssertionError) as e:
-        raise ConfigError(f"--model {cfg.model} --tp {cfg.tp}: {e}") from None
+    gpt_config = model_config(cfg, meta["vocab_size"])
     if plan:
         return gpt_config
     config.check_data(cfg, gpt_config.block_size, data_lib.DataLoader)
@@ -121,6 +116,20 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0, plan: bool = Fals
         if fewer and rank == 0:  # Rows beyond the checkpoint's: from the init.
             print(fewer)
     checkpoint.check_out_dir(cfg)
+    return gpt_config
+
+
+def model_config(cfg: TrainConfig, vocab_size: int | None):
+    """02's GPTConfig of the flags (None: the preset's vocabulary), checked for --tp."""
+    sizes = {k: getattr(cfg, k) for k in ("block_size", "n_layer") if getattr(cfg, k)}
+    extra = dict(dropout=cfg.dropout, pad_vocab_multiple=vocab.tp_multiple(cfg.tp))
+    if vocab_size is not None:  # 64·tp rows of padding (support/vocab) split any V.
+        extra["vocab_size"] = vocab_size
+    try:  # GPTConfig's checks (n_embd % n_head, ...), then 04's (whole heads a rank).
+        gpt_config = model_lib.GPTConfig.from_preset(cfg.model, **sizes, **extra)
+        tp_lib.check_tp_config(gpt_config, cfg.tp)
+    except (ValueError, AssertionError) as e:
+        raise ConfigError(f"--model {cfg.model} --tp {cfg.tp}: {e}") from None
     return gpt_config
 
 

@@ -679,6 +679,17 @@ def test_bad_configurations_fail_fast_with_one_line(data_dir, argv, world, messa
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_tp_that_splits_no_head_is_refused_before_any_data_is_made(monkeypatch):
+    """`torchrun --nproc_per_node=3 train.py --tp 3` ('small' has 4 heads): one line before
+    01 prepares the default data, which took 25 s and wrote data/ before the model's check."""
+    made = []
+    monkeypatch.setattr(train.config, "prepare_default_data", lambda *a: made.append(a))
+    cfg, _ = train.parse_args(["--model", "small", "--tp", "3"])
+    with pytest.raises(train.ConfigError, match="n_head=4 is not divisible by tp=3"):
+        train.validate(cfg, 3)
+    assert made == [], "the default data was prepared before the flags were all checked"
+
+
 def test_resume_with_another_layout_or_a_fresh_run_over_old_ones_is_refused(data_dir, tmp_path):
     run_main(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "1"])
     cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path),
