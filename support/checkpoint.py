@@ -128,26 +128,26 @@ def tokenizer_name(data_dir) -> str:
 
 
 def save(
-    out_dir, step: int, rank: int, world: int, shard: dict, meta, keep: int
-) -> None:
+    out_dir, step: int, rank: int, world: int, device, shard: dict, meta, keep: int
+):
     """Every rank writes its shard into step_N.partial/; rank 0 adds meta.json, renames
-    the folder to step_N and keeps the newest `keep`.
+    the folder to step_N and keeps the newest `keep`. `meta()` builds meta.json's
+    contents (rank 0, once every shard is written).
 
-    `meta()` builds meta.json's contents. Only rank 0 calls it, after every shard is
-    written: it reads the data folder's meta.json, and a rank that failed there before
-    a barrier would leave the others waiting out the collective's timeout.
+    Each of the three parts ends in a vote, not a barrier: a rank that failed (a full
+    disk, a data folder gone for meta()) says so, and every rank raises at once. Behind
+    a barrier the others would wait out the collective's timeout. The checkpoint before
+    stays whole; the next start removes the .partial folder.
     """
     root = ckpt_root(out_dir)
     final = root / f"step_{step:07d}"
     partial = root / f"step_{step:07d}.partial"
-    barrier = dist.barrier if world > 1 else lambda: None
-    if rank == 0:
+
+    def empty_folder():
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    barrier()
-    atomic_write(partial / shard_name(rank), lambda tmp: torch.save(shard, tmp))
-    barrier()
-    if rank == 0:
+
+    def publish():
         text = json.dumps({"step": step, **meta()}, indent=1)
         atomic_write(partial / "meta.json", lambda tmp: tmp.write_text(text))
         shutil.rmtree(final, ignore_errors=True)
@@ -155,7 +155,28 @@ def save(
         fsync_dir(root)  # The rename itself.
         for old in complete_checkpoints(out_dir)[keep:]:
             shutil.rmtree(old, ignore_errors=True)
-    barrier()
+
+    def write_shard():
+        atomic_write(partial / shard_name(rank), lambda tmp: torch.save(shard, tmp))
+
+    for part in (empty_folder, write_shard, publish):
+        mine = part if part is write_shard or rank == 0 else None
+        all_or_none(mine, f"saving step {step}", world, device)
+
+
+def all_or_none(action, what: str, world: int, device) -> None:
+    """Run action (None: nothing on this rank), then vote: if it raised on any rank,
+    every rank raises (this one its own error), so none waits in a later collective."""
+    error = None
+    if action is not None:
+        try:
+            action()
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or hang.
+            error = e
+    if agree(0.0 if error else 1.0, dist.ReduceOp.MIN, world, device) < 1.0:
+        if error is not None:
+            raise error
+        raise RuntimeError(f"{what} failed on another rank (its error is above)")
 
 
 def load_newest(out_dir, rank: int, world: int, device, restore) -> dict | None:
@@ -278,7 +299,8 @@ def save_checkpoint(run, step: int) -> None:
         return fields
 
     shard = shard_of(run, step)
-    save(cfg.out_dir, step, grid.rank, grid.world, shard, meta, cfg.keep_checkpoints)
+    keep = cfg.keep_checkpoints
+    save(cfg.out_dir, step, grid.rank, grid.world, run.device, shard, meta, keep)
 
 
 def load_checkpoint(run) -> int:

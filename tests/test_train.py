@@ -478,7 +478,8 @@ def test_resume_loads_shards_to_the_cpu_whatever_the_run_device(data_dir, tmp_pa
 def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
     """1. SIGTERM to rank 1 only, after step 2 of 6, at dp 2 and at pp 2, the ranks voting
     every 2 steps (after steps 1, 3, 5): returns the checkpoints each rank sees per layout.
-    2. Rank 1's shard of the newest checkpoint truncated: returns the step each rank resumes at."""
+    2. Rank 1's shard of the newest checkpoint truncated: returns the step each rank resumes at.
+    3. Rank 1's disk full while it writes its shard of step 3: what each rank raised, how fast."""
     common = BASE + ["--data-dir", data_dir, "--micro-batch-size", "2"]
     real_step = train.train_step
 
@@ -508,7 +509,24 @@ def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
     cfg, _ = train.parse_args(argv + ["--resume"])
     grid = train.build_grid(cfg, rank, world)
     run = train.build_run(cfg, train.validate(cfg, world), grid, torch.device("cpu"))
-    return saved, train.load_checkpoint(run)
+    resumed = train.load_checkpoint(run)
+
+    real_write = checkpoint.atomic_write
+
+    def full_disk(path, write):
+        if rank == 1 and "step_0000003" in str(path):
+            raise OSError(28, "No space left on device")
+        return real_write(path, write)
+
+    checkpoint.atomic_write = full_disk
+    start = time.monotonic()
+    try:
+        train.main(common + ["--dp", "2", "--out-dir", f"{tmp}/full", "--ckpt-interval", "2"])
+        raised = None
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        raised = f"{type(e).__name__}: {e}"
+    checkpoint.atomic_write = real_write
+    return saved, resumed, (raised, time.monotonic() - start)
 
 
 def test_two_ranks_agree_when_only_one_is_signalled_or_damaged(data_dir, tmp_path):
@@ -518,12 +536,21 @@ def test_two_ranks_agree_when_only_one_is_signalled_or_damaged(data_dir, tmp_pat
     alone makes rank 0 resume at step 4 and rank 1 at step 2. The vote runs every
     --vote-interval steps (a plain step makes no sync): the signal after step 2 stops both
     ranks after step 3, the next vote, at dp 2 and at pp 2 (a vote every step would stop at
-    2, none at all would train to step 5)."""
+    2, none at all would train to step 5). A save that fails on rank 1 alone (a full disk)
+    stops both ranks at once, each with one error, the checkpoint of step 1 whole. Behind a
+    barrier, rank 0 waits: on NCCL until the timeout; here, on gloo, until rank 1's process
+    ends and closes its connections, so rank 0 raises gloo's error instead."""
     results = run_ranks(_one_rank_of_two_damaged, 2, data_dir, str(tmp_path), timeout=180)
-    for saved, resumed in results:
+    for saved, resumed, _ in results:
         for name in ("dp", "pp"):  # both shards, at once
             assert saved[name] == [("step_0000003", ["rank_00000.pt", "rank_00001.pt"])], name
         assert resumed == 2  # the previous checkpoint (step 1) on both ranks
+    (raised_0, took_0), (raised_1, took_1) = [r[2] for r in results]
+    assert raised_0 == "RuntimeError: saving step 3 failed on another rank (its error is above)"
+    assert raised_1 == "OSError: [Errno 28] No space left on device"
+    assert max(took_0, took_1) < 60, (took_0, took_1)  # 4 steps and a save: seconds
+    full = checkpoint.complete_checkpoints(tmp_path / "full")
+    assert [c.name for c in full] == ["step_0000001"]
     for name in ("dp", "pp"):
         assert [r["step"] for r in metrics(tmp_path / f"sigterm-{name}")] == [0, 1, 2, 3]
 
