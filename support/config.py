@@ -50,7 +50,7 @@ class TrainConfig:
     schedule: str = flag("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved (05)")
     virtual_stages: int = flag(1, "model chunks per pipeline rank (> 1: interleaved)")
     sequence_parallel: bool = flag(False, "with --tp: shard LayerNorm by tokens (04)")
-    zero: int = flag(0, "ZeRO stage: 1 AdamW's state, 2 + gradients, 3 + weights")
+    zero: int = flag(0, "ZeRO (07): 0 off, 1 AdamW's state, 2 + gradients, 3 + weights")
     grad_compression: str = flag("none", "DP's gradients: none, fp16, bf16, powersgd")
     powersgd_rank: int = flag(4, "powersgd: sketch rank r, (m + n)·r numbers a matrix")
     # Early training is the most sensitive to a sketched gradient.
@@ -69,7 +69,9 @@ class TrainConfig:
     # The small preset (4 layers of 128) trains on a CPU in minutes.
     model: str = flag("small", "02_model.py's preset (not given: --init-from's shape)")
     n_layer: int = flag(0, "number of blocks; 0: the preset's")
-    init_from: str = flag("", "fine-tune a Hugging Face GPT-2 checkpoint")
+    init_from: str = flag(
+        "", "fine-tune a Hugging Face GPT-2: its folder (config.json, the weights)"
+    )
     lora_rank: int = flag(0, "LoRA (02): train rank-r factors only; 0: off")
     # A fixed alpha roughly keeps the best learning rate as the rank changes.
     lora_alpha: float = flag(16.0, "LoRA: the update is (alpha / r)·B·A")
@@ -83,7 +85,9 @@ class TrainConfig:
         "plain until a GPU measurement favours chunked",
     )
     # bf16 where the GPU has it; fp32 on a CPU, where 16 bits would be slower.
-    dtype: str = flag("auto", "fp32, bf16 or fp16 (06's loss scaler); auto")
+    dtype: str = flag(
+        "auto", "fp32, bf16 or fp16 (06's loss scaler); auto: bf16 on a GPU that has it"
+    )
     # Compiling costs minutes of first steps; it pays on a GPU only.
     compile: bool = flag(False, "torch.compile each model chunk")
     # 500 steps of 4,096 tokens: the CPU job in about 5 minutes.
@@ -104,14 +108,24 @@ class TrainConfig:
     log_interval: int = flag(10, "steps between log lines and rows of metrics.jsonl")
     sample_tokens: int = flag(200, "tokens sampled at the end; 0: no sample")
     out_dir: str = flag("out/run", "metrics.jsonl, loss.png, checkpoints/, model.pt")
-    data_dir: str = flag("", "01_data.py's shards and meta.json; empty: --tokenizer's")
+    data_dir: str = flag(
+        "",
+        "01_data.py's shards and meta.json; empty: data/stdlib-bpe4096 (-gpt2, -char)",
+    )
     # Empty: bpe's data, or whatever --data-dir was prepared with.
-    tokenizer: str = flag("", "bpe, gpt2 or char: the default data, made if missing")
-    ckpt_interval: int = flag(250, "steps between checkpoints; 0: end, signals")
+    tokenizer: str = flag(
+        "",
+        "bpe, gpt2 or char: the default data's (made if missing); empty: --data-dir's, or bpe",
+    )
+    ckpt_interval: int = flag(
+        250, "steps between checkpoints; 0: only at the end and on a preemption signal"
+    )
     keep_checkpoints: int = flag(3, "how many complete checkpoints to keep")
     resume: bool = flag(False, "continue from the newest complete checkpoint")
     # For time-limited jobs: the LR schedule still runs to --max-steps.
-    steps_this_run: int = flag(0, "stop after this many steps, with a checkpoint")
+    steps_this_run: int = flag(
+        0, "stop after this many steps, with a checkpoint; 0: all"
+    )
     seed: int = flag(1337, "seed of the model's init, the data order and dropout")
     # A vote is an all-reduce and a sync. At 0.1-0.5 s a step on GPUs, 10 steps keep a
     # signal's wait under ~5 s, far inside Slurm's usual warning of a minute or more.
@@ -195,7 +209,7 @@ def parse_args(argv=None, description: str = "train.py", choices: dict | None = 
     parser.add_argument("--config", metavar="FILE", help=recipe)
     plan = "print 09_plan.py's plan of these settings and exit: no process starts"
     parser.add_argument("--plan", action="store_true", help=plan)
-    gpus = "--plan's GPU, h100, h200, a100 or cpu; empty: the recipe's, or this one"
+    gpus = "--plan's GPU, h100, h200, a100 or cpu; empty: the recipe's, else this machine's"
     parser.add_argument("--plan-gpu", default="", metavar="GPU", help=gpus)
     argv = sys.argv[1:] if argv is None else list(argv)
     planned = {}  # The recipe's [plan] table: the GPU 09 plans it for.
