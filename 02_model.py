@@ -509,7 +509,8 @@ def print_presets():
         n = count_params(config)
         n_ne = count_params(config, non_embedding=True)
         print(f"{name:<12} {n:>14,} {n_ne:>14,} {flops_per_token(config):>15,}")
-    print("FLOPs/token = 6N + 12·L·nh·hs·T, N the non-embedding parameters\n")
+    # wte stays in N: tied, it is also the head, a matmul every token pays.
+    print("FLOPs/token = 6N + 12·L·nh·hs·T, N: all parameters but wpe (the positions)\n")
 
 
 def overfit_demo(model: GPT, x, y, args):

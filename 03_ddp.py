@@ -488,7 +488,8 @@ def compression_demo(rank, world, config, device, steps=30, warmup=5) -> None:
     held_out = model_lib.byte_batches(T, 32, 1, SEED + 2, device)[0]  # (32, T) each
     mine = slice(rank * B, (rank + 1) * B)
     sent = {}
-    print0(f"\n3. hooks: {steps} AdamW steps ({warmup} exact); bytes sent in the last")
+    exact = f"PowerSGD's first {warmup} exact"
+    print0(f"\n3. hooks: {steps} AdamW steps ({exact}); bytes sent in the last")
     for name in ("none", "fp16", "bf16", "powersgd r=1", "powersgd r=4"):
         torch.manual_seed(SEED)
         gpt = model_lib.GPT(config).to(device)

@@ -542,7 +542,7 @@ def demo_gpt(args, config, group, device):
         kinds = "all-gathers and reduce-scatters" if sp else "all-reduces"
         print0(f"  {calls} {kinds} of (B, T, C): {sent[sp]:,} bytes sent per rank")
     assert sent[True] == sent[False], f"SP sends other bytes than TP: {sent}"
-    print0("  (every collective's bytes as comm_formula): SP sends the same bytes")
+    print0("  (4 a layer, the embedding's g, the head's f; SP: 2 each): SP sends the same bytes")
     with torch.no_grad(), sharding.count_comm() as log:
         model.loss_fn(logits, y)  # the loss alone, from this rank's (B, T, V/tp)
     assert log == [("all_reduce", 4 * B * T)] * 3, f"the loss's collectives: {log}"
