@@ -267,10 +267,10 @@ def global_grad_norm(run: Run, grads) -> torch.Tensor:
     grads = [(p, g) for p, g in grads if all(p is not t for t in tied)]
     if run.grid.tp > 1:
         squares = tp_lib.grad_norm_squared(grads, run.grid.tp_group, run.device)
+    elif grads:  # Foreach kernels, as torch's clipping: a few launches, not 3 a tensor.
+        squares = torch.nn.utils.get_total_norm([g.float() for _, g in grads]).square()
     else:
         squares = torch.zeros((), device=run.device)
-        for _, g in grads:
-            squares += g.float().pow(2).sum()
     if run.cfg.zero:
         squares = all_reduce_sum(squares, run.grid.dp_cp_group, run.grid.dp_cp)
     return all_reduce_sum(squares, run.grid.pp_group, run.grid.pp).sqrt()
