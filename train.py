@@ -408,10 +408,11 @@ def save(run: Run, log: run_log.Logger, step: int) -> int:
 def train(run: Run) -> None:
     cfg = run.cfg
     # Watch first: a signal during the load counts too.
-    preempted = checkpoint.watch_preemption(run.grid.world, run.device)
+    signals = checkpoint.Preemption(run.grid.world, run.device, cfg.vote_interval)
     if run.grid.rank == 0:
         checkpoint.remove_partials(cfg.out_dir)
     start = load_checkpoint(run) if cfg.resume else 0
+    signals.start_at(start)
     log = open_log(run, start)
     stop = cfg.max_steps
     if cfg.steps_this_run:
@@ -425,14 +426,13 @@ def train(run: Run) -> None:
         val = 0.0  # None: preempted while evaluating (all ranks agree), as by a vote.
         if cfg.eval_interval and step % cfg.eval_interval == 0:  # Step 0: a baseline.
             with log.paused():  # Not a training step's time.
-                val = evaluate(run, preempted)
+                val = evaluate(run, signals.asked)
             if val is not None:
                 log.val_row(step, val)
         if cfg.ckpt_interval and (step + 1) % cfg.ckpt_interval == 0:
             saved = save(run, log, step)
-        # A collective and a sync: every --vote-interval steps (alone: free, each step).
-        vote = run.grid.world == 1 or (step + 1) % cfg.vote_interval == 0
-        if val is None or (vote and preempted()):
+        # A collective and a sync, at the steps the ranks agreed (alone: free, each step).
+        if val is None or signals.at(step):
             distributed.print0(f"preemption signal: saving at step {step} and exiting")
             if saved != step:
                 save(run, log, step)
@@ -442,7 +442,7 @@ def train(run: Run) -> None:
     just_evaluated = cfg.eval_interval and step % cfg.eval_interval == 0  # In the loop.
     if stop == cfg.max_steps and step >= start and not just_evaluated:
         with log.paused():
-            val = evaluate(run, preempted)
+            val = evaluate(run, signals.asked)
         if val is None:
             return  # Preempted in the last evaluation: saved already, so exit now.
         log.val_row(step, val)

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
@@ -332,17 +333,53 @@ def read_newest(run_dir, read):
     )
 
 
-def watch_preemption(world: int, device):
-    """SIGTERM and SIGUSR1 (Slurm's warning, a spot instance going away) set a flag.
+VOTE_SECONDS = 10.0  # Votes at most ~this far apart (and --vote-interval steps).
 
-    Returns `preempted()`, a collective: the ranks agree (MAX), so a signal to any one
-    of them stops all at the same point.
+
+class Preemption:
+    """SIGTERM and SIGUSR1 (Slurm's warning, a spot instance going away) set a flag, and
+    the ranks vote on it (MAX), so a signal to any one of them stops all at one step.
+
+    A vote is an all-reduce and a host sync, so a plain step has none: `at(step)` votes
+    only at steps every rank agreed on. The first is after the first step (which may
+    compile for minutes); each vote also agrees (MIN) on the gap to the next, at most
+    `max_gap` steps and as many as fit in VOTE_SECONDS at the step time each rank
+    measured since the last vote. At 0.1 s a step: every 10 steps; at minutes a step
+    (a long-context run): every step. A world of one asks itself every step, for free.
     """
-    signals = []
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, lambda signum, frame: signals.append(signum))
 
-    def preempted() -> bool:
-        return bool(agree(float(bool(signals)), dist.ReduceOp.MAX, world, device))
+    def __init__(self, world: int, device, max_gap: int):
+        self.signals = []
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda signum, frame: self.signals.append(signum))
+        self.world = world
+        self.device = device
+        self.max_gap = max_gap
+        self.start_at(0)
 
-    return preempted
+    def start_at(self, step: int) -> None:
+        """The first vote after `step`, the run's first (a resume's too)."""
+        self.next_vote = step
+        self.last = (time.perf_counter(), step - 1)  # The last vote's time and step.
+
+    def asked(self) -> bool:
+        """A collective: was any rank signalled? (Evaluation asks before each batch.)"""
+        flag = float(bool(self.signals))
+        return bool(agree(flag, dist.ReduceOp.MAX, self.world, self.device))
+
+    def at(self, step: int) -> bool:
+        """After `step`: True if the ranks agree a signal came (at a vote step only)."""
+        if self.world == 1:
+            return bool(self.signals)
+        if step != self.next_vote:
+            return False
+        now = time.perf_counter()
+        per_step = (now - self.last[0]) / (step - self.last[1])
+        gap = max(1, min(self.max_gap, int(VOTE_SECONDS / per_step)))
+        # One all-reduce, MAX of [signalled, -gap]: any rank's signal, the smallest gap.
+        mine = torch.tensor([float(bool(self.signals)), -gap], device=self.device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        signalled, neg_gap = mine.tolist()
+        self.last = (now, step)
+        self.next_vote = step + int(-neg_gap)
+        return signalled > 0

@@ -128,13 +128,15 @@ class TrainConfig:
     )
     seed: int = flag(1337, "seed of the model's init, the data order and dropout")
     # A vote is an all-reduce and a sync. At 0.1-0.5 s a step on GPUs, 10 steps keep a
-    # signal's wait under ~5 s, far inside Slurm's usual warning of a minute or more.
+    # signal's wait under ~5 s, far inside Slurm's usual warning of a minute or more;
+    # slower steps vote more often (support/checkpoint.Preemption: ~10 s apart at most).
     vote_interval: int = flag(
         10,
-        "steps between the ranks' votes on a preemption signal: one is acted on at the "
-        "next vote (at most this many steps later), or at once during an evaluation",
+        "most steps between the ranks' votes on a preemption signal (fewer when a step is "
+        "slow: votes ~10 s apart at most); a signal is acted on at the next vote, or at "
+        "once during an evaluation",
     )
-    # Rank 0 alone writes checkpoint metadata behind barriers, maybe on slow storage.
+    # Rank 0 alone writes checkpoint metadata, maybe on slow storage.
     timeout_minutes: float = flag(10.0, "a collective waiting this long is an error")
 
 

@@ -476,8 +476,8 @@ def test_resume_loads_shards_to_the_cpu_whatever_the_run_device(data_dir, tmp_pa
 
 
 def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
-    """1. SIGTERM to rank 1 only, after step 2 of 6, at dp 2 and at pp 2, the ranks voting
-    every 2 steps (after steps 1, 3, 5): returns the checkpoints each rank sees per layout.
+    """1. SIGTERM to rank 1 only, after step 3 of 6, at dp 2 and at pp 2, the ranks voting
+    every 2 steps (after steps 0, 2, 4): returns the checkpoints each rank sees per layout.
     2. Rank 1's shard of the newest checkpoint truncated: returns the step each rank resumes at.
     3. Rank 1's disk full while it writes its shard of step 3: what each rank raised, how fast."""
     common = BASE + ["--data-dir", data_dir, "--micro-batch-size", "2"]
@@ -485,11 +485,12 @@ def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
 
     def step_then_signal(run, step):
         stats = real_step(run, step)
-        if rank == 1 and step == 2:
+        if rank == 1 and step == 3:
             os.kill(os.getpid(), signal.SIGTERM)  # this process only, as a node's kill would
         return stats
 
     train.train_step = step_then_signal
+    checkpoint.VOTE_SECONDS = 1e9  # Every 2 steps, however slow a step on a loaded CPU.
     saved = {}
     for name in ("dp", "pp"):
         out_dir = f"{tmp}/sigterm-{name}"
@@ -498,6 +499,7 @@ def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
         ckpts = checkpoint.complete_checkpoints(out_dir)
         saved[name] = [(c.name, sorted(p.name for p in c.glob("rank_*.pt"))) for c in ckpts]
     train.train_step = real_step
+    checkpoint.VOTE_SECONDS = 10.0
 
     argv = common + ["--dp", "2", "--out-dir", f"{tmp}/corrupt", "--ckpt-interval", "2"]
     train.main(argv)  # checkpoints at steps 1 and 3
@@ -534,16 +536,16 @@ def test_two_ranks_agree_when_only_one_is_signalled_or_damaged(data_dir, tmp_pat
     one cannot test. Without it, a signal to rank 1 alone makes it save while rank 0 trains
     (mismatched collectives: a hang, then this test's timeout), and a shard damaged on rank 1
     alone makes rank 0 resume at step 4 and rank 1 at step 2. The vote runs every
-    --vote-interval steps (a plain step makes no sync): the signal after step 2 stops both
-    ranks after step 3, the next vote, at dp 2 and at pp 2 (a vote every step would stop at
-    2, none at all would train to step 5). A save that fails on rank 1 alone (a full disk)
+    --vote-interval steps (a plain step makes no sync): the signal after step 3 stops both
+    ranks after step 4, the next vote, at dp 2 and at pp 2 (a vote every step would stop at
+    3, none at all would train to step 5). A save that fails on rank 1 alone (a full disk)
     stops both ranks at once, each with one error, the checkpoint of step 1 whole. Behind a
     barrier, rank 0 waits: on NCCL until the timeout; here, on gloo, until rank 1's process
     ends and closes its connections, so rank 0 raises gloo's error instead."""
     results = run_ranks(_one_rank_of_two_damaged, 2, data_dir, str(tmp_path), timeout=180)
     for saved, resumed, _ in results:
         for name in ("dp", "pp"):  # both shards, at once
-            assert saved[name] == [("step_0000003", ["rank_00000.pt", "rank_00001.pt"])], name
+            assert saved[name] == [("step_0000004", ["rank_00000.pt", "rank_00001.pt"])], name
         assert resumed == 2  # the previous checkpoint (step 1) on both ranks
     (raised_0, took_0), (raised_1, took_1) = [r[2] for r in results]
     assert raised_0 == "RuntimeError: saving step 3 failed on another rank (its error is above)"
@@ -552,7 +554,7 @@ def test_two_ranks_agree_when_only_one_is_signalled_or_damaged(data_dir, tmp_pat
     full = checkpoint.complete_checkpoints(tmp_path / "full")
     assert [c.name for c in full] == ["step_0000001"]
     for name in ("dp", "pp"):
-        assert [r["step"] for r in metrics(tmp_path / f"sigterm-{name}")] == [0, 1, 2, 3]
+        assert [r["step"] for r in metrics(tmp_path / f"sigterm-{name}")] == [0, 1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ SYNCS = (
     "__repr__",
 )
 STEPS = 8  # Steps 0 and 7 log a line; 1..6 are plain.
-VOTE = 4  # --vote-interval: the preemption vote (one .item()) after steps 3 and 7.
+VOTE = 4  # --vote-interval: the preemption vote (one .tolist()) after steps 0 and 4.
 
 
 def ours(filename: str) -> bool:
@@ -99,10 +99,12 @@ def syncs_per_step(argv) -> list[list[str]]:
 
 
 def check_plain_steps(per_step, world: int, name: str) -> None:
-    """Steps 1..6 are plain: no sync, except the vote's one .item() after step 3 when world > 1."""
+    """Steps 1..6 are plain: no sync, except the vote's one .tolist() after step 4 when
+    world > 1 (the first vote comes after step 0, then every VOTE steps: each step here
+    takes far less than checkpoint.VOTE_SECONDS / VOTE)."""
     assert len(per_step) == STEPS, name
     for step in range(1, STEPS - 1):
-        allowed = 1 if world > 1 and (step + 1) % VOTE == 0 else 0
+        allowed = 1 if world > 1 and step % VOTE == 0 else 0
         calls = per_step[step]
         assert len(calls) <= allowed, f"{name}, step {step}: {len(calls)} syncs: {calls}"
 
@@ -143,6 +145,7 @@ def _two_ranks(rank, world, data, tmp):
 
     train.build_grid = kept_grid
     run_log.Logger.peak_memory = lambda self: (1 + self.rank) * 10**9
+    checkpoint.VOTE_SECONDS = 1e9  # Every VOTE steps, however slow a step on a loaded CPU.
     out = []
     try:
         for name, extra in LAYOUTS:
@@ -151,6 +154,7 @@ def _two_ranks(rank, world, data, tmp):
     finally:
         train.build_grid = real_grid
         run_log.Logger.peak_memory = real_peak
+        checkpoint.VOTE_SECONDS = 10.0
     cp = grids[[name for name, _ in LAYOUTS].index("cp2")]
     one_group = cp.dp_cp_group is cp.cp_group and dist.get_world_size(cp.cp_group) == 2
     peaks = [[r["peak_mem_gb"] for r in metrics(f"{tmp}/{name}")] for name, _ in LAYOUTS]
@@ -163,6 +167,29 @@ def _two_ranks(rank, world, data, tmp):
     extra = ["--dp", "2", "--micro-batch-size", "2", "--vote-interval", "100"]
     preempted = preempted_in_evaluation(data, f"{tmp}/preempt", extra, signal_rank_1)
     return out, one_group, peaks, preempted
+
+
+def vote_gaps(rank, world):
+    """checkpoint.Preemption under a clock the test moves: rank 0's steps take 4 s, rank
+    1's 0.1 s. Returns, per vote, (the step, what at() said, the next vote's step)."""
+    clock = [0.0]
+    real_clock = checkpoint.time
+    checkpoint.time = SimpleNamespace(perf_counter=lambda: clock[0])
+    try:
+        votes = checkpoint.Preemption(world, torch.device("cpu"), max_gap=10)
+        votes.start_at(5)  # a resume at step 5
+        said = []
+        for step in range(5, 12):
+            clock[0] += 4.0 if rank == 0 else 0.1
+            if rank == 1 and step == 9:
+                votes.signals.append(signal.SIGTERM)  # (the handler's effect, no signal)
+            before = votes.next_vote
+            stop = votes.at(step)
+            if votes.next_vote != before:  # a vote: what it said, when the next comes
+                said.append((step, stop, votes.next_vote))
+        return said
+    finally:
+        checkpoint.time = real_clock
 
 
 def test_a_plain_step_makes_no_sync_at_dp2_tp2_pp2_cp2_zero3(data_dir, tmp_path):  # noqa: F811
@@ -181,6 +208,18 @@ def test_a_plain_step_makes_no_sync_at_dp2_tp2_pp2_cp2_zero3(data_dir, tmp_path)
                 assert any(per_step[STEPS - 1]), f"{name}: the last step logs (reads the loss)"
             assert peak == [2.0, 2.0], f"{name}: the rows at steps 0 and 7 hold the max"
     check_preempted_in_evaluation(*results[0][3])
+
+
+def test_the_ranks_agree_on_each_vote_and_on_when_the_next_one_comes():
+    """vote_gaps on 2 ranks: rank 0's steps take 4 s, so it asks for a vote every
+    10 s // 4 = 2 steps; rank 1's take 0.1 s (10 s would be 100 steps; --vote-interval caps
+    it at 10). Both must vote after the resumed run's first step (5), then every 2 (the
+    smaller: MIN), and both say True at the first vote after rank 1's signal (9): MAX.
+    Votes at rank 1's pace (10 steps) would leave a signal to rank 0 waiting 40 s; ranks
+    that each kept their own gap would meet different collectives and hang."""
+    results = run_ranks(vote_gaps, 2, timeout=60)
+    want = [(5, False, 7), (7, False, 9), (9, True, 11), (11, True, 13)]
+    assert results == [want, want]
 
 
 # ---------------------------------------------------------------------------------------------
