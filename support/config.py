@@ -426,6 +426,9 @@ def check_data(cfg: TrainConfig, T: int, loader_class) -> None:
             ) from None
 
 
+PREPARE_WAIT_S = 600  # How long ranks other than 0 wait for the default data.
+
+
 def prepare_default_data(cfg: TrainConfig, rank: int, prepare) -> None:
     """Rank 0 makes missing default data with `prepare(argv)`; the others wait.
 
@@ -443,9 +446,14 @@ def prepare_default_data(cfg: TrainConfig, rank: int, prepare) -> None:
         except SystemExit as e:
             # 01's one-line error (gpt2's files offline, say) already says what to do.
             raise ConfigError(str(e).removeprefix("01_data.py: error: ")) from None
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + PREPARE_WAIT_S
     while not meta.is_file() and time.monotonic() < deadline:
         time.sleep(1)
+    if not meta.is_file():  # Rank 0 failed, or wrote to a disk this node cannot see.
+        where = "a folder every node shares, or prepare it before the launch"
+        raise ConfigError(
+            f"rank {rank} waited {PREPARE_WAIT_S} s for {meta}: use {where}"
+        )
 
 
 # --plan's vocabulary before any data exists: 01's default BPE (--vocab-size 4096) and

@@ -708,6 +708,16 @@ def test_bad_configurations_fail_fast_with_one_line(data_dir, argv, world, messa
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_rank_that_never_sees_the_default_data_says_why(tmp_path, monkeypatch):
+    """Rank 1 waits for rank 0 to prepare the default data; on a disk that node cannot see
+    (or after rank 0 failed) it never comes: one line naming the folder and the fix."""
+    monkeypatch.chdir(tmp_path)  # no data/ here
+    monkeypatch.setattr(train.config, "PREPARE_WAIT_S", 0)
+    cfg, _ = train.parse_args(["--model", "tiny", "--tokenizer", "char"])
+    with pytest.raises(train.ConfigError, match="rank 1 waited 0 s for .*meta.json: use a"):
+        train.config.prepare_default_data(cfg, 1, prepare=None)
+
+
 def test_a_tp_that_splits_no_head_is_refused_before_any_data_is_made(monkeypatch):
     """`torchrun --nproc_per_node=3 train.py --tp 3` ('small' has 4 heads): one line before
     01 prepares the default data, which took 25 s and wrote data/ before the model's check."""
