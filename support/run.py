@@ -42,7 +42,9 @@ def describe(run: Run) -> str:
     world = run.grid.world
     sizes = f"dp {cfg.dp} x cp {cfg.cp} x tp {cfg.tp} x pp {cfg.pp}"
     layout = f"world {world} = {sizes} on {run.device}"
-    model = f"{run.gpt_config.n_layer}-layer GPT, {run.dtype}, {run.m} microbatches"
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    dtype = names[run.dtype]  # The flag's name, as the lessons write it.
+    model = f"{run.gpt_config.n_layer}-layer GPT, {dtype}, {run.m} microbatches"
     batch = f"of {cfg.micro_batch_size} x {run.T} per DP rank"
     trains = f"{sum(p.numel() for p in params):,} parameters train on rank 0"
     return f"{layout}; {model} {batch}, recompute {cfg.recompute}; {trains}"

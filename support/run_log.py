@@ -138,6 +138,8 @@ class Logger:
             mem = f"{self.plan.memory['total'] / 1e9:.2f} GB"
             tok_s = f"{self.plan.tokens_per_s:,.0f} tok/s"
             what = f"peak memory {mem} (its fullest rank), {tok_s}"
+            if not cuda:  # The log's mem is then the process's whole RSS.
+                what += "; the log's mem on a CPU is the whole process, torch included"
             print0(f"predicted by 09_plan.py ({self.plan.gpu}): {what}")
         elif plan is not None:
             print0(f"predicted by 09_plan.py: nothing ({plan})")
