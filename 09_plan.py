@@ -518,7 +518,7 @@ def worked_example() -> None:
     hand = zero_lib.zero_memory_formula(0, psi, 1)
     states = sum(p.memory[k] for k in ("weights", "grads", "optimizer"))
     print(f"  model states: 16Ψ = 16 x {psi:,} = {hand:,.0f} B (07); plan {states:,} B")
-    print("    (plan adds AdamW's 4-byte step counter for each of the 148 tensors)")
+    print("    (Ψ with V padded to 50,304; plan: + AdamW's 4-byte step of 148 tensors)")
     # 06's formula by hand: C = 768, L = 12, nh = 12, V = 50,304; a = 2 (bf16 matmul
     # operands), r = 4 (the fp32 residual stream).
     layer = 2 * 770 * 4 + 14 * 768 * 2 + 4 * 12  # LayerNorms, operands, lse
@@ -527,10 +527,11 @@ def worked_example() -> None:
     copies = 2 * 12 * 12 * 768**2 + 2 * 50_304 * 768  # autocast's bf16 weights
     act = 32 * 1024 * (12 * layer + rest + head) + 8 * 1024 + 4 + copies
     print(f"  a layer, a token: 2(C+2)4 + 14C·2 + 4nh = {layer:,} B (06's none)")
-    print(f"  activations: 32·1,024·(12·{layer:,} + {rest:,} + {head:,})")
     print(
-        f"    + 8·1,024 + 4 + {copies:,} = {act:,} B; plan {p.memory['activations']:,}"
+        f"  activations: 32·1,024·(12 layers·{layer:,} + ln_f {rest:,} + head {head:,})"
     )
+    print(f"    + positions 8·1,024 + the token count 4 + autocast's copies {copies:,}")
+    print(f"    = {act:,} B; plan {p.memory['activations']:,}")
     logits = 2 * 32 * 1024 * 50_304
     print(f"  logits: 2·32·1,024·50,304 = {logits:,} B; plan {p.memory['logits']:,}")
     print(f"  peak {plan_report.gib(p.memory['total'])} GiB; measured 21.3 GiB")
