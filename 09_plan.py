@@ -553,16 +553,18 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
-    add("--model", default="gpt2-xl", help="02's preset (default: %(default)s)")
+    presets = f"02's preset: {', '.join(model_lib.PRESETS)} (default: %(default)s)"
+    add("--model", default="gpt2-xl", help=presets)
     add("--gpus", type=int, default=16, help="GPUs in all (default: %(default)s)")
     add("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default: 8)")
     add("--gpu", default="h100", help=f"{', '.join(GPUS)} (default: %(default)s)")
     add("--tokens", type=float, default=10e9, help="the run's tokens (default: 10e9)")
-    add("--batch-size", type=int, default=512, help="sequences (default: 512, GPT-2's)")
+    add("--batch-size", type=int, default=512, help="sequences a step, all GPUs (512)")
     add("--seq-len", type=int, default=None, help="T, wpe's rows too (default: preset)")
     add("--dtype", default="bf16", choices=tuple(BYTES), help="default: bf16, autocast")
     add("--lora-rank", type=int, default=0, help="LoRA's rank (default: 0, off)")
-    add("--loss", default="plain", choices=("plain", "chunked"), help="default: plain")
+    loss = "chunked: 06's loss that never keeps the logits (default: plain)"
+    add("--loss", default="plain", choices=("plain", "chunked"), help=loss)
     add("--price", type=float, default=None, help="$ per GPU-hour (default: no cost)")
     add("--top", type=int, default=5, help="fitting layouts printed (default: 5)")
     args = parser.parse_args(argv)

@@ -12,8 +12,10 @@ def parse_args(argv, description: str, shard_tokens: int, quality, dedup):
     sources_help = "stdlib (Python's source), a file, folder or glob (.jsonl lines)"
     arg("--source", default="stdlib", help=sources_help)
     arg("--tokenizer", default="bpe", help="bpe (trained here), gpt2, char, X.tiktoken")
-    arg("--vocab-size", type=int, default=4096, help="BPE vocabulary: seconds to learn")
-    arg("--block-size", type=int, default=1024, help="GPT-2's context (a split: 1+)")
+    vocab = "bpe: its vocabulary (256 bytes + merges + 1 special); larger takes longer"
+    arg("--vocab-size", type=int, default=4096, help=vocab)
+    block = "T: each split must hold one window of T+1 ids, checked here"
+    arg("--block-size", type=int, default=1024, help=block)
     arg("--val-fraction", type=float, default=0.05, help="the tail held out for val")
     arg("--text-field", default="text", help="the field of a .jsonl line with the text")
     arg("--shard-tokens", type=int, default=shard_tokens, help="ids per shard at most")
