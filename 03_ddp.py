@@ -462,7 +462,8 @@ def run_demo(args, rank: int, world: int, device) -> None:
     print0(
         f"\n03 · data parallelism on {world} ranks ({dist.get_backend()}), '{PRESET}'"
     )
-    print0(f"\n1. both wrappers == one process after {STEPS} AdamW steps (max |Δ|)")
+    print0(f"\n1. both wrappers == one process after {STEPS} AdamW steps (|Δ| of the")
+    print0("   steps' summed losses, max |Δ| of the weights)")
     print0(f"   {'':<9} {'Σ losses':>9} {'weights':>9}")
     for name, loss, error in list(zip(names, losses - losses[0], errors))[1:]:
         print0(f"   {name:<9} {abs(loss):9.1e} {error:9.1e}")

@@ -19,9 +19,9 @@ microbatches' activations. 1F1B (PipeDream-flush, 1806.03377) has the same bubbl
 holds at most p: stage r runs p-r-1 warm-up forwards, then a forward and a backward in
 turn (the steady phase), then the backwards left (the cool-down). Interleaving
 (Megatron-LM, 2104.04473) gives rank r the stages r, r+p, ...: fill and drain shrink v
-times, for v times the messages. 1F1B at p=4, m=8, t_f = t_b, as simulate() runs it
-(Fi: forward of microbatch i; . idle; bubble 3/11; <= 4 alive). The warm-ups are 3,
-2, 1 and 0 forwards, so r0's fourth forward, F3, is the first of its steady phase:
+times, for v times the messages. 1F1B at p=4, m=8, drawn with t_f = t_b (bubble 3/11,
+as simulate's default t_b = 2 t_f; Fi: forward of microbatch i; . idle; <= 4 alive).
+The warm-ups are 3, 2, 1 and 0 forwards, so r0's F3 is the first of its steady phase:
 
     r0 F0F1F2F3 . . .B0F4B1F5B2F6B3F7B4 .B5 .B6 .B7
     r1  .F0F1F2 . .B0F3B1F4B2F5B3F6B4F7B5 .B6 .B7

@@ -548,7 +548,8 @@ def run_demo(args, rank: int, world: int, device) -> None:
     dist.all_reduce(errors, op=dist.ReduceOp.MAX)  # the worst rank
     psi = len(weights[0])  # weights: (Ψ,) each
     print0(f"\n07 · ZeRO on {world} ranks ({dist.get_backend()}), GPT '{PRESET}'")
-    print0(f"\n1. every stage == one process, after {STEPS} AdamW steps (max |Δ|)")
+    print0(f"\n1. every stage == one process, after {STEPS} AdamW steps (|Δ| of the")
+    print0("   steps' summed losses, max |Δ| of the weights)")
     print0("   (simple: SimpleZero1; ZeRO-1 to 3: ZeroOptimizer, stage 1 to 3)")
     print0(f"   {'':<8} {'Σ losses':>9} {'weights':>9}")
     for name, loss, error in list(zip(names, losses - losses[0], errors))[1:]:
