@@ -657,7 +657,7 @@ def test_the_demo_runs_as_a_script_and_prints_its_headline():
     out = run_output(("03_ddp.py",))  # the run test_readme checks too, shared (stdout, stderr)
     assert "running: torchrun --standalone --nproc_per_node=2" in out, out
     assert "both wrappers == one process" in out, out
-    table = out.split("(max |Δ|)")[1].split("fp32 rounding")[0].strip().splitlines()[1:]
+    table = out.split("max |Δ| of the weights)")[1].split("fp32 rounding")[0].strip().splitlines()[1:]
     assert [row.split()[0] for row in table] == ["naive", "bucketed"], out
     for row in table:  # AdamW's first steps move a weight whose gradient is ~0 by ~lr
         loss_error, weight_error = (float(v) for v in row.split()[1:])

@@ -808,7 +808,7 @@ def test_the_demo_runs_as_a_script_and_prints_its_headline():
     assert "running: torchrun --standalone --nproc_per_node=2" in out, out
     assert "every stage == one process" in out, out
     stages = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
-    table = out.split("(max |Δ|)")[1].split("fp32 rounding")[0].strip().splitlines()
+    table = out.split("max |Δ| of the weights)")[1].split("fp32 rounding")[0].strip().splitlines()
     table = [row for row in table if row.split()[0] in ["simple", *stages]]
     names = [row.split()[0] for row in table]
     assert names == ["simple", *stages], out
