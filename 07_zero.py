@@ -264,9 +264,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g, local_g in zip(self.param_groups, self.local.param_groups):
             local_g.update({k: v for k, v in g.items() if k != "params"})  # a new lr
         self.local.step()  # only this rank's shards move
-        self._gather_all()
+        self.gather_weights()
 
-    def _gather_all(self) -> None:
+    def gather_weights(self) -> None:
         """ZeRO-1/2: every weight (ZeRO-3 gathers a unit when a forward needs it)."""
         if self.stage == 3:
             return
@@ -295,8 +295,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             "local": self.local.state_dict(),
         }
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Shards, state and weights (ZeRO-1/2 then all-gather: every rank calls it)."""
+    def load_state_dict(self, state_dict: dict, gather: bool = True) -> None:
+        """Shards, state and weights (ZeRO-1/2 then all-gather: every rank calls it).
+        gather=False leaves the all-gather to gather_weights(), for a caller whose ranks
+        first agree that the checkpoint fits every one of them (train.py's resume)."""
         # Its shards fit only the layout they were saved under: else a ValueError.
         check_layout(state_dict.get("layout"), self._layout)
         for f, shard in zip(self.flats, state_dict["shards"]):
@@ -304,7 +306,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g, saved_g in zip(self.param_groups, state_dict["param_groups"]):
             g.update(saved_g)
         self.local.load_state_dict(state_dict["local"])
-        self._gather_all()
+        if gather:
+            self.gather_weights()
 
 
 def zero_units(module: nn.Module) -> list:

@@ -185,8 +185,10 @@ def load_newest(out_dir, rank: int, world: int, device, restore) -> dict | None:
 
     A file that cannot be read is named and the previous checkpoint tried, all ranks
     agreeing. A shard that reads but does not fit (`restore` raises: another model) is
-    no damage to fall back from: every rank hears of it and the run stops. Shards load
-    to the CPU, since RNG states must stay CPU tensors. Returns the shard, or None.
+    no damage to fall back from: every rank hears of it and the run stops. `restore`
+    runs no collective (a rank that raised would miss it: a hang); what it returns, if
+    anything, runs on every rank after the vote. Shards load to the CPU, since RNG
+    states must stay CPU tensors. Returns the shard, or None.
     """
     names = [[d.name for d in complete_checkpoints(out_dir)]]
     if world > 1:
@@ -209,8 +211,9 @@ def load_newest(out_dir, rank: int, world: int, device, restore) -> dict | None:
             ok = 0.0
         if agree(ok, dist.ReduceOp.MIN, world, device) < 1.0:
             continue
+        then = None
         try:
-            restore(shard)
+            then = restore(shard)
         except Exception as e:  # noqa: BLE001 - all ranks must hear of it, or hang.
             print(f"{who} {path} does not fit this run: {str(e)[:200]}")
             ok = 0.0
@@ -218,6 +221,8 @@ def load_newest(out_dir, rank: int, world: int, device, restore) -> dict | None:
             raise SystemExit(
                 f"--resume: {ckpt} does not fit this run on some rank (above)"
             )
+        if then is not None:  # Every rank: the vote said all fit.
+            then()
         print0(f"resumed from {ckpt} (step {shard['step']})")
         return shard
     print0(f"--resume: no readable checkpoint in {ckpt_root(out_dir)}: from step 0")
@@ -267,13 +272,18 @@ def shard_of(run, step: int) -> dict:
     return shard
 
 
-def restore(run, shard: dict) -> None:
-    """A shard back into a train.Run; raises if it does not fit (another model)."""
+def restore(run, shard: dict):
+    """A shard back into a train.Run, with no collective; raises if it does not fit
+    (another model). Returns what is left for every rank to run once all agree that it
+    fits: ZeRO-1/2's all-gather of the weights, or None."""
     for module, state in zip(run.modules(), shard["model"], strict=True):
         if run.cfg.zero < 3:  # ZeRO-3: the optimizer's shards are the weights.
             # Copies into the parameters, on their device.
             module.load_state_dict(state)
-    run.optimizer.load_state_dict(shard["optimizer"])  # To each parameter's device.
+    if run.cfg.zero:  # The all-gather after the vote: a rank that raised skips it.
+        run.optimizer.load_state_dict(shard["optimizer"], gather=False)
+    else:  # To each parameter's device.
+        run.optimizer.load_state_dict(shard["optimizer"])
     if shard["scaler"]:
         run.scaler.load_state_dict(shard["scaler"])
     states = powersgd_states(run.chunks)
@@ -284,6 +294,7 @@ def restore(run, shard: dict) -> None:
     torch.set_rng_state(shard["rng"]["torch"])
     if "cuda" in shard["rng"]:
         torch.cuda.set_rng_state(shard["rng"]["cuda"], run.device)
+    return run.optimizer.gather_weights if run.cfg.zero else None
 
 
 def save_checkpoint(run, step: int) -> None:

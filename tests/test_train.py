@@ -479,7 +479,8 @@ def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
     """1. SIGTERM to rank 1 only, after step 3 of 6, at dp 2 and at pp 2, the ranks voting
     every 2 steps (after steps 0, 2, 4): returns the checkpoints each rank sees per layout.
     2. Rank 1's shard of the newest checkpoint truncated: returns the step each rank resumes at.
-    3. Rank 1's disk full while it writes its shard of step 3: what each rank raised, how fast."""
+    3. Rank 1's disk full while it writes its shard of step 3: what each rank raised, how fast.
+    4. A ZeRO-1 checkpoint that fits rank 0 but not rank 1: what each rank's resume raised."""
     common = BASE + ["--data-dir", data_dir, "--micro-batch-size", "2"]
     real_step = train.train_step
 
@@ -528,7 +529,25 @@ def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
     except Exception as e:  # noqa: BLE001 - what each rank raised is the result
         raised = f"{type(e).__name__}: {e}"
     checkpoint.atomic_write = real_write
-    return saved, resumed, (raised, time.monotonic() - start)
+
+    argv = common + ["--dp", "2", "--zero", "1", "--out-dir", f"{tmp}/misfit", "--max-steps", "2"]
+    train.main(argv)
+    real_restore = checkpoint.restore
+
+    def misfit_on_rank_1(run, shard):
+        if rank == 1:
+            raise RuntimeError("Error(s) in loading state_dict for GPT: size mismatch")
+        return real_restore(run, shard)
+
+    checkpoint.restore = misfit_on_rank_1
+    try:
+        train.main(argv + ["--resume", "--max-steps", "4"])
+        misfit = None
+    except SystemExit as e:
+        misfit = str(e)
+    finally:
+        checkpoint.restore = real_restore
+    return saved, resumed, (raised, time.monotonic() - start), misfit
 
 
 def test_two_ranks_agree_when_only_one_is_signalled_or_damaged(data_dir, tmp_path):
@@ -541,12 +560,20 @@ def test_two_ranks_agree_when_only_one_is_signalled_or_damaged(data_dir, tmp_pat
     3, none at all would train to step 5). A save that fails on rank 1 alone (a full disk)
     stops both ranks at once, each with one error, the checkpoint of step 1 whole. Behind a
     barrier, rank 0 waits: on NCCL until the timeout; here, on gloo, until rank 1's process
-    ends and closes its connections, so rank 0 raises gloo's error instead."""
+    ends and closes its connections, so rank 0 raises gloo's error instead. A ZeRO-1
+    checkpoint that fits rank 0 only stops both ranks with one line (before, rank 0 went
+    into ZeRO's all-gather inside the restore while rank 1 voted: a hang)."""
     results = run_ranks(_one_rank_of_two_damaged, 2, data_dir, str(tmp_path), timeout=180)
-    for saved, resumed, _ in results:
+    for saved, resumed, _, _ in results:
         for name in ("dp", "pp"):  # both shards, at once
             assert saved[name] == [("step_0000004", ["rank_00000.pt", "rank_00001.pt"])], name
         assert resumed == 2  # the previous checkpoint (step 1) on both ranks
+    # A shard that fits rank 0 only: both stop with one line. Before, rank 0 entered ZeRO's
+    # all-gather of the weights inside restore while rank 1 went to the vote (a hang).
+    assert [r[3] for r in results] == [
+        f"--resume: {tmp_path / 'misfit' / 'checkpoints' / 'step_0000001'} does not fit "
+        "this run on some rank (above)"
+    ] * 2
     (raised_0, took_0), (raised_1, took_1) = [r[2] for r in results]
     assert raised_0 == "RuntimeError: saving step 3 failed on another rank (its error is above)"
     assert raised_1 == "OSError: [Errno 28] No space left on device"
