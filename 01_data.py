@@ -670,7 +670,7 @@ def demo_bpe(files, args) -> Tokenizer:
     same = train_bpe(small, vocab).merges == naive.merges
     t2 = time.perf_counter()
     took = f"naive {t1 - t0:.2f} s, incremental {t2 - t1:.2f} s"
-    size = f"{len(small) / 1e3:.0f} KB"
+    size = f"{len(small) / 1e3:.0f}K characters"  # The encoder's MB are bytes.
     print(f"BPE on {size}, vocab {vocab}: {took}, same merges: {same}")
     t0 = time.perf_counter()
     tok = train_bpe(text, args.vocab_size)
@@ -678,7 +678,7 @@ def demo_bpe(files, args) -> Tokenizer:
     # Ours against tiktoken's Rust encoder holding the same merges.
     piece = text[-200_000:]
     same = tok.encode(piece) == tok.to_tiktoken().encode(piece, allowed_special="all")
-    size = f"{len(text) / 1e6:.1f} MB of the train split"
+    size = f"{len(text) / 1e6:.1f}M characters of the train split"
     print(f"a {args.vocab_size}-token BPE on {size}: {took:.1f} s; ", end="")
     print(f"ours == tiktoken: {same}")
     return tok
