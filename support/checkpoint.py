@@ -174,6 +174,9 @@ def all_or_none(action, what: str, world: int, device) -> None:
             action()
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or hang.
             error = e
+            # Said now, before the vote, which may fail too (a peer gone, a timeout).
+            rank = dist.get_rank() if world > 1 else 0
+            print(f"[rank {rank}] {what}: {type(e).__name__}: {e}", flush=True)
     if agree(0.0 if error else 1.0, dist.ReduceOp.MIN, world, device) < 1.0:
         if error is not None:
             raise error
@@ -384,11 +387,14 @@ class Preemption:
             return bool(self.signals)
         if step != self.next_vote:
             return False
+        # subtle: made before the clock is read. On a GPU this copy waits for the steps
+        # queued so far, so the time is theirs, not the host's time to queue them.
+        mine = torch.tensor([float(bool(self.signals)), 0.0], device=self.device)
         now = time.perf_counter()
         per_step = (now - self.last[0]) / (step - self.last[1])
         gap = max(1, min(self.max_gap, int(VOTE_SECONDS / per_step)))
+        mine[1] = -gap  # On the device: no second wait.
         # One all-reduce, MAX of [signalled, -gap]: any rank's signal, the smallest gap.
-        mine = torch.tensor([float(bool(self.signals)), -gap], device=self.device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         signalled, neg_gap = mine.tolist()
         self.last = (now, step)

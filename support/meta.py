@@ -16,23 +16,28 @@ import threading
 
 import torch
 
-# Held while normal_ is replaced: two threads building at once would otherwise restore
-# out of order and leave it replaced (every later GPT undrawn). Reentrant: nesting is fine.
+# Held while normal_ is replaced, so that two threads building at once do not restore it
+# out of order. Reentrant: nesting is fine. Another thread's real tensors are still drawn.
 _PATCHING = threading.RLock()
 
 
+_REAL_NORMAL = torch.nn.init.normal_
+
+
 def _draw_nothing(tensor, *args, **kwargs):
-    return tensor
+    """normal_ for a meta tensor: nothing. Any other (another thread's) is drawn."""
+    if tensor.is_meta:
+        return tensor
+    return _REAL_NORMAL(tensor, *args, **kwargs)
 
 
 @contextlib.contextmanager
 def shapes_only():
     """Modules built inside live on the meta device; nn.init.normal_ leaves them undrawn."""
     with _PATCHING:
-        real_normal = torch.nn.init.normal_
         torch.nn.init.normal_ = _draw_nothing
         try:
             with torch.device("meta"):
                 yield
         finally:
-            torch.nn.init.normal_ = real_normal
+            torch.nn.init.normal_ = _REAL_NORMAL

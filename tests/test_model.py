@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 model_lib = importlib.import_module("02_model")
 to_hf_state_dict = importlib.import_module("support.export").to_hf_state_dict
+meta_lib = importlib.import_module("support.meta")
+shapes_only = meta_lib.shapes_only
 GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
 
 
@@ -507,3 +509,16 @@ def test_config_validation_and_presets():
     small = GPTConfig.from_preset("small", vocab_size=4096)
     assert (small.n_layer, small.n_embd, small.block_size, small.vocab_size) == (4, 128, 128, 4096)
     assert GPTConfig.from_preset("gpt2") == GPTConfig()  # the defaults are GPT-2 small
+
+
+def test_shapes_only_draws_nothing_on_meta_and_still_draws_real_tensors():
+    """support/meta.py: inside shapes_only a GPT is built on the meta device with no draw
+    (which would import torch._dynamo), while a real tensor, say another thread's, is
+    still drawn; afterwards nn.init.normal_ is torch's again."""
+    real = torch.zeros(1000)
+    with shapes_only():
+        model = GPT(GPTConfig.from_preset("tiny"))
+        torch.nn.init.normal_(real)
+    assert all(p.is_meta for p in model.parameters())
+    assert real.std() > 0.5, "a real tensor went undrawn inside shapes_only"
+    assert torch.nn.init.normal_ is meta_lib._REAL_NORMAL

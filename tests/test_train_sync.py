@@ -46,7 +46,7 @@ SYNCS = (
     "__repr__",
 )
 STEPS = 8  # Steps 0 and 7 log a line; 1..6 are plain.
-VOTE = 4  # --vote-interval: the preemption vote (one .tolist()) after steps 0 and 4.
+VOTE = 4  # --vote-interval: the preemption vote (.tolist()) after steps 0 and 4.
 
 
 def ours(filename: str) -> bool:
