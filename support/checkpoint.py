@@ -391,7 +391,7 @@ class Preemption:
         # queued so far, so the time is theirs, not the host's time to queue them.
         mine = torch.tensor([float(bool(self.signals)), 0.0], device=self.device)
         now = time.perf_counter()
-        per_step = (now - self.last[0]) / (step - self.last[1])
+        per_step = max((now - self.last[0]) / (step - self.last[1]), 1e-9)  # Never 0.
         gap = max(1, min(self.max_gap, int(VOTE_SECONDS / per_step)))
         mine[1] = -gap  # On the device: no second wait.
         # One all-reduce, MAX of [signalled, -gap]: any rank's signal, the smallest gap.
