@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LESSONS = sorted(p.name for p in ROOT.glob("[0-9][0-9]_*.py"))
+# The numbered lessons and their lettered extensions (01_data.py, 01b_cleaning.py, ...).
+LESSONS = sorted(p.name for p in ROOT.glob("[0-9][0-9]*_*.py"))
 BUDGETS = {"01_data.py": 700, "train.py": 500}  # every other lesson: 600 lines
 LONG = 88  # the formatter's line length (pyproject.toml)
 LONG_SHARE = 0.05  # at most 5% of a file's lines longer than LONG
@@ -34,9 +35,16 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def numbered(module: str) -> int | None:
-    match = re.match(r"(\d\d)_", module)
-    return int(match.group(1)) if match else None
+def numbered(module: str) -> tuple[int, str] | None:
+    """A lesson's place in the reading order: 03_ddp -> (3, ""), 03b_compression -> (3, "b").
+    A lettered file extends its parent and comes after it, before the next number."""
+    match = re.match(r"(\d\d)([a-z]?)_", module)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+def test_a_lettered_lesson_comes_after_its_parent():
+    assert numbered("03_ddp") < numbered("03b_compression") < numbered("04_tensor_parallel")
+    assert numbered("support.files") is None
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

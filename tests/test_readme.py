@@ -26,7 +26,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-LESSONS = sorted(p.name for p in ROOT.glob("[0-9][0-9]_*.py"))
+LESSONS = sorted(p.name for p in ROOT.glob("[0-9][0-9]*_*.py"))  # 01_data.py, 01b_...
 
 
 def look_for_quotes(number: str) -> list[str]:
@@ -72,7 +72,8 @@ def try_runs(number: str) -> list[tuple[list[str], list[str]]]:
 
 
 def lesson_file(number: str) -> str:
-    return next(name for name in LESSONS if name.startswith(number))
+    """The lesson a section's number names: "03" -> 03_ddp.py, "03b" -> 03b_compression.py."""
+    return next(name for name in LESSONS if name.startswith(number + "_"))
 
 
 @functools.cache
@@ -108,7 +109,7 @@ def missing(quotes: list[str], out: str) -> list[str]:
 
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_quoted_output_is_printed(lesson):
-    quotes = look_for_quotes(lesson[:2]) + docstring_quotes(lesson)
+    quotes = look_for_quotes(lesson.split("_")[0]) + docstring_quotes(lesson)
     assert quotes, f"README quotes nothing of {lesson}'s output"
     out = run_output((lesson,))
     assert not missing(quotes, out), (
@@ -117,7 +118,9 @@ def test_quoted_output_is_printed(lesson):
 
 
 TRIES = [
-    (n, args, q) for n in sorted({x[:2] for x in LESSONS}) for args, q in try_runs(n)
+    (n, args, q)
+    for n in sorted({x.split("_")[0] for x in LESSONS})
+    for args, q in try_runs(n)
 ]
 
 
