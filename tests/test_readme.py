@@ -81,7 +81,10 @@ def script_output(args: tuple[str, ...]) -> tuple[int, str]:
     """Run `python ARGS` once per session, in a fresh temporary folder, the lesson found in the
     repository: (exit code, stdout then stderr). A lesson's own demo test (test_ddp's,
     test_zero's) reads the same run as its README check: one run of the demo, not two."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg")
+    # One thread unless the caller sets another: the quoted numbers must hold at any count
+    # and on any CPU kernels (ATEN_CPU_CAPABILITY=default|avx2|avx512, README's Tests).
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MPLBACKEND="Agg")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     with tempfile.TemporaryDirectory(prefix="demo-") as cwd:
         done = subprocess.run(
