@@ -2,9 +2,14 @@
 
 Every number is a vendor datasheet's (no network here: cited from the datasheets as
 published, not fetched), except the "cpu" row, this project's 2-core VM, which is an
-estimate said as one. Bandwidths are per GPU and per direction, in bytes/s: NVLink's
-"900 GB/s" on a datasheet is both directions together, 450 GB/s each way. Peaks are
-dense (no 2:4 sparsity), as support/gpus.PEAK_FLOPS, whose rows these share.
+estimate said as one, and memory, which is the capacity the card reports (nvidia-smi's
+MiB; torch.cuda.get_device_properties' total_memory), not the datasheet's round "80 GB":
+H100 80GB HBM3 81,559 MiB (nvidia-smi in github.com/NVIDIA/nccl issue 1264, and the
+table in github.com/modal-labs/modal-client pull 2797), A100-SXM4-80GB 81,920 MiB (the
+same table), H200 143,771 MiB (this project's H200: docs/results.md). Bandwidths are
+per GPU and per direction, in bytes/s: NVLink's "900 GB/s" on a datasheet is both
+directions together, 450 GB/s each way. Peaks are dense (no 2:4 sparsity), as
+support/gpus.PEAK_FLOPS, whose rows these share.
 """
 
 from dataclasses import dataclass
@@ -13,6 +18,7 @@ from support.gpus import PEAK_FLOPS
 
 GB = 1e9
 TB = 1e12
+MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -21,7 +27,7 @@ class GPU:
 
     name: str
     flops: dict  # Dense peak FLOP/s by dtype: "bf16", "fp32".
-    memory: float  # Bytes of device memory.
+    memory: float  # Bytes of device memory, as the card reports it.
     hbm: float  # Device memory bandwidth, bytes/s.
     nvlink: float  # Bytes/s one way to a GPU of the same node.
     network: float  # Bytes/s one way to another node (this GPU's share of the NICs).
@@ -33,7 +39,7 @@ GPUS = {
     "h100": GPU(
         name="NVIDIA H100 SXM5 80GB",
         flops={"bf16": PEAK_FLOPS["H100"]["bf16"], "fp32": PEAK_FLOPS["H100"]["fp32"]},
-        memory=80 * GB,
+        memory=81_559 * MIB,
         hbm=3.35 * TB,
         nvlink=450 * GB,
         network=50 * GB,
@@ -44,7 +50,7 @@ GPUS = {
     "h200": GPU(
         name="NVIDIA H200 SXM 141GB",
         flops={"bf16": PEAK_FLOPS["H200"]["bf16"], "fp32": PEAK_FLOPS["H200"]["fp32"]},
-        memory=141 * GB,
+        memory=143_771 * MIB,
         hbm=4.8 * TB,
         nvlink=450 * GB,
         network=50 * GB,
@@ -55,7 +61,7 @@ GPUS = {
     "a100": GPU(
         name="NVIDIA A100 SXM4 80GB",
         flops={"bf16": PEAK_FLOPS["A100"]["bf16"], "fp32": PEAK_FLOPS["A100"]["fp32"]},
-        memory=80 * GB,
+        memory=81_920 * MIB,
         hbm=2.039 * TB,
         nvlink=300 * GB,
         network=25 * GB,

@@ -80,7 +80,8 @@ class Plan:
 
 def layouts(config, batch: int, n_gpus: int, gpus_per_node: int, T=None):
     """Every layout worth trying: TP, then CP, inside a node, each pipeline schedule,
-    every ZeRO stage and recompute mode, micro-batches that are powers of two."""
+    every ZeRO stage and recompute mode, every micro-batch that divides the batch per DP
+    rank (nanoGPT's 12 of 480 too, not only powers of two)."""
     T = T or config.block_size
     sizes = [d for d in range(1, n_gpus + 1) if n_gpus % d == 0]
     for tp, pp, cp in itertools.product(sizes, repeat=3):
@@ -93,7 +94,8 @@ def layouts(config, batch: int, n_gpus: int, gpus_per_node: int, T=None):
             [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)] if pp > 1 else [("1f1b", 1)]
         )
         zeros = [0] if dp * cp == 1 else ([0, 1, 2] if pp > 1 else [0, 1, 2, 3])
-        mbs = [b for b in (1, 2, 4, 8, 16, 32, 64) if (batch // dp) % b == 0]
+        per_rank = batch // dp
+        mbs = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
         for (schedule, v), zero, recompute, mb in itertools.product(
             schedules, zeros, RECOMPUTE, mbs
         ):
