@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-SCALE_SPREAD = 0.05  # a ratio that varies < 5% over the entries reads as one scale factor
+# A ratio that varies by under 5% over the entries reads as one scale factor.
+SCALE_SPREAD = 0.05
 
 
 def diagnose(actual: torch.Tensor, expected: torch.Tensor) -> str:
@@ -41,7 +42,9 @@ def diagnose(actual: torch.Tensor, expected: torch.Tensor) -> str:
     wrong = (a - e).abs() > 1e-3 * (e.abs().max() + 1e-30)
     if 0 < int(wrong.sum()) < a.numel():
         first = int(wrong.nonzero()[0])
-        return f"differ in {int(wrong.sum())} of {a.numel()} entries, the first at {first}"
+        return (
+            f"differ in {int(wrong.sum())} of {a.numel()} entries, the first at {first}"
+        )
     return f"differ everywhere, max |diff| {(a - e).abs().max().item():.2e}"
 
 

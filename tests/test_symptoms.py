@@ -15,8 +15,14 @@ G = torch.linspace(-1.0, 2.0, 12).reshape(3, 4)  # a "gradient" with a zero cros
         (0.25 * G, "are 0.25x the reference's"),
         (-G, "the reference's negative"),
         (torch.zeros_like(G), "are all zero"),
-        (G.clone().index_fill_(0, torch.tensor([1]), float("nan")), "hold NaN or inf (4 of 12"),
-        (G.clone().index_fill_(0, torch.tensor([2]), 0.0), "differ in 4 of 12 entries, the first at 8"),
+        (
+            G.clone().index_fill_(0, torch.tensor([1]), float("nan")),
+            "hold NaN or inf (4 of 12",
+        ),
+        (
+            G.clone().index_fill_(0, torch.tensor([2]), 0.0),
+            "differ in 4 of 12 entries, the first at 8",
+        ),
     ],
 )
 def test_each_breakage_is_named(broken, phrase):
