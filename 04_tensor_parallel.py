@@ -18,22 +18,21 @@ Who holds what at tp = 2 (the rows of an nn.Linear weight are its output feature
     wte = lm_head    vocabulary rows [0, V/2): rank 0, [V/2, V): rank 1
     LayerNorms, wpe, row-parallel biases: a full copy on every rank  (replicated)
 The loss over vocabulary shards takes three all-reduces of (B, T), never one of (B, T, V).
+Per layer and step, with E = B*T*C: 2 g forward and 2 f backward, 4 all-reduces of E,
+each sending 2(tp-1)/tp * E per rank on a ring, all on the critical path: TP stays
+inside a node.
 
-Sequence parallelism (SP, Korthikanti et al. 2022, arXiv 2205.05198): between g and the
-next f every rank repeats the same LayerNorm, dropout and residual add on (B, T, C). An
-all-reduce is a reduce-scatter then an all-gather, so g becomes a reduce-scatter along T
-(the SP paper's g-bar) and f an all-gather (its g): that work runs on (B, T/tp, C).
-Per layer and step, with E = B*T*C: 4 all-reduces of E, each sending 2(tp-1)/tp * E per
-rank on a ring; with SP, 4 all-gathers and 4 reduce-scatters of (tp-1)/tp * E each. The
-bytes are the same, all on the critical path, so TP stays inside a node.
+Dropout: a replicated activation (the residual stream, g's output) must get the same
+mask on every rank, so it draws from the default generator, seeded alike; a sharded one
+(a rank's heads) gets its own, from a per-rank stream (RNGStateTracker.fork).
 
 Run it:  python 04_tensor_parallel.py [--ranks 4]   (relaunches itself under torchrun)
     or:  torchrun --standalone --nproc_per_node=2 04_tensor_parallel.py
 
 What changed from 03_ddp.py: DP copies the model and splits the batch, sending gradients
 once per step; TP splits every matrix, keeps the whole batch and sends activations in
-every layer. Left out on purpose: overlap of the backward all-reduce with the weight
-gradient's matmul; saving only X/tp of the activations under SP; 2D tensor parallelism.
+every layer. Left out on purpose: sequence parallelism (next, 04b_sequence_parallel.py);
+overlap of the backward all-reduce with the weight gradient's matmul; 2D TP.
 """
 
 import contextlib
@@ -55,9 +54,6 @@ model_lib = importlib.import_module("02_model")
 merge_tensors = sharding.merge_tensors  # train.py and the tests call these via 04
 shard_tensor = sharding.shard_tensor
 tp_layout = sharding.tp_layout
-
-# T is dim 1 of 02's (B, T, C); Megatron keeps (T, B, C), so its gathers need no copy.
-SEQ_DIM = 1
 
 
 class CopyToTensorParallel(torch.autograd.Function):
@@ -114,42 +110,10 @@ class TensorParallelMLP(nn.Module):
         return self.dropout(z + self.proj_bias)  # (B, T, C), the same on every rank
 
 
-class GatherFromSequenceParallel(torch.autograd.Function):
-    """SP's g, where f stood: all-gather along T forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # (B, T/tp, C): this rank's tokens -> (B, T, C)
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)  # a ring sends tp-1 parts
-        return torch.cat(parts, dim=SEQ_DIM)  # every rank's tokens, in rank order
-
-    @staticmethod
-    def backward(ctx, grad):  # (B, T, C), this rank's share -> (B, T/tp, C), summed
-        return ReduceScatterToSequenceParallel.forward(ctx, grad, ctx.group), None
-
-
-class ReduceScatterToSequenceParallel(torch.autograd.Function):
-    """SP's g-bar, where g stood: reduce-scatter along T forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # (B, T, C) partial sums -> (B, T/tp, C), own tokens
-        ctx.group = group
-        chunks = sharding.chunk_for_ranks(x, group, SEQ_DIM)  # tp x (B, T/tp, C)
-        parts = [chunk.contiguous() for chunk in chunks]
-        out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=group)  # rank r gets the sum of chunk r
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # (B, T/tp, C) -> (B, T, C): the all-gather above
-        return GatherFromSequenceParallel.forward(ctx, grad, ctx.group), None
-
-
-# Dropout under TP: a replicated activation (the residual stream; without SP, g's
-# output) stays one tensor held tp times only if every rank drops the same elements: it
-# draws from the default generator, seeded alike. A sharded one (heads; with SP, tokens)
-# is a different piece on each rank, so it draws from a stream of the rank's own.
+# Dropout under TP: a replicated activation (the residual stream, g's output) stays one
+# tensor held tp times only if every rank drops the same elements: it draws from the
+# default generator, seeded alike. A sharded one (a rank's heads; 04b's token shards) is
+# a different piece on each rank, so it draws from a stream of the rank's own.
 TP_RNG = "tensor_parallel"  # the name of that stream in checkpoints
 
 
@@ -187,72 +151,61 @@ class RNGStateTracker:
         self.state = states[TP_RNG].clone()
 
 
-class ParallelDropout(nn.Dropout):
-    """Dropout on a sharded activation (a rank's heads or tokens): its own masks."""
+# The layers below cross into and out of the TP region through these two functions, held
+# as each layer's `enter` and `leave`: 04b's sequence parallelism swaps in an all-gather
+# and a reduce-scatter, and nothing else in a layer changes.
+def copy_to_ranks(x, group):
+    """f: the input, the same on every rank, enters whole; dL/dX is summed backward."""
+    return CopyToTensorParallel.apply(x, group)  # (B, T, in)
 
-    def __init__(self, p: float, rng: RNGStateTracker):
-        super().__init__(p)
-        self.rng = rng
 
-    def forward(self, x):
-        with self.rng.fork():
-            return super().forward(x)
+def reduce_from_ranks(y, bias, group):
+    """g: the ranks' partial sums are summed; then the replicated bias, added once."""
+    y = ReduceFromTensorParallel.apply(y, group)  # (B, T, out)
+    return y if bias is None else y + bias
 
 
 class ColumnParallelLinear(nn.Module):
     """Y_i = X A_i from a full nn.Linear: (B, T, in) -> this rank's (B, T, out/tp).
-    The replicated input enters through f; with SP, (B, T/tp, in) is all-gathered."""
+    The replicated input enters through f, so no sum is needed forward."""
 
-    def __init__(self, linear: nn.Linear, group, sequence_parallel=False, chunks=1):
+    def __init__(self, linear: nn.Linear, group, chunks=1):
         super().__init__()
         self.weight = shard_param(linear.weight, 0, chunks, group)  # (out/tp, in)
         self.bias = shard_param(linear.bias, 0, chunks, group)  # (out/tp,), or None
         self.group = group
-        self.sequence_parallel = sequence_parallel
+        self.enter = copy_to_ranks  # f
 
-    def forward(self, x):  # (B, T, in), or (B, T/tp, in) with SP
-        return F.linear(self.enter(x), self.weight, self.bias)  # (B, T, out/tp)
-
-    def enter(self, x):  # -> (B, T, in), the same on every rank
-        if self.sequence_parallel:
-            return GatherFromSequenceParallel.apply(x, self.group)  # SP's g
-        return CopyToTensorParallel.apply(x, self.group)  # f
+    def forward(self, x):  # (B, T, in)
+        x = self.enter(x, self.group)  # (B, T, in), the same on every rank
+        return F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
 
 
 class RowParallelLinear(nn.Module):
-    """Z = sum_i Y_i B_i from a full nn.Linear: (B, T, in/tp) -> (B, T, out) through g,
-    or (B, T/tp, out) through SP's g-bar; the replicated bias is added after the sum."""
+    """Z = sum_i Y_i B_i from a full nn.Linear: (B, T, in/tp) -> (B, T, out) through g;
+    the replicated bias is added after the sum."""
 
-    def __init__(self, linear: nn.Linear, group, sequence_parallel=False):
+    def __init__(self, linear: nn.Linear, group):
         super().__init__()
         self.weight = shard_param(linear.weight, 1, 1, group)  # (out, in/tp)
         self.bias = linear.bias  # replicated: the same Parameter
         self.group = group
-        self.sequence_parallel = sequence_parallel
+        self.leave = reduce_from_ranks  # g
 
     def forward(self, x):  # (B, T, in/tp)
-        return self.leave(F.linear(x, self.weight))  # the partial sum Y_i B_i
-
-    def leave(self, y):  # (B, T, out), a partial sum -> the sum, plus the bias
-        if not self.sequence_parallel:
-            y = ReduceFromTensorParallel.apply(y, self.group)  # g: (B, T, out)
-            return y if self.bias is None else y + self.bias
-        y = ReduceScatterToSequenceParallel.apply(y, self.group)  # (B, T/tp, out)
-        if self.bias is None:
-            return y
-        # subtle: the bias meets this rank's T/tp tokens only, so f sums its gradient.
-        return y + CopyToTensorParallel.apply(self.bias, self.group)
+        y = F.linear(x, self.weight)  # (B, T, out): the partial sum Y_i B_i
+        return self.leave(y, self.bias, self.group)  # (B, T, out): the sum, plus b
 
 
 class VocabParallelEmbedding(nn.Module):
     """wte by vocabulary: rank r looks up its ids [r V/tp, (r+1) V/tp), writes zeros for
-    the others, and g sums over the ranks: (B, T) -> (B, T, C), or SP's (B, T/tp, C)."""
+    the others, and g sums over the ranks: (B, T) -> (B, T, C)."""
 
-    def __init__(self, emb: nn.Embedding, group, sequence_parallel=False):
+    def __init__(self, emb: nn.Embedding, group):
         super().__init__()
         self.weight = shard_param(emb.weight, 0, 1, group)  # (V/tp, C)
         self.group = group
-        self.sequence_parallel = sequence_parallel
+        self.leave = reduce_from_ranks  # g
 
     def forward(self, idx):  # (B, T)
         rows = self.weight.size(0)  # V/tp
@@ -260,62 +213,23 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= rows)  # the ids another rank owns
         x = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, T, C)
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)  # zeros, and no gradient, there
-        if self.sequence_parallel:
-            return ReduceScatterToSequenceParallel.apply(x, self.group)  # (B, T/tp, C)
-        return ReduceFromTensorParallel.apply(x, self.group)  # g: (B, T, C)
-
-
-class SequenceParallelLayerNorm(nn.Module):
-    """LayerNorm on this rank's (B, T/tp, C) tokens: the replicated weight's gradient
-    covers them only, so f sums it (forget f and the copies drift: the classic SP bug)."""
-
-    def __init__(self, ln: nn.LayerNorm, group):
-        super().__init__()
-        self.weight = ln.weight  # the same Parameters, under the same keys
-        self.bias = ln.bias
-        self.shape = ln.normalized_shape
-        self.eps = ln.eps
-        self.group = group
-
-    def forward(self, x):  # (B, T/tp, C)
-        w = CopyToTensorParallel.apply(self.weight, self.group)  # f: dw summed
-        b = None
-        if self.bias is not None:
-            b = CopyToTensorParallel.apply(self.bias, self.group)
-        return F.layer_norm(x, self.shape, w, b, self.eps)
-
-
-class SequenceParallelPositionEmbedding(nn.Module):
-    """wpe's rows for this rank's T/tp positions; f sums the (T, C) gradient."""
-
-    def __init__(self, emb: nn.Embedding, group):
-        super().__init__()
-        self.weight = emb.weight  # the same Parameter
-        self.group = group
-
-    def forward(self, pos):  # (T,)
-        pos_emb = CopyToTensorParallel.apply(F.embedding(pos, self.weight), self.group)
-        mine = sharding.chunk_for_ranks(pos_emb, self.group, 0)
-        return mine[dist.get_rank(self.group)]  # (T/tp, C)
+        return self.leave(x, None, self.group)  # (B, T, C): the rows of every rank
 
 
 class ParallelSelfAttention(nn.Module):
     """02's CausalSelfAttention on nh/tp whole heads: c_attn column-, c_proj row-parallel."""
 
-    def __init__(self, attn, group, sequence_parallel, rng):
+    def __init__(self, attn, group, rng):
         super().__init__()
-        sp = sequence_parallel
         # chunks=3: the fused [q|k|v] is cut per part, so a rank holds whole heads.
-        self.c_attn = parallel_linear(ColumnParallelLinear, attn.c_attn, group, sp, 3)
-        self.c_proj = parallel_linear(RowParallelLinear, attn.c_proj, group, sp)
-        # On copies the default masks are alike; SP's token shards need their own.
-        drop = attn.resid_dropout
-        self.resid_dropout = ParallelDropout(drop.p, rng) if sp else drop
+        self.c_attn = parallel_linear(ColumnParallelLinear, attn.c_attn, group, 3)
+        self.c_proj = parallel_linear(RowParallelLinear, attn.c_proj, group)
+        self.resid_dropout = attn.resid_dropout  # after g, on a copy: one mask
         self.head_dim = attn.head_dim
         self.dropout = attn.dropout
         self.rng = rng
 
-    def forward(self, x):  # (B, T, C), or (B, T/tp, C) with sequence parallelism
+    def forward(self, x):  # (B, T, C)
         qkv = self.c_attn(x)  # (B, T, 3C/tp): [q | k | v] of this rank's heads
         B, T, _ = qkv.shape
         parts = qkv.chunk(3, -1)
@@ -324,20 +238,22 @@ class ParallelSelfAttention(nn.Module):
         with self.rng.fork():  # this rank's heads get their own attention-dropout masks
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C/tp)
-        return self.resid_dropout(self.c_proj(y))  # (B, T, C), or (B, T/tp, C)
+        return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
 
+# LoRA (02's apply_lora, run before TP) adds x A^T B^T to a frozen W. Its factors split
+# with W, and f and g tell which whole factor's gradient needs a sum.
 class ColumnParallelLoRA(ColumnParallelLinear):
     """02's LoRALinear, column-parallel: W and B by rows, A whole under f."""
 
-    def __init__(self, lora, group, sequence_parallel=False, chunks=1):
-        super().__init__(lora, group, sequence_parallel, chunks)  # W and its bias
+    def __init__(self, lora, group, chunks=1):
+        super().__init__(lora, group, chunks)  # W and its bias
         self.lora_A = lora.lora_A  # (r, in): whole, the same Parameter
         self.lora_B = shard_param(lora.lora_B, 0, chunks, group)  # (out/tp, r)
         self.scale = lora.scale
 
-    def forward(self, x):  # (B, T, in), or (B, T/tp, in) with SP
-        x = self.enter(x)  # (B, T, in): one f (or SP's g) for both paths
+    def forward(self, x):  # (B, T, in)
+        x = self.enter(x, self.group)  # (B, T, in): one f for both paths
         # Each rank's dA comes from its own out/tp features only, so f sums it.
         a = CopyToTensorParallel.apply(self.lora_A, self.group)
         update = x @ a.T @ self.lora_B.T * self.scale  # (B, T, r) -> (B, T, out/tp)
@@ -347,8 +263,8 @@ class ColumnParallelLoRA(ColumnParallelLinear):
 class RowParallelLoRA(RowParallelLinear):
     """02's LoRALinear, row-parallel: W and A by columns, B whole under f."""
 
-    def __init__(self, lora, group, sequence_parallel=False):
-        super().__init__(lora, group, sequence_parallel)  # W, and the replicated bias
+    def __init__(self, lora, group):
+        super().__init__(lora, group)  # W, and the replicated bias
         self.lora_A = shard_param(lora.lora_A, 1, 1, group)  # (r, in/tp)
         self.lora_B = lora.lora_B  # (out, r): whole, the same Parameter
         self.scale = lora.scale
@@ -357,7 +273,8 @@ class RowParallelLoRA(RowParallelLinear):
         # x_i A_i^T is this rank's partial sum of x A^T, so dB is one too: f sums it.
         b = CopyToTensorParallel.apply(self.lora_B, self.group)
         update = x @ self.lora_A.T @ b.T * self.scale  # (B, T, r) -> (B, T, out)
-        return self.leave(F.linear(x, self.weight) + update)  # one g for both sums
+        y = F.linear(x, self.weight) + update  # (B, T, out): both partial sums
+        return self.leave(y, self.bias, self.group)  # one g for both
 
 
 def parallel_linear(cls, linear, group, *args):
@@ -424,12 +341,13 @@ def check_tp_config(config, tp: int):
     assert V % tp == 0, f"{cannot}: the vocabulary has {V} rows {fix}"
 
 
-def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
+def apply_tensor_parallel(model, group, *, seed=None):
     """Shard a 02_model.GPT, built alike on every rank, over the TP `group` in place.
     model(idx, targets) then returns this rank's (B, T, V/tp) logits and the full mean
     loss; 02's state-dict keys, embed, blocks, head and loss_fn still work. Dropout's
     per-rank stream is seeded (seed or torch.initial_seed()) + 1 + world_size + rank,
-    apart from seed + 1 ... seed + world_size, which callers may give default streams."""
+    apart from seed + 1 ... seed + world_size, which callers may give default streams.
+    04b's apply_sequence_parallel starts here."""
     if group is None:
         raise ValueError("pass the TP process group explicitly (dist.new_group(ranks))")
     if getattr(model.loss_fn, "func", None) is not model_lib.cross_entropy_loss:
@@ -438,33 +356,23 @@ def apply_tensor_parallel(model, group, sequence_parallel=False, seed=None):
     different = "weights differ across TP ranks: torch.manual_seed alike before GPT()"
     sharding.check_same_on_ranks(list(model.parameters()), group, different)
     t = model.transformer
-    sp = sequence_parallel
     seed = (torch.initial_seed() if seed is None else seed) + 1 + dist.get_world_size()
     rng = RNGStateTracker(t.wte.weight.device, (seed + dist.get_rank()) % 2**63)
     tied = model.lm_head.weight is t.wte.weight
-    t.wte = VocabParallelEmbedding(t.wte, group, sp)
+    t.wte = VocabParallelEmbedding(t.wte, group)
     # The head gives this rank's (B, T, V/tp) logits; a tied one reuses wte's shard.
-    model.lm_head = ColumnParallelLinear(model.lm_head, group, sp)
+    model.lm_head = ColumnParallelLinear(model.lm_head, group)
     if tied:
         model.lm_head.weight = t.wte.weight
-    for block in t.h:
-        block.attn = ParallelSelfAttention(block.attn, group, sp, rng)
+    for block in t.h:  # the LayerNorms and dropouts between f and g stay copies
+        block.attn = ParallelSelfAttention(block.attn, group, rng)
         mlp = block.mlp
-        mlp.c_fc = parallel_linear(ColumnParallelLinear, mlp.c_fc, group, sp)
-        mlp.c_proj = parallel_linear(RowParallelLinear, mlp.c_proj, group, sp)
-        if sp:  # token shards now: their own dropout masks, and f on the LayerNorms
-            mlp.dropout = ParallelDropout(mlp.dropout.p, rng)
-            block.ln_1 = SequenceParallelLayerNorm(block.ln_1, group)
-            block.ln_2 = SequenceParallelLayerNorm(block.ln_2, group)
-    if sp:
-        t.wpe = SequenceParallelPositionEmbedding(t.wpe, group)
-        t.drop = ParallelDropout(t.drop.p, rng)
-        t.ln_f = SequenceParallelLayerNorm(t.ln_f, group)
+        mlp.c_fc = parallel_linear(ColumnParallelLinear, mlp.c_fc, group)
+        mlp.c_proj = parallel_linear(RowParallelLinear, mlp.c_proj, group)
     V = model.config.vocab_size
     model.loss_fn = partial(vocab_parallel_cross_entropy, group=group, vocab_size=V)
     model.tp_group = group
     model.tp_rng = rng
-    model.sequence_parallel = sp
     return model
 
 
@@ -500,51 +408,57 @@ def demo_mlp(args, config, group, device):
     print0(f"  equals the unsharded MLP: max relative |diff| {worst}")
 
 
+def step_against_whole(model, full, x, y, group, device):
+    """One forward + backward of a sharded GPT, its collectives counted, against the
+    whole model's: max |diff| of the logits, the loss, every gradient (each against its
+    slice of the whole's) and the gradient norm, as text; the count_comm log; and the
+    parameters this rank holds, as a share of the whole's."""
+    full.zero_grad(set_to_none=True)
+    logits_full, loss_full = full(x, y)
+    loss_full.backward()
+    want = sharding.grad_shards(full, group)  # each gradient, or this rank's slice
+    norm_full = torch.stack([p.grad.norm() for p in full.parameters()]).norm()
+    with sharding.count_comm() as log:  # every collective of the step, with bytes
+        logits, loss = model(x, y)
+        loss.backward()
+    grads = [(p, p.grad) for p in model.parameters()]
+    norm = grad_norm_squared(grads, group, device).sqrt()
+    diffs = {"logits": (gather_logits(logits, group) - logits_full).abs().max()}
+    diffs["loss"] = (loss - loss_full).abs()
+    params = model.named_parameters()
+    diffs["any gradient"] = max((p.grad - want[n]).abs().max() for n, p in params)
+    diffs["gradient norm"] = (norm - norm_full).abs()
+    worst = sharding.equal_over_ranks(diffs, group, "the sharded GPT")
+    n_rank = sum(p.numel() for p in model.parameters())
+    share = n_rank / sum(p.numel() for p in full.parameters())
+    return worst, log, share
+
+
 def demo_gpt(args, config, group, device):
-    """The whole GPT, with and without SP, against the unsharded model."""
+    """The whole GPT sharded by apply_tensor_parallel, against the unsharded model."""
     tp = dist.get_world_size(group)
     torch.manual_seed(args.seed)  # the same whole model on every rank, sliced after
     full = model_lib.GPT(config).to(device)
-    sharded = {}
-    for sp in (False, True):
-        sharded[sp] = apply_tensor_parallel(copy.deepcopy(full), group, sp)
+    model = apply_tensor_parallel(copy.deepcopy(full), group)
     B = args.batch_size
     T = config.block_size
     # The same batch on every rank: TP splits the model, not the data.
     [(x, y)] = model_lib.byte_batches(T, B, seed=args.seed, device=device)
     print0(f"GPT '{args.preset}' (nh={config.n_head}), (B, T) = ({B}, {T}), fp32")
-    logits_full, loss_full = full(x, y)
-    loss_full.backward()
-    want = sharding.grad_shards(full, group)  # each gradient, or this rank's slice
-    norm_full = torch.stack([p.grad.norm() for p in full.parameters()]).norm()
-    n_full = sum(p.numel() for p in full.parameters())
+    worst, log, share = step_against_whole(model, full, x, y, group, device)
+    print0(f"tp={tp}: max |diff| {worst}")
+    share = f"{share:.1%} of the whole (1/tp = {1 / tp:.1%})"
+    print0(f"  parameters per rank {share}: LayerNorms, wpe, row biases are copies")
+    sharding.check_comm(log, config, B, T, sp=False)  # each collective's bytes
     E = B * T * config.n_embd * 4  # the bytes of one (B, T, C) activation in fp32
-    sent = {}  # the bytes one rank sends for the activations, by SP
-    for sp, model in sharded.items():
-        with sharding.count_comm() as log:  # every collective of the step, with bytes
-            logits, loss = model(x, y)
-            loss.backward()
-        grads = [(p, p.grad) for p in model.parameters()]
-        norm = grad_norm_squared(grads, group, device).sqrt()
-        diffs = {"logits": (gather_logits(logits, group) - logits_full).abs().max()}
-        diffs["loss"] = (loss - loss_full).abs()
-        params = model.named_parameters()
-        diffs["any gradient"] = max((p.grad - want[n]).abs().max() for n, p in params)
-        diffs["gradient norm"] = (norm - norm_full).abs()
-        worst = sharding.equal_over_ranks(diffs, group, "the TP GPT")
-        print0(f"tp={tp}{' + sequence parallel' if sp else ''}: max |diff| {worst}")
-        n_rank = sum(p.numel() for p in model.parameters())
-        share = f"{n_rank / n_full:.1%} of the whole (1/tp = {1 / tp:.1%})"
-        print0(f"  parameters per rank {share}: LayerNorms, wpe, row biases are copies")
-        print0(f"  gradient norm {norm:.6f}, the unsharded model's {norm_full:.6f}")
-        sharding.check_comm(log, config, B, T, sp)  # each collective's bytes
-        calls, sent[sp] = sharding.ring_sent(log, tp, E)  # those of (B, T, C)
-        kinds = "all-gathers and reduce-scatters" if sp else "all-reduces"
-        print0(f"  {calls} {kinds} of (B, T, C): {sent[sp]:,} bytes sent per rank")
-    assert sent[True] == sent[False], f"SP sends other bytes than TP: {sent}"
-    print0("  (4 a layer, the embedding's g, the head's f; SP: 2 each): SP sends the same bytes")
-    with torch.no_grad(), sharding.count_comm() as log:
-        model.loss_fn(logits, y)  # the loss alone, from this rank's (B, T, V/tp)
+    calls, sent = sharding.ring_sent(log, tp, E)  # the all-reduces of (B, T, C)
+    assert calls == 4 * config.n_layer + 2, f"{calls} all-reduces of (B, T, C)"
+    print0(f"  {calls} all-reduces of (B, T, C): {sent:,} bytes sent per rank")
+    print0("  (2 g and 2 f a layer, the embedding's g, the head's f)")
+    with torch.no_grad():
+        logits = model(x)[0]  # this rank's (B, T, V/tp)
+        with sharding.count_comm() as log:
+            model.loss_fn(logits, y)  # the loss alone, from the logit shards
     assert log == [("all_reduce", 4 * B * T)] * 3, f"the loss's collectives: {log}"
     V = config.padded_vocab_size
     vs = f"{4 * B * T:,} bytes each, not the {4 * B * T * V:,} of (B, T, V)"
@@ -556,17 +470,20 @@ def demo_dropout(args, group, device):
     tp = dist.get_world_size(group)
     torch.manual_seed(args.seed)  # the default stream, alike on every rank
     seed = args.seed + 1 + dist.get_rank()  # this rank's own stream, as in the model
-    drop_copy = nn.Dropout(0.5)  # a replicated region: the default stream
-    drop_shard = ParallelDropout(0.5, RNGStateTracker(device, seed))
+    tracker = RNGStateTracker(device, seed)
+    drop = nn.Dropout(0.5)
     ones = torch.ones(1024, device=device)
+    copy_mask = drop(ones)  # a replicated region: the default stream
+    with tracker.fork():  # a sharded region (a rank's heads): its own stream
+        shard_mask = drop(ones)
     # A copy's mask, a shard's, then a copy's again: the fork left the default alone.
-    masks = torch.stack([drop_copy(ones), drop_shard(ones), drop_copy(ones)])
+    masks = torch.stack([copy_mask, shard_mask, drop(ones)])
     alike = sharding.same_on_ranks(masks, group)  # per mask: every rank drew it?
     assert alike[0] and alike[2], "the ranks drew different masks for a copy"
     assert tp == 1 or not alike[1], "the ranks drew one mask for different shards"
     same = "the same mask on every rank"
     print0(f"dropout: a replicated activation gets {same}: {alike[0] and alike[2]};")
-    print0(f"  a sharded one (heads, SP's tokens) gets {same}: {alike[1]}")
+    print0(f"  a sharded one (a rank's heads, under fork()) gets {same}: {alike[1]}")
 
 
 def add_arguments(parser):
@@ -584,7 +501,7 @@ def demo_config(args, tp: int):
 
 
 def demo(args, rank, world_size, device):
-    """The MLP, the GPT with and without SP, and dropout, on one TP group of every rank."""
+    """The MLP, then the whole GPT, then dropout, on one TP group of every rank."""
     config = demo_config(args, world_size)
     group = dist.new_group(list(range(world_size)))  # the TP group: every rank
     demo_mlp(args, config, group, device)

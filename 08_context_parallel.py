@@ -416,7 +416,7 @@ class TruePositions(nn.Module):
     def __init__(self, wpe, group, split):
         super().__init__()
         self.weight = wpe.weight
-        self.lookup = wpe.forward  # 02's nn.Embedding, or 04's SP position embedding
+        self.lookup = wpe.forward  # 02's nn.Embedding, or 04b's SP position embedding
         self.group = group
         self.split = split
 

@@ -209,7 +209,7 @@ def _tp_shard(parts: dict, config, b, T, dtype, layout: Layout) -> dict:
     """A layer's bytes on a TP rank: 04 splits q|k|v, attention's output and its
     log-sum-exp, c_fc's output and GELU's (12C numbers of none's 14C; 8C of selective's
     10C), whole heads' lse; SP also splits the LayerNorms' inputs (full: the block's
-    input). The matmuls' inputs stay whole (04 leaves SP's saving them /tp out)."""
+    input). The matmuls' inputs stay whole (04b leaves SP's saving them /tp out)."""
     tp = layout.tp
     recompute = layout.recompute
     C = config.n_embd

@@ -58,6 +58,7 @@ data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 ddp_lib = importlib.import_module("03_ddp")
 tp_lib = importlib.import_module("04_tensor_parallel")
+sp_lib = importlib.import_module("04b_sequence_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
 zero_lib = importlib.import_module("07_zero")
@@ -168,10 +169,9 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device) -> list:
     vocab.grow_rows(model, gpt_config)  # TP's padding: zero rows (support/vocab).
     if cfg.lora_rank:  # The base frozen as loaded; A alike on every rank (this seed).
         model_lib.apply_lora(model, cfg.lora_rank, cfg.lora_alpha)
-    if grid.tp > 1:
-        tp_lib.apply_tensor_parallel(
-            model, grid.tp_group, cfg.sequence_parallel, cfg.seed
-        )
+    if grid.tp > 1:  # 04's split; with --sequence-parallel, 04b's, built on it.
+        apply = (tp_lib.apply_tensor_parallel, sp_lib.apply_sequence_parallel)
+        apply[cfg.sequence_parallel](model, grid.tp_group, seed=cfg.seed)
     if grid.cp > 1:  # 08: the ring in every attention, wpe at the chunks' positions.
         cp_lib.apply_context_parallel(model, grid.cp_group)
     mp_lib.apply_recomputation(model, cfg.recompute)  # 06: what each block keeps

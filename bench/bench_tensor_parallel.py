@@ -35,6 +35,7 @@ from support import distributed, sharding
 
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
+sp_lib = importlib.import_module("04b_sequence_parallel")
 mp_lib = importlib.import_module("06_mixed_precision")  # saved_activation_bytes
 
 # A ring all-reduce sends 2(tp-1)/tp * S per rank, S being the payload that
@@ -76,8 +77,8 @@ def bench(args, group, device):
     )
     B, T = x.shape
     variants = {}
-    for sp in (False, True):
-        variants[sp] = tp_lib.apply_tensor_parallel(copy.deepcopy(full), group, sp)
+    variants[False] = tp_lib.apply_tensor_parallel(copy.deepcopy(full), group)
+    variants[True] = sp_lib.apply_sequence_parallel(copy.deepcopy(full), group)
     p_full = param_bytes(full)
     _, act_full = mp_lib.saved_activation_bytes(lambda: full(x, y))
     ms_full = ms_per_step(full, x, y, args) if dist.get_rank(group) == 0 else 0.0

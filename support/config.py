@@ -49,7 +49,7 @@ class TrainConfig:
     # 1F1B keeps at most pp microbatches' activations alive, GPipe all of them.
     schedule: str = flag("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved (05)")
     virtual_stages: int = flag(1, "model chunks per pipeline rank (> 1: interleaved)")
-    sequence_parallel: bool = flag(False, "with --tp: shard LayerNorm by tokens (04)")
+    sequence_parallel: bool = flag(False, "with --tp: shard LayerNorm by tokens (04b)")
     zero: int = flag(0, "ZeRO (07): 0 off, 1 AdamW's state, 2 + gradients, 3 + weights")
     grad_compression: str = flag("none", "DP's gradients: none, fp16, bf16, powersgd")
     powersgd_rank: int = flag(4, "powersgd: sketch rank r, (m + n)·r numbers a matrix")

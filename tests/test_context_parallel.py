@@ -484,6 +484,7 @@ def case_cp_tp(rank, world_size):
     if world_size != 4:
         return "4 ranks only"
     tp_lib = importlib.import_module("04_tensor_parallel")
+    sp_lib = importlib.import_module("04b_sequence_parallel")
     sharding = importlib.import_module("support.sharding")
     tp_rank = rank % 2
     cp_rank = rank // 2
@@ -493,8 +494,9 @@ def case_cp_tp(rank, world_size):
     cp_group = cp_groups[tp_rank]
     idx, targets = batch()
     full, logits_want, loss_want, grads_want = one_process(targets)
-    for sp in (False, True):
-        model = tp_lib.apply_tensor_parallel(copy.deepcopy(full), tp_group, sp)
+    for apply in (tp_lib.apply_tensor_parallel, sp_lib.apply_sequence_parallel):
+        sp = apply is sp_lib.apply_sequence_parallel
+        model = apply(copy.deepcopy(full), tp_group)
         model = cp_lib.apply_context_parallel(model, cp_group)
         x = cp_lib.zigzag_split(idx, cp_rank, 2)
         y = cp_lib.zigzag_split(targets, cp_rank, 2)

@@ -35,6 +35,7 @@ plan_lib = importlib.import_module("09_plan")
 model_lib = importlib.import_module("02_model")
 ddp = importlib.import_module("03_ddp")
 tp_lib = importlib.import_module("04_tensor_parallel")
+sp_lib = importlib.import_module("04b_sequence_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
 zero_lib = importlib.import_module("07_zero")
@@ -143,7 +144,10 @@ def build(layout: Layout, rank: int, world: int):
     group = dist.new_group(list(range(world)))
     kw = dict(lr=1e-3, weight_decay=0.1)
     if layout.tp > 1:
-        tp_lib.apply_tensor_parallel(model, group, layout.sequence_parallel)
+        apply = tp_lib.apply_tensor_parallel  # 04b's SP builds on 04's split
+        if layout.sequence_parallel:
+            apply = sp_lib.apply_sequence_parallel
+        apply(model, group)
     if layout.cp > 1:
         cp_lib.apply_context_parallel(model, group)
     if layout.pp > 1:

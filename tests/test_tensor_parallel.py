@@ -5,8 +5,10 @@ gradient, each shard against the matching slice of the full gradient.
 Starting a rank costs a second or two, so one world per world size runs every case
 (`CASES`, in order) and the tests below read its per-case verdicts. Shapes are tiny:
 L=2, nh=4, C=32, T=16, vocab 100 padded to 128 (so padding rows exist and split evenly
-over 2 and 4 ranks)."""
+over 2 and 4 ranks). Each case takes `sp`: tests/test_sequence_parallel.py runs the
+same cases (and its own) with 04b's sequence parallelism on top of 04's split."""
 
+import contextlib
 import copy
 import importlib
 import traceback
@@ -21,6 +23,7 @@ from support import distributed
 from tests.distributed import run_ranks
 
 tp_lib = importlib.import_module("04_tensor_parallel")
+sp_lib = importlib.import_module("04b_sequence_parallel")
 model_lib = importlib.import_module("02_model")
 sharding = importlib.import_module("support.sharding")  # count_comm, comm_formula
 GPT = model_lib.GPT
@@ -114,14 +117,24 @@ def batch(seed, vocab=100, t=T):
     return idx, targets
 
 
+def apply(model, group, sp):
+    """04's apply_tensor_parallel, or with sp 04b's apply_sequence_parallel (built on
+    it)."""
+    if sp:
+        return sp_lib.apply_sequence_parallel(model, group)
+    return tp_lib.apply_tensor_parallel(model, group)
+
+
+def layer(module, sp):
+    """A layer as 04 builds it, or with sp switched to 04b's sequence parallelism."""
+    return sp_lib.to_sequence_parallel(module) if sp else module
+
+
 def gpt_pair(group, sp, tied=True, dropout=0.0, seed=0):
-    """The same GPT twice: whole, and sharded by apply_tensor_parallel (built identically
-    first)."""
+    """The same GPT twice: whole, and sharded by `apply` (built identically first)."""
     torch.manual_seed(seed)
     full = GPT(tiny(tie_embeddings=tied, dropout=dropout))
-    return full, tp_lib.apply_tensor_parallel(
-        copy.deepcopy(full), group, sequence_parallel=sp
-    )
+    return full, apply(copy.deepcopy(full), group, sp)
 
 
 def seq(t, rank, tp, sp):
@@ -155,7 +168,7 @@ def consolidate_state_dict(model, group) -> dict:
 # --------------------------------------------------------------------------------------
 # the cases, run inside each world
 # --------------------------------------------------------------------------------------
-def case_mlp(rank, tp, group):
+def case_mlp(rank, tp, group, sp):
     """The simple version, 02's MLP with f and g written out: output, dX and every
     gradient equal the whole MLP's (each shard against its slice), with exactly one
     all-reduce of (B, T, C) forward (g) and one backward (f)."""
@@ -185,71 +198,68 @@ def case_mlp(rank, tp, group):
     close(mlp.proj_bias.grad, full.c_proj.bias.grad, "MLP: c_proj db (replicated)")
 
 
-def case_column_linear(rank, tp, group):
-    """Y_i = X A_i: the rank's output columns, and f's all-reduce makes dX the full dX."""
-    for sp in (False, True):
-        torch.manual_seed(1)
-        full = nn.Linear(8, 4 * tp)
-        x = torch.randn(B, 2 * tp, 8, requires_grad=True)
-        upstream = torch.randn(B, 2 * tp, 4 * tp)  # a fixed dL/dY: L = sum(Y * dY)
-        (full(x) * upstream).sum().backward()
-        col = tp_lib.ColumnParallelLinear(full, group, sequence_parallel=sp)
-        x_local = seq(x.detach(), rank, tp, sp).clone().requires_grad_()
-        y = col(x_local)  # (B, T, out/tp)
-        close(y, full(x).detach().chunk(tp, -1)[rank], f"column sp={sp}: output")
-        (y * upstream.chunk(tp, -1)[rank]).sum().backward()
-        close(x_local.grad, seq(x.grad, rank, tp, sp), f"column sp={sp}: input grad")
-        close(
-            col.weight.grad, full.weight.grad.chunk(tp, 0)[rank], f"column sp={sp}: dW"
-        )
-        close(col.bias.grad, full.bias.grad.chunk(tp, 0)[rank], f"column sp={sp}: db")
-        close(
-            tp_lib.gather_logits(y, group),
-            full(x).detach(),
-            f"column sp={sp}: all of Y",
-        )
+def case_column_linear(rank, tp, group, sp):
+    """Y_i = X A_i: the rank's output columns, and f's all-reduce makes dX the full dX
+    (SP: the all-gather's reduce-scatter gives this rank's tokens of it)."""
+    torch.manual_seed(1)
+    full = nn.Linear(8, 4 * tp)
+    x = torch.randn(B, 2 * tp, 8, requires_grad=True)
+    upstream = torch.randn(B, 2 * tp, 4 * tp)  # a fixed dL/dY: L = sum(Y * dY)
+    (full(x) * upstream).sum().backward()
+    col = layer(tp_lib.ColumnParallelLinear(full, group), sp)
+    x_local = seq(x.detach(), rank, tp, sp).clone().requires_grad_()
+    y = col(x_local)  # (B, T, out/tp)
+    close(y, full(x).detach().chunk(tp, -1)[rank], f"column sp={sp}: output")
+    (y * upstream.chunk(tp, -1)[rank]).sum().backward()
+    close(x_local.grad, seq(x.grad, rank, tp, sp), f"column sp={sp}: input grad")
+    close(col.weight.grad, full.weight.grad.chunk(tp, 0)[rank], f"column sp={sp}: dW")
+    close(col.bias.grad, full.bias.grad.chunk(tp, 0)[rank], f"column sp={sp}: db")
+    close(
+        tp_lib.gather_logits(y, group),
+        full(x).detach(),
+        f"column sp={sp}: all of Y",
+    )
 
 
-def case_row_linear(rank, tp, group):
-    """Z = sum_i Y_i B_i: g sums the partial products; the bias is added once."""
-    for sp in (False, True):
-        torch.manual_seed(2)
-        full = nn.Linear(4 * tp, 8)
-        x = torch.randn(B, 2 * tp, 4 * tp, requires_grad=True)
-        upstream = torch.randn(B, 2 * tp, 8)
-        (full(x) * upstream).sum().backward()
-        row = tp_lib.RowParallelLinear(full, group, sequence_parallel=sp)
-        x_in = x.detach().clone().requires_grad_()
-        z = row(x_in.chunk(tp, -1)[rank])  # (B, T, in/tp): this rank's input columns
-        close(z, seq(full(x).detach(), rank, tp, sp), f"row sp={sp}: output")
-        (z * seq(upstream, rank, tp, sp)).sum().backward()
-        # every rank's slice
-        x_grad = torch.cat(gather(x_in.grad.chunk(tp, -1)[rank], group), -1)
-        close(x_grad, x.grad, f"row sp={sp}: input grad")
-        close(row.weight.grad, full.weight.grad.chunk(tp, 1)[rank], f"row sp={sp}: dW")
-        close(row.bias.grad, full.bias.grad, f"row sp={sp}: db (replicated)")
+def case_row_linear(rank, tp, group, sp):
+    """Z = sum_i Y_i B_i: g sums the partial products; the bias is added once (SP: the
+    reduce-scatter leaves this rank's tokens, and f sums the bias's gradient)."""
+    torch.manual_seed(2)
+    full = nn.Linear(4 * tp, 8)
+    x = torch.randn(B, 2 * tp, 4 * tp, requires_grad=True)
+    upstream = torch.randn(B, 2 * tp, 8)
+    (full(x) * upstream).sum().backward()
+    row = layer(tp_lib.RowParallelLinear(full, group), sp)
+    x_in = x.detach().clone().requires_grad_()
+    z = row(x_in.chunk(tp, -1)[rank])  # (B, T, in/tp): this rank's input columns
+    close(z, seq(full(x).detach(), rank, tp, sp), f"row sp={sp}: output")
+    (z * seq(upstream, rank, tp, sp)).sum().backward()
+    # every rank's slice
+    x_grad = torch.cat(gather(x_in.grad.chunk(tp, -1)[rank], group), -1)
+    close(x_grad, x.grad, f"row sp={sp}: input grad")
+    close(row.weight.grad, full.weight.grad.chunk(tp, 1)[rank], f"row sp={sp}: dW")
+    close(row.bias.grad, full.bias.grad, f"row sp={sp}: db (replicated)")
 
 
-def case_vocab_embedding(rank, tp, group):
+def case_vocab_embedding(rank, tp, group, sp):
     """Each rank looks up the ids it owns; the sum over ranks is the full lookup."""
-    for sp in (False, True):
-        torch.manual_seed(3)
-        full = nn.Embedding(8 * tp, 6)
-        idx = torch.randint(0, 8 * tp, (B, 2 * tp))  # ids from every rank's range
-        upstream = torch.randn(B, 2 * tp, 6)
-        (full(idx) * upstream).sum().backward()
-        emb = tp_lib.VocabParallelEmbedding(full, group, sequence_parallel=sp)
-        out = emb(idx)
-        close(out, seq(full(idx).detach(), rank, tp, sp), f"embedding sp={sp}: output")
-        (out * seq(upstream, rank, tp, sp)).sum().backward()
-        close(
-            emb.weight.grad,
-            full.weight.grad.chunk(tp, 0)[rank],
-            f"embedding sp={sp}: dW",
-        )
+    torch.manual_seed(3)
+    full = nn.Embedding(8 * tp, 6)
+    idx = torch.randint(0, 8 * tp, (B, 2 * tp))  # ids from every rank's range
+    upstream = torch.randn(B, 2 * tp, 6)
+    (full(idx) * upstream).sum().backward()
+    emb = layer(tp_lib.VocabParallelEmbedding(full, group), sp)
+    out = emb(idx)
+    close(out, seq(full(idx).detach(), rank, tp, sp), f"embedding sp={sp}: output")
+    (out * seq(upstream, rank, tp, sp)).sum().backward()
+    close(
+        emb.weight.grad,
+        full.weight.grad.chunk(tp, 0)[rank],
+        f"embedding sp={sp}: dW",
+    )
 
 
-def case_cross_entropy(rank, tp, group):
+def case_cross_entropy(rank, tp, group, sp):
     """Three all-reduces give F.cross_entropy's loss and gradient, from vocabulary shards,
     also with a logit of 200 (exp overflows fp32 without the max) and ignored targets.
     """
@@ -316,22 +326,21 @@ def case_cross_entropy(rank, tp, group):
     )
 
 
-def case_attention(rank, tp, group):
+def case_attention(rank, tp, group, sp):
     """Whole heads per rank: column-parallel [q|k|v], row-parallel c_proj."""
-    for sp in (False, True):
-        torch.manual_seed(5)
-        full = model_lib.CausalSelfAttention(tiny())
-        x = torch.randn(B, T, 32, requires_grad=True)
-        upstream = torch.randn(B, T, 32)
-        (full(x) * upstream).sum().backward()
-        rng = tp_lib.RNGStateTracker("cpu", seed=100 + rank)
-        attn = tp_lib.ParallelSelfAttention(full, group, sp, rng)
-        x_local = seq(x.detach(), rank, tp, sp).clone().requires_grad_()
-        y = attn(x_local)
-        close(y, seq(full(x).detach(), rank, tp, sp), f"attention sp={sp}: output")
-        (y * seq(upstream, rank, tp, sp)).sum().backward()
-        close(x_local.grad, seq(x.grad, rank, tp, sp), f"attention sp={sp}: input grad")
-        compare_grads(full, attn, rank, tp, f"attention sp={sp}")
+    torch.manual_seed(5)
+    full = model_lib.CausalSelfAttention(tiny())
+    x = torch.randn(B, T, 32, requires_grad=True)
+    upstream = torch.randn(B, T, 32)
+    (full(x) * upstream).sum().backward()
+    rng = tp_lib.RNGStateTracker("cpu", seed=100 + rank)
+    attn = layer(tp_lib.ParallelSelfAttention(full, group, rng), sp)
+    x_local = seq(x.detach(), rank, tp, sp).clone().requires_grad_()
+    y = attn(x_local)
+    close(y, seq(full(x).detach(), rank, tp, sp), f"attention sp={sp}: output")
+    (y * seq(upstream, rank, tp, sp)).sum().backward()
+    close(x_local.grad, seq(x.grad, rank, tp, sp), f"attention sp={sp}: input grad")
+    compare_grads(full, attn, rank, tp, f"attention sp={sp}")
 
 
 def _check_gpt(rank, tp, group, sp, tied, seed=0):
@@ -351,83 +360,74 @@ def _check_gpt(rank, tp, group, sp, tied, seed=0):
     return full, tpm, idx, targets, loss
 
 
-def case_gpt(rank, tp, group):
-    """The whole GPT, with and without SP, tied and untied; the pieces a pipeline stage
-    calls (embed, blocks, head, loss_fn) pass (B, T/tp, C) with SP; export rebuilds the
-    full weights."""
-    shards = None
-    for sp in (False, True):
-        for tied in (True, False):
-            full, tpm, idx, targets, loss = _check_gpt(rank, tp, group, sp, tied)
-            assert type(tpm.transformer.h[0].mlp.c_fc) is tp_lib.ColumnParallelLinear
-            x = tpm.embed(idx)
-            for block in tpm.transformer.h:
-                assert x.shape == (B, T // tp if sp else T, 32), (
-                    f"sp={sp}: stage shape {x.shape}"
-                )
-                x = block(x)
-            again = tpm.loss_fn(tpm.head(x), targets, "mean")
-            # the same ops, in order
-            torch.testing.assert_close(again, loss, rtol=0, atol=0)
-            if sp == tied:  # two of the four variants suffice for the all-gather export
-                continue
-            sd = consolidate_state_dict(tpm, group)
-            rebuilt = GPT(tiny(tie_embeddings=tied))
-            rebuilt.load_state_dict(sd, strict=True)
-            for k, v in full.state_dict().items():  # slicing and concatenation: exact
-                torch.testing.assert_close(rebuilt.state_dict()[k], v, rtol=0, atol=0)
-            if sp and not tied:
-                shards = {k: v.clone() for k, v in tpm.state_dict().items()}
-    return shards  # the parent merges them offline, as train.py --export does
-
-
-def case_lora(rank, tp, group):
-    """LoRA's factors split with their base weights (column-parallel: A whole, B by rows;
-    row-parallel: A by columns, B whole), with and without SP: the logits, the loss and
-    every factor's gradient equal one process's; the frozen weights get none. B starts
-    non-zero here, so that A's gradient is not 0 (at B = 0 it is, which would hide a
-    missing f on A)."""
-    for sp in (False, True):
-        torch.manual_seed(0)
-        full = model_lib.apply_lora(GPT(tiny()), rank=4, alpha=8.0)
-        with torch.no_grad():
-            for name, p in full.named_parameters():
-                if name.endswith("lora_B"):
-                    p.normal_(std=0.05)
-        tpm = tp_lib.apply_tensor_parallel(
-            copy.deepcopy(full), group, sequence_parallel=sp
-        )
-        # LoRA's own sharded wrappers; the head stays plain
-        block = tpm.transformer.h[0]
-        assert type(block.attn.c_attn) is tp_lib.ColumnParallelLoRA
-        assert type(block.mlp.c_proj) is tp_lib.RowParallelLoRA
-        assert type(tpm.lm_head) is tp_lib.ColumnParallelLinear
-        idx, targets = batch(3)
-        logits_full, loss_full = full(idx, targets)
-        loss_full.backward()
-        logits, loss = tpm(idx, targets)
-        loss.backward()
-        what = f"LoRA tp={tp} sp={sp}"
-        close(
-            tp_lib.gather_logits(logits, group), logits_full.detach(), f"{what}: logits"
-        )
-        close(loss, loss_full.detach(), f"{what}: loss")
-        full_params = dict(full.named_parameters())
-        trained = []
-        for name, p in tpm.named_parameters():
-            if not p.requires_grad:
-                assert p.grad is None, f"{what}: frozen {name} got a gradient"
-                continue
-            trained.append(name)
-            close(
-                p.grad,
-                shard_of(name, full_params[name].grad, rank, tp),
-                f"{what}: {name}",
+def case_gpt(rank, tp, group, sp):
+    """The whole GPT, tied and untied; the pieces a pipeline stage calls (embed, blocks,
+    head, loss_fn) pass (B, T, C), or (B, T/tp, C) with SP; export rebuilds the full
+    weights."""
+    for tied in (True, False):
+        full, tpm, idx, targets, loss = _check_gpt(rank, tp, group, sp, tied)
+        assert type(tpm.transformer.h[0].mlp.c_fc) is tp_lib.ColumnParallelLinear
+        x = tpm.embed(idx)
+        for block in tpm.transformer.h:
+            assert x.shape == (B, T // tp if sp else T, 32), (
+                f"sp={sp}: stage shape {x.shape}"
             )
-        assert len(trained) == 4 * 2 * 2 and all("lora_" in n for n in trained), trained
+            x = block(x)
+        again = tpm.loss_fn(tpm.head(x), targets, "mean")
+        # the same ops, in order
+        torch.testing.assert_close(again, loss, rtol=0, atol=0)
+        sd = consolidate_state_dict(tpm, group)  # the all-gather export
+        rebuilt = GPT(tiny(tie_embeddings=tied))
+        rebuilt.load_state_dict(sd, strict=True)
+        for k, v in full.state_dict().items():  # slicing and concatenation: exact
+            torch.testing.assert_close(rebuilt.state_dict()[k], v, rtol=0, atol=0)
+    # the untied one's: the parent merges them offline, as train.py --export does
+    return {k: v.clone() for k, v in tpm.state_dict().items()}
 
 
-def case_gpt_in_subgroups(rank, world, group):
+def case_lora(rank, tp, group, sp):
+    """LoRA's factors split with their base weights (column-parallel: A whole, B by rows;
+    row-parallel: A by columns, B whole): the logits, the loss and every factor's
+    gradient equal one process's; the frozen weights get none. B starts non-zero here,
+    so that A's gradient is not 0 (at B = 0 it is, which would hide a missing f on A)."""
+    torch.manual_seed(0)
+    full = model_lib.apply_lora(GPT(tiny()), rank=4, alpha=8.0)
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(std=0.05)
+    tpm = apply(copy.deepcopy(full), group, sp)
+    # LoRA's own sharded wrappers; the head stays plain
+    block = tpm.transformer.h[0]
+    assert type(block.attn.c_attn) is tp_lib.ColumnParallelLoRA
+    assert type(block.mlp.c_proj) is tp_lib.RowParallelLoRA
+    assert type(tpm.lm_head) is tp_lib.ColumnParallelLinear
+    idx, targets = batch(3)
+    logits_full, loss_full = full(idx, targets)
+    loss_full.backward()
+    logits, loss = tpm(idx, targets)
+    loss.backward()
+    what = f"LoRA tp={tp} sp={sp}"
+    close(
+        tp_lib.gather_logits(logits, group), logits_full.detach(), f"{what}: logits"
+    )
+    close(loss, loss_full.detach(), f"{what}: loss")
+    full_params = dict(full.named_parameters())
+    trained = []
+    for name, p in tpm.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None, f"{what}: frozen {name} got a gradient"
+            continue
+        trained.append(name)
+        close(
+            p.grad,
+            shard_of(name, full_params[name].grad, rank, tp),
+            f"{what}: {name}",
+        )
+    assert len(trained) == 4 * 2 * 2 and all("lora_" in n for n in trained), trained
+
+
+def case_gpt_in_subgroups(rank, world, group, sp):
     """TP inside a bigger world: two TP groups of world/2 ranks side by side (as under DP),
     each with its own batch. Anything using the world's rank or size instead of the
     group's would slice or reduce wrongly here."""
@@ -435,73 +435,70 @@ def case_gpt_in_subgroups(rank, world, group):
     # every rank calls both
     groups = [dist.new_group(list(range(s, s + half))) for s in (0, half)]
     sub = groups[rank // half]
-    for sp in (False, True):
-        _check_gpt(rank % half, half, sub, sp, tied=True, seed=10 + rank // half)
+    _check_gpt(rank % half, half, sub, sp, tied=True, seed=10 + rank // half)
 
 
-def case_training(rank, tp, group):
+def case_training(rank, tp, group, sp):
     """Four AdamW steps: the sharded run's loss curve and final weights equal one
     process's."""
-    for sp in (False, True):
-        full, tpm = gpt_pair(group, sp)
-        curves = []
-        for model in (full, tpm):
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-            losses = []
-            for step in range(4):
-                _, loss = model(*batch(100 + step))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                losses.append(loss.detach())
-            curves.append(torch.stack(losses))
-        close(curves[1], curves[0], f"training sp={sp}: loss curve")
-        trained = consolidate_state_dict(tpm, group)
-        for k, v in full.state_dict().items():
-            got = trained[k]
-            # q and v thirds only: the key bias, see below
-            if k.endswith("c_attn.bias"):
-                got = torch.cat([got[:32], got[64:]])
-                v = torch.cat([v[:32], v[64:]])
-            # AdamW moves a weight by ~lr = 1e-2 per step whatever its gradient's size
-            # (m/sqrt(v) is scale-free), so rounding in a near-zero gradient can become
-            # ~1e-4 of a step (observed: 4.5e-6 after 4 steps). atol 4e-5 = 1e-3 of lr
-            # per step: ~10x that, and 250x below one step's move, which any wrong
-            # gradient would show. The key bias is left out: its true gradient is
-            # exactly 0 (q.b_k is the same for every key and softmax ignores constants),
-            # so both runs only see rounding noise there, and Adam turns noise into
-            # lr-sized steps.
-            msg = f"training sp={sp}: {k} after 4 steps"
-            torch.testing.assert_close(got, v, rtol=0, atol=4e-5, msg=msg)
+    full, tpm = gpt_pair(group, sp)
+    curves = []
+    for model in (full, tpm):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        losses = []
+        for step in range(4):
+            _, loss = model(*batch(100 + step))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        curves.append(torch.stack(losses))
+    close(curves[1], curves[0], f"training sp={sp}: loss curve")
+    trained = consolidate_state_dict(tpm, group)
+    for k, v in full.state_dict().items():
+        got = trained[k]
+        # q and v thirds only: the key bias, see below
+        if k.endswith("c_attn.bias"):
+            got = torch.cat([got[:32], got[64:]])
+            v = torch.cat([v[:32], v[64:]])
+        # AdamW moves a weight by ~lr = 1e-2 per step whatever its gradient's size
+        # (m/sqrt(v) is scale-free), so rounding in a near-zero gradient can become
+        # ~1e-4 of a step (observed: 4.5e-6 after 4 steps). atol 4e-5 = 1e-3 of lr
+        # per step: ~10x that, and 250x below one step's move, which any wrong
+        # gradient would show. The key bias is left out: its true gradient is
+        # exactly 0 (q.b_k is the same for every key and softmax ignores constants),
+        # so both runs only see rounding noise there, and Adam turns noise into
+        # lr-sized steps.
+        msg = f"training sp={sp}: {k} after 4 steps"
+        torch.testing.assert_close(got, v, rtol=0, atol=4e-5, msg=msg)
 
 
-def case_replicated_grads_identical(rank, tp, group):
+def case_replicated_grads_identical(rank, tp, group, sp):
     """Replicated parameters (LayerNorms, wpe, row biases) end backward with the same
     gradient, bit for bit, on every TP rank, also with SP (each rank saw only its
     tokens, so only the reduction by f makes them equal) and with dropout. Exactly the
     sharded ones are flagged."""
-    for sp in (False, True):
-        _, tpm = gpt_pair(group, sp, dropout=0.1)
-        torch.manual_seed(7)
-        tpm.train()
-        _, loss = tpm(*batch(1))
-        loss.backward()
-        for name, p in tpm.named_parameters():
-            flagged = getattr(p, "tensor_parallel", False)
-            assert flagged == name.endswith(SHARDED), (
-                f"{name}: tensor_parallel={flagged}"
+    _, tpm = gpt_pair(group, sp, dropout=0.1)
+    torch.manual_seed(7)
+    tpm.train()
+    _, loss = tpm(*batch(1))
+    loss.backward()
+    for name, p in tpm.named_parameters():
+        flagged = getattr(p, "tensor_parallel", False)
+        assert flagged == name.endswith(SHARDED), (
+            f"{name}: tensor_parallel={flagged}"
+        )
+        if not flagged:
+            grads = gather(p.grad, group)
+            assert all(torch.equal(grads[0], gr) for gr in grads), (
+                f"sp={sp}: {name} differs"
             )
-            if not flagged:
-                grads = gather(p.grad, group)
-                assert all(torch.equal(grads[0], gr) for gr in grads), (
-                    f"sp={sp}: {name} differs"
-                )
 
 
-def case_dropout(rank, tp, group):
+def case_dropout(rank, tp, group, sp):
     """With dropout on, replicated activations (embedding output, every block's residual
     stream) are identical across TP ranks; the per-rank stream for sharded regions
-    differs by rank."""
+    (attention's heads) differs by rank. (04b's token shards: test_sequence_parallel.)"""
     _, tpm = gpt_pair(group, sp=False, dropout=0.1)
     seen = []
     for module in [tpm.transformer.drop, *tpm.transformer.h]:
@@ -546,25 +543,6 @@ def case_dropout(rank, tp, group):
     assert len({tuple(d.flatten().tolist()) for d in heads_draws}) == tp, (
         "heads need own masks"
     )
-    # SP: every dropout on token shards needs its own masks, also in a
-    # ParallelSelfAttention built directly (it once got its per-rank dropout only
-    # through apply_tensor_parallel)
-    _, tpm_sp = gpt_pair(group, sp=True, dropout=0.5)
-    attn = model_lib.CausalSelfAttention(tiny(dropout=0.5))
-    rng = tp_lib.RNGStateTracker("cpu", seed=100 + rank)
-    direct = tp_lib.ParallelSelfAttention(attn, group, True, rng)
-    drops = {"a ParallelSelfAttention's resid_dropout": direct.resid_dropout}
-    drops["transformer.drop"] = tpm_sp.transformer.drop
-    for i, block in enumerate(tpm_sp.transformer.h):
-        drops[f"h.{i}.attn.resid_dropout"] = block.attn.resid_dropout
-        drops[f"h.{i}.mlp.dropout"] = block.mlp.dropout
-    # the default stream, alike on every rank: a mask from it would be too
-    torch.manual_seed(9)
-    for name, drop in drops.items():
-        masks = gather(drop.train()(torch.ones(64)), group)
-        assert len({tuple(m.tolist()) for m in masks}) == tp, (
-            f"SP: {name} masks alike on ranks"
-        )
 
 
 COLLECTIVES = (
@@ -580,11 +558,10 @@ COLLECTIVES = (
 )
 
 
-def case_bad_config(rank, tp, group):
-    """Bad configurations fail with a clear message on every rank before any collective
-    runs."""
-    # built before the trap: apply runs a checksum
-    _, sp_model = gpt_pair(group, sp=True)
+@contextlib.contextmanager
+def no_collectives():
+    """Inside, any collective raises; after, the list of those that ran must be empty:
+    a bad configuration must fail on every rank before any collective runs."""
     ran = []
     saved = {name: getattr(dist, name) for name in COLLECTIVES}
 
@@ -595,30 +572,35 @@ def case_bad_config(rank, tp, group):
 
         return collective
 
-    bad = [
-        (dict(n_head=3, n_embd=24), f"n_head=3 is not divisible by tp={tp}"),
-        (dict(vocab_size=101, pad_vocab_multiple=1), "pad_vocab_multiple=64"),
-    ]
     try:
         for name in COLLECTIVES:
             setattr(dist, name, trap(name))
-        for overrides, message in bad:
-            with pytest.raises(AssertionError, match=message):
-                tp_lib.apply_tensor_parallel(GPT(tiny(**overrides)), group)
-        with pytest.raises(ValueError, match="explicitly"):
-            tp_lib.apply_tensor_parallel(GPT(tiny()), None)
-        with pytest.raises(ValueError, match="T must be a multiple of tp"):
-            sp_model(torch.zeros(B, tp + 1, dtype=torch.long))
+        yield ran
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
     assert ran == [], f"collectives ran before the error: {ran}"
+
+
+def case_bad_config(rank, tp, group, sp):
+    """Bad configurations fail with a clear message on every rank before any collective
+    runs."""
+    bad = [
+        (dict(n_head=3, n_embd=24), f"n_head=3 is not divisible by tp={tp}"),
+        (dict(vocab_size=101, pad_vocab_multiple=1), "pad_vocab_multiple=64"),
+    ]
+    with no_collectives():
+        for overrides, message in bad:
+            with pytest.raises(AssertionError, match=message):
+                apply(GPT(tiny(**overrides)), group, sp)
+        with pytest.raises(ValueError, match="explicitly"):
+            apply(GPT(tiny()), None, sp)
     torch.manual_seed(rank)  # a different model on every rank: caught by the checksum
     with pytest.raises(ValueError, match="differ across TP ranks"):
-        tp_lib.apply_tensor_parallel(GPT(tiny()), group)
+        apply(GPT(tiny()), group, sp)
 
 
-def case_comm_volume(rank, tp, group):
+def case_comm_volume(rank, tp, group, sp):
     """The collectives of one training step, counted (support/sharding's count_comm wraps
     torch.distributed's functions), against the lesson's formula (its comm_formula),
     derived here: E = B*T*C fp32 elements. Without SP: the embedding's g, per layer 2 g
@@ -640,35 +622,33 @@ def case_comm_volume(rank, tp, group):
             ),
         },
     }
-    for sp in (False, True):
-        _, tpm = gpt_pair(group, sp)
-        with sharding.count_comm() as log:
-            _, loss = tpm(*batch(3))
-            loss.backward()
-        counted = {}  # collective -> (calls, payload bytes)
-        for op, n in log:
-            calls, size = counted.get(op, (0, 0))
-            counted[op] = (calls + 1, size + n)
-        assert counted == expected[sp], (
-            f"sp={sp}: counted {counted}, expected {expected[sp]}"
-        )
-        formula = sharding.comm_formula(tpm.config, B, T, sp)
-        assert formula == {op: n for op, (_, n) in expected[sp].items()}, "comm_formula"
+    _, tpm = gpt_pair(group, sp)
+    with sharding.count_comm() as log:
+        _, loss = tpm(*batch(3))
+        loss.backward()
+    counted = {}  # collective -> (calls, payload bytes)
+    for op, n in log:
+        calls, size = counted.get(op, (0, 0))
+        counted[op] = (calls + 1, size + n)
+    assert counted == expected[sp], (
+        f"sp={sp}: counted {counted}, expected {expected[sp]}"
+    )
+    formula = sharding.comm_formula(tpm.config, B, T, sp)
+    assert formula == {op: n for op, (_, n) in expected[sp].items()}, "comm_formula"
 
 
-def case_grad_norm(rank, tp, group):
+def case_grad_norm(rank, tp, group, sp):
     """grad_norm_squared (train.py's clipping): shards summed over the group, replicated
     parameters counted once, equals the whole model's squared gradient norm."""
-    for sp in (False, True):
-        full, tpm = gpt_pair(group, sp)
-        for model in (full, tpm):
-            _, loss = model(*batch(4))
-            loss.backward()
-        expected = sum(p.grad.pow(2).sum() for p in full.parameters())
-        got = tp_lib.grad_norm_squared(
-            [(p, p.grad) for p in tpm.parameters()], group, "cpu"
-        )
-        close(got, expected, f"sp={sp}: squared grad norm")
+    full, tpm = gpt_pair(group, sp)
+    for model in (full, tpm):
+        _, loss = model(*batch(4))
+        loss.backward()
+    expected = sum(p.grad.pow(2).sum() for p in full.parameters())
+    got = tp_lib.grad_norm_squared(
+        [(p, p.grad) for p in tpm.parameters()], group, "cpu"
+    )
+    close(got, expected, f"sp={sp}: squared grad norm")
 
 
 CASES = [
@@ -690,14 +670,14 @@ CASES = [
 ]
 
 
-def run_cases(rank, world_size):
+def run_cases(rank, world_size, cases, sp):
     """Every case on this rank, in order; stops at the first failure (the other ranks then
     fail on a collective that never completes, and report it)."""
     group = dist.new_group(list(range(world_size)))
     results = {}
-    for case in CASES:
+    for case in cases:
         try:
-            results[case.__name__] = ("ok", case(rank, world_size, group))
+            results[case.__name__] = ("ok", case(rank, world_size, group, sp))
         # reported per case, with the traceback
         except (Exception, pytest.fail.Exception):
             results[case.__name__] = ("failed", traceback.format_exc())
@@ -707,7 +687,7 @@ def run_cases(rank, world_size):
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"tp{n}")
 def world(request):
-    return request.param, run_ranks(run_cases, request.param, timeout=120)
+    return request.param, run_ranks(run_cases, request.param, CASES, False, timeout=120)
 
 
 def verdict(world, case):
@@ -746,7 +726,7 @@ def test_attention_whole_heads(world):
     verdict(world, case_attention)
 
 
-def test_gpt_equals_unsharded_with_and_without_sp(world):
+def test_gpt_equals_unsharded(world):
     verdict(world, case_gpt)
 
 
