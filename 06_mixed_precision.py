@@ -1,4 +1,4 @@
-"""06 · Memory of one step: compute in 16 bits and keep fewer activations, safely.
+"""06 · Precision of one step: compute in 16 bits, keep what accumulates in fp32.
 
 The idea in one sentence: run the forward and backward in 16-bit numbers (half the
 bytes, and many times fp32's FLOP/s on a GPU's tensor cores), keep what accumulates
@@ -11,15 +11,16 @@ Bits, sign|exponent|mantissa: fp32 1|8|23; bf16 1|8|7 (fp32's range, 2-3 digits)
 1. Why fp16 gradients underflow: dL/dlogits = (softmax - onehot)/N is about 1/(V·N) for
    most entries, and gradients shrink on the way down. For the tiny GPT the demo
    prints `median |g| 7.8e-06` for the activation gradients, and in fp16 it prints
-   `to fp16 1.20% 77.51% 0%`: 1.2% round to 0, 78% are subnormals (fewer bits), none
-   overflow. bf16 has fp32's 8 exponent bits: nothing above 1e-38 vanishes.
+   `to fp16 1.06% 77.63% 0%`: 1.1% round to 0, 78% are subnormals (fewer bits), none
+   overflow. bf16 has fp32's 8 exponent bits: nothing above 1e-38 vanishes. (The
+   gradients are computed in fp64, then rounded: the same shares on any CPU.)
 2. A static loss scale: backprop is linear, so grad(S·L) = S·grad(L). S = 2^k moves
    every gradient k binades up, past the underflow; divide by S in fp32 before the
-   step. With S = 2^16 the demo prints `to fp16 x 2^16 0.05% 0.16% 0%`.
+   step. With S = 2^16 the demo prints `to fp16 x 2^16 0.00% 0.07% 0%`.
 3. A dynamic loss scale: too large an S overflows to inf, and the right S drifts.
    DynamicLossScaler (GradScaler's decisions) skips the step and halves S on an inf or
    NaN, and doubles S after growth_interval clean steps. The demo starts at 2^19 and
-   skips steps 0 and 1 (it prints `1 5.3434 5.5266 2^17 True`), then grows to 2^18 and
+   skips steps 0 and 1 (it prints `1 5.343 5.527 2^17 True`), then grows to 2^18 and
    backs off to 2^17 again and again.
 4. The fp32 master copy: an update lr·g is often below half the gap between w and the
    next 16-bit number, so in 16 bits w + lr·g == w. The optimizer updates an fp32 copy,
@@ -41,58 +42,26 @@ Bits, sign|exponent|mantissa: fp32 1|8|23; bf16 1|8|7 (fp32's range, 2-3 digits)
    over-weights short microbatches when token counts differ (Hugging Face's Trainer
    did until 4.46). With data parallelism, N is summed over the ranks, and each rank
    multiplies its loss by dp, because DP averages the ranks' gradients.
-6. Recomputation (Chen et al. 2016, arXiv 1604.06174; Korthikanti et al. 2022, arXiv
-   2205.05198): what the forward keeps grows as B·T·L; apply_recomputation keeps less
-   and redoes the rest in the backward. Below are the bytes per token and layer, with
-   dropout 0. A residual-stream number takes r bytes (4, or 2 in "fp16 by hand"), and
-   a kept matmul operand a bytes (4 in fp32, 2 in 16 bits). activation_formula lists
-   what each mode holds.
-       none  2(C+2)r + 14Ca + 4nh    selective  Cr + 10Ca + 4nh    full  Cr
-   Full redoes each block's forward, so a token costs 8Ψ FLOPs instead of 6Ψ: hardware
-   FLOPs utilisation (HFU) counts the extra 2Ψ, model FLOPs utilisation (MFU) does not.
-   Selective redoes only the elementwise ops, but it calls torch's policy in Python
-   for every op.
-7. The loss without the (B, T, V) logits (Liger-Kernel's fused linear cross-entropy;
-   Wijmans et al. 2024, arXiv 2411.09009): 02's loss keeps the fp32 log-softmax, V
-   numbers a token (201 KB at GPT-2's V = 50,304: 6.6 GB at B = 32, T = 1,024), and
-   the logits and their gradient are as big. ChunkedLinearCrossEntropy runs lm_head
-   and the loss over chunks of tokens, forming each chunk's gradient in the forward,
-       dlogits = (softmax - onehot(target))·scale    dX = dlogits W    dW += dlogits^T X
-   so only dX (B, T, C) and dW (V, C) wait for the backward. apply_chunked_loss puts
-   it in a GPT through 02's head/loss_fn seam. At V = 4,032 the demo prints `plain
-   5138.3 5138.3 4066.0 8064.0` KB (held, formula, the loss's, logits and dlogits), and
-   `chunked 1608.2 1608.2 536.0 0.0`: its dX and dW, and nothing of size (B, T, V).
-   dW is V·C·4 bytes whatever B, kept until the backward: under GPipe once per
-   microbatch in flight (m copies). Wijmans et al.'s Cut Cross-Entropy kernel
-   recomputes the logits in the backward instead, keeping no dW (left out).
 
-Launch:  python 06_mixed_precision.py   (seconds on a CPU; --help): the seven in order,
-their demos' code in support/memory_demos.py (it calls this file's functions).
+Launch:  python 06_mixed_precision.py   (seconds on a CPU; --help): the five in order.
 
 What changed from 05_pipeline.py: its microbatches come back as accumulation steps, and
 training gets a dtype; the new collective is the scaler's inf check, a 4-byte MAX over
 all ranks (DP, TP and PP ranks must skip the same step). Left out on purpose: fp8,
-stochastic rounding, 16-bit optimizer states. Paper: Micikevicius et al., 1710.03740.
+stochastic rounding, 16-bit optimizer states; keeping fewer activations (recomputation,
+the chunked loss) is 06b_recompute.py. Paper: Micikevicius et al., 1710.03740.
 """
 
 import argparse
 import contextlib
-import functools
 import importlib
 import math
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint as ckpt
 
-from support import memory_demos
-from support.activations import note_kept, replaying_stream
-
-# Re-exported (the "as"): tests and bench/ count the bytes kept through 06's name.
-from support.activations import saved_activation_bytes as saved_activation_bytes
 from support.precision import GradScalerState
 from support.precision import fp32 as _fp32
 
@@ -112,6 +81,14 @@ def static_scale_example(S: float = 2.0**16):
     for row in zip(g.tolist(), plain.tolist(), scaled.tolist()):
         print(f"{row[0]:>10.1e} {row[1]:>10.3e} {row[2]:>16.3e}")
     print(f"too large an S overflows: 1e-3 x 2^30 in fp16 = {(g[0] * 2**30).half()}\n")
+
+
+def rounding_shares(flat: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
+    """Shares of |flat| · scale that round to 0, a subnormal and inf in `dtype`."""
+    q = (flat * scale).to(dtype)
+    zero = (q == 0).float().mean()
+    subnormal = ((q != 0) & (q.abs() < torch.finfo(dtype).tiny)).float().mean()
+    return zero, subnormal, q.isinf().float().mean()
 
 
 # -------------------------------------------------------- the dynamic loss scaler
@@ -330,213 +307,107 @@ def accumulate_mean_of_means(model, microbatches) -> None:
         (loss / len(microbatches)).backward()
 
 
-# ------------------------------------------------------------ activation recomputation
-# torch's checkpoint drops what a block saved for its backward and runs it again there.
-# A policy makes it selective: keep the matmuls' and flash attention's outputs (costly
-# to redo; no T x T scores), redo LayerNorm, GELU, dropout and adds.
-RECOMPUTE = ("none", "selective", "full")
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+# ------------------------------------------------------------------------ the demos
+def fp64_cross_entropy(logits, targets, reduction="mean"):
+    """02's loss without its cast to fp32, for a GPT in fp64: (B, T, V), (B, T)."""
+    flat = logits.flatten(0, 1)  # (B*T, V)
+    flat_targets = targets.flatten()  # (B*T,)
+    return F.cross_entropy(flat, flat_targets, ignore_index=IGNORE, reduction=reduction)
 
 
-def apply_recomputation(model: nn.Module, mode: str) -> nn.Module:
-    """Wrap each 02 Block's forward from outside, in place ("none": unwrap). Blocks are
-    found by type: a GPT, 04's sharded one or a stage of 05's pipeline."""
-    if mode not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {mode!r}")
-    for block in (m for m in model.modules() if isinstance(m, model_lib.Block)):
-        block.__dict__.pop("forward", None)  # back to Block.forward
-        if mode != "none":  # an instance attribute: module.__call__ finds it first
-            block.forward = functools.partial(_recomputed, block, mode)
-    return model
+def underflow_demo(config, batches, args):
+    """After 50 training steps, every Linear output's |grad| (the activation gradients)
+    and every parameter's, rounded to 16 bits without and with S: how many are 0?
+    subtle: the claim is about rounding given values to 16 bits, so the values come
+    from fp64 (weights, training, loss), then fp32 as a run would hold them. In fp32
+    the 50 AdamW steps amplify the sums' rounding, which the CPU's vector width
+    (ATEN_CPU_CAPABILITY) and threads order: 1.20% became 1.22% or 1.24% elsewhere."""
+    assert config.padded_vocab_size == config.vocab_size, "02's loss masks padding"
+    torch.manual_seed(args.seed)
+    model = model_lib.GPT(config).to(args.device, torch.float64)
+    model.loss_fn = fp64_cross_entropy
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    no_scale = make_scaler(torch.float64)  # disabled: fp64 needs no loss scale
+    for x, y in batches[:-1]:  # torch.float32 below: no autocast
+        train_step(model, optimizer, no_scale, None, torch.float32, x, y)
+    outputs = []  # every Linear's output: their gradients are the activation gradients
+    for linear in (m for m in model.modules() if isinstance(m, nn.Linear)):
+        linear.register_forward_hook(lambda module, inputs, out: outputs.append(out))
+    _, loss = model(*batches[-1])
+    g = torch.autograd.grad(loss, outputs + list(model.parameters()))
+    n = len(outputs)
+    S = args.init_scale
+    cases = (("fp16", 1.0), (f"fp16 x 2^{math.log2(S):.0f}", S), ("bf16", 1.0))
+    steps = f"{len(batches) - 1} steps (fp64)"
+    print(f"gradients after {steps}, rounded      0  subnormal  inf")
+    grads = {}  # The non-zeros, returned so that a caller can plot them.
+    for name, ts in (("activation grads", g[:n]), ("parameter grads", g[n:])):
+        flat = torch.cat([t.abs().flatten() for t in ts])  # fp64
+        # subtle: a gradient that is 0 in exact arithmetic (the first query's: its
+        # softmax over one key is 1 whatever the score; the key bias's, which shifts a
+        # whole row of scores) leaves fp64's sums as a residue under 1e-18 whose size
+        # the order decides. The real ones here are 1e-13 and up; below 1e-16 is 0.
+        flat = grads[name] = flat[flat > 1e-16].float().cpu()  # as fp32 holds them
+        for label, s in cases:
+            zero, sub, inf = rounding_shares(flat, DTYPES[label[:4]], s)
+            print(f"{name:<17} to {label:<12} {zero:>7.2%} {sub:>10.2%} {inf:>4.0%}")
+        print(f"({name}: median |g| {flat.median():.1e})")
+    return grads
 
 
-def _recomputed(block, mode: str, x: torch.Tensor) -> torch.Tensor:
-    """Block.forward under torch's checkpoint: its replay rewinds torch's generators."""
-    run = functools.partial(type(block).forward, block)
-    if not torch.is_grad_enabled():  # evaluation, sampling: nothing to recompute
-        return run(x)
-    # Attention with dropout is redone: a kept output would skip its draws (and shift
-    # every later mask).
-    keep_attention = block.attn.dropout == 0 or not block.training
-    policy = functools.partial(_policy, keep_attention)
-    selective = functools.partial(ckpt.create_selective_checkpoint_contexts, policy)
-    contexts = selective if mode == "selective" else None
-    # A per-rank stream (a module's `rng` with a `.state`: 04's RNGStateTracker) is
-    # rewound here, only if it draws (torch.compile traces torch's generators only).
-    stream = next((m.rng for m in block.modules() if hasattr(m, "rng")), None)
-    if stream is not None and block.attn.dropout > 0:
-        contexts = functools.partial(replaying_stream, contexts, stream)
-    kwargs = {"context_fn": contexts} if contexts else {}
-    return ckpt.checkpoint(run, x, use_reentrant=False, **kwargs)
+def fp16_training_demo(config, batches, args):
+    """fp16 by hand under the scaler, started too high on purpose, beside fp32."""
+    print("\nfp16 by hand: MasterWeights + DynamicLossScaler(2^19, growth_interval=3)")
+    print("step  loss fp32  loss fp16  scale after  skipped")
+    runs = []
+    for dtype in (torch.float32, torch.float16):
+        torch.manual_seed(args.seed)
+        model = model_lib.GPT(config).to(args.device)
+        master = MasterWeights(model, dtype) if dtype != torch.float32 else None
+        optimizer = torch.optim.AdamW((master or model).parameters(), lr=args.lr)
+        scaler = make_scaler(dtype, init_scale=2.0**19, growth_interval=3)
+        runs.append([])
+        for x, y in batches[: args.fp16_steps]:
+            loss = train_step(model, optimizer, scaler, master, torch.float32, x, y)
+            runs[-1].append((loss, scaler.get_scale(), scaler.last_step_skipped))
+    # Three decimals: fp16's sums round as the CPU's vector width (ATEN_CPU_CAPABILITY)
+    # orders them, which moved a loss here by up to 4e-5 in ten steps (fp32's: 5e-7).
+    for step, (fp32, fp16) in enumerate(zip(*runs)):
+        scale = f"2^{math.log2(fp16[1]):.0f}"
+        print(f"{step:>4} {fp32[0]:>10.3f} {fp16[0]:>10.3f} {scale:>12} {fp16[2]!s:>8}")
+    print("(a skipped step changes no weight: fp16 has had that many fewer updates)\n")
 
 
-def _policy(keep_attention, ctx, op, *args, **kwargs):
-    """Keep matmuls and attention (flash, cuDNN, efficient, CPU) outputs; redo the rest."""
-    attention = op.name().startswith("aten::_scaled_dot_product")
-    keep = op in MATMULS or (keep_attention and attention)
-    if keep:
-        # Noted only while support/activations' saved_activation_bytes is counting.
-        note_kept(ctx)
-        return ckpt.CheckpointPolicy.MUST_SAVE
-    return ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+def accumulation_demo(config, args):
+    """k microbatches against one batch, then with T/(i+1) targets in microbatch i."""
+    k = args.accum
+    b = args.batch_size // k
+    T = config.block_size
+    torch.manual_seed(args.seed)
+    model = model_lib.GPT(config).to(args.device)
+    [(x, y)] = model_lib.byte_batches(T, k * b, 1, args.seed + 1, args.device)
+    padded = y.clone()  # (k·b, T)
+    for i in range(k):
+        padded[i * b : (i + 1) * b, T // (i + 1) :] = IGNORE
 
+    def grads(fn) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        fn()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
 
-def activation_formula(
-    config, B: int, T: int, mode: str, recompute="none", loss="plain"
-) -> int:
-    """Bytes held for the backward of 02's GPT (dropout 0) in `mode` ("fp32", "bf16
-    autocast", "fp16 autocast + scaler" or "fp16 by hand"). A layer: none keeps the
-    LayerNorms' inputs, means and rstds, c_attn's input C, q|k|v 3C, attention's output
-    C and log-sum-exp per head, c_fc's input C, GELU's input and output 8C; selective
-    the block's input and the matmuls' and attention's outputs (3C, C, 4C, C, C); full
-    the block's input. Then ln_f and the int64 ids a token, the T positions a batch,
-    under autocast the 16-bit weights matmuls saved (a recomputed block casts again),
-    and what lm_head and the loss keep (loss_formula)."""
-    C = config.n_embd
-    L = config.n_layer
-    nh = config.n_head
-    a = 4 if mode == "fp32" else 2  # matmul operands: 16-bit under autocast and by hand
-    r = 2 if mode == "fp16 by hand" else 4  # residual stream: fp32 unless by hand
-    layer = {
-        "none": 2 * (C + 2) * r + 14 * C * a + 4 * nh,
-        "selective": C * r + 10 * C * a + 4 * nh,
-        "full": C * r,
-    }[recompute]
-    per_token = L * layer + (C + 2) * r + 8
-    copies = 2 * L * 12 * C * C if "autocast" in mode and recompute == "none" else 0
-    return B * T * per_token + 8 * T + copies + loss_formula(config, B, T, mode, loss)
-
-
-# ------------------------------------------------ the loss without the whole logits
-# The simple version is 02's: lm_head's (B, T, V) logits, an fp32 copy, its log-softmax
-# (kept for the backward), then dL/dlogits, (B, T, V) again. The chunked one ("Cut Your
-# Losses in Large-Vocabulary Language Models") never holds more than (chunk, V).
-def loss_formula(config, B: int, T: int, mode: str, loss="plain", bias=False) -> int:
-    """Bytes lm_head and the loss keep for the backward, from ln_f's output on. plain:
-    lm_head's input (C numbers of a bytes), the fp32 log-softmax (V_padded) and the
-    int64 targets a token, the loss's 4-byte count, under autocast W's 16-bit copy;
-    chunked: dX (C a token), dW (V·C) and the bias's V, in their inputs' dtype. On top,
-    not kept by autograd: plain's logits (B·T·V·a) and dL/dlogits (B·T·V·4). dW is held
-    from forward to backward: under GPipe once per microbatch in flight (m copies); Cut
-    Cross-Entropy recomputes the logits in the backward instead (left out)."""
-    C = config.n_embd
-    V = config.padded_vocab_size
-    a = 4 if mode == "fp32" else 2  # matmul operands, as in activation_formula
-    r = 2 if mode == "fp16 by hand" else 4  # ln_f's output and W: fp32 unless by hand
-    if loss == "chunked":
-        return B * T * C * r + V * C * r + (V * r if bias else 0)
-    copies = 2 * V * C if "autocast" in mode else 0
-    return B * T * (C * a + 4 * V + 8) + 4 + copies
-
-
-class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of x @ W^T + b chunk by chunk: the forward makes dX and dW, the
-    backward scales them. x (N, C), W (V, C), b (V,) or None, targets (N,); grad: the
-    caller's torch.is_grad_enabled() (False: the loss alone)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, targets, vocab_size, chunk, reduction, grad):
-        device = x.device.type
-        autocast = torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if autocast else x.dtype  # matmuls'
-        # subtle: needs_input_grad is True under torch.no_grad too (forward always runs
-        # under no_grad): the caller's torch.is_grad_enabled() comes in as `grad`.
-        need_x, need_w, need_b = (grad and need for need in ctx.needs_input_grad[:3])
-        w = weight.to(dtype)  # (V, C), as autocast casts it for lm_head
-        b = None if bias is None else bias.to(dtype)
-        valid = targets != IGNORE  # (N,)
-        # "mean" divides by the real targets, as 02's loss: a tensor, no host sync.
-        scale = 1.0 / valid.sum() if reduction == "mean" else 1.0
-        loss = torch.zeros((), device=x.device)  # fp32, the sum over every chunk
-        dx = torch.empty_like(x) if need_x else None  # (N, C)
-        dw = torch.zeros(weight.shape, device=x.device) if need_w else None  # fp32
-        db = torch.zeros(weight.size(0), device=x.device) if need_b else None
-        with torch.autocast(device, enabled=False):  # the dtypes are chosen above
-            for start in range(0, x.size(0), chunk):
-                rows = slice(start, start + chunk)
-                xc = x[rows].to(dtype)  # (n, C)
-                logits = F.linear(xc, w, b).float()  # (n, V): fp32 for the softmax
-                logits[:, vocab_size:] = -math.inf  # padding columns never win
-                lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (n, 1)
-                ok = valid[rows]  # (n,)
-                t = targets[rows].clamp(min=0).unsqueeze(1)  # (n, 1): -1 reads col 0
-                nll = lse.squeeze(1) - logits.gather(1, t).squeeze(1)  # (n,)
-                loss += torch.where(ok, nll, 0.0).sum()
-                if not (need_x or need_w or need_b):
-                    continue
-                g = logits.sub_(lse).exp_()  # softmax, in the logits' own storage
-                g.scatter_add_(1, t, torch.full_like(lse, -1.0))  # - onehot(target)
-                g.mul_(torch.where(ok, scale, 0.0).unsqueeze(1))  # ignored rows: 0
-                g16 = g.to(dtype)
-                if need_x:
-                    dx[rows] = g16 @ w  # (n, V) @ (V, C)
-                if need_w:  # fp32 g and x: a 16-bit partial would round before the sum
-                    dw.addmm_(g.T, xc.float())  # (V, n) @ (n, C); a GPU: fp32 GEMM
-                if need_b:
-                    db += g.sum(dim=0)
-        dw = None if dw is None else dw.to(weight.dtype)
-        db = None if db is None else db.to(bias.dtype)
-        ctx.save_for_backward(dx, dw, db)  # nothing (N, V): the point of it all
-        return loss * scale
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        """dL/dx = grad_loss · dX, and the same for W and b: the chain rule's last step."""
-        grads = [None if g is None else g * grad_loss for g in ctx.saved_tensors]
-        return *grads, None, None, None, None, None
-
-
-def chunked_cross_entropy(
-    x, targets, reduction="mean", *, lm_head, vocab_size, chunk_tokens
-):
-    """02's loss_fn, from the hidden states: (B, T, C) x, (B, T) targets -> the loss.
-    Columns from vocab_size on are padding, as in 02's cross_entropy_loss."""
-    C = lm_head.weight.size(1)
-    if x.size(-1) != C:
-        msg = f"the chunked loss takes ln_f's (..., {C}) output, got {tuple(x.shape)}"
-        raise ValueError(msg + ": apply_chunked_loss to every pipeline chunk too")
-    assert reduction in ("sum", "mean"), f"reduction {reduction!r}: 'sum' or 'mean'"
-    flat = (x.reshape(-1, C), lm_head.weight, lm_head.bias, targets.reshape(-1))
-    grad = torch.is_grad_enabled()  # no_grad (evaluation): the loss alone, no dX or dW
-    return ChunkedLinearCrossEntropy.apply(
-        *flat, vocab_size, chunk_tokens, reduction, grad
-    )
-
-
-def apply_chunked_loss(model: nn.Module, chunk_tokens: int = 1024) -> nn.Module:
-    """Make a GPT, or 05's last pipeline chunk, compute lm_head + loss chunk by chunk,
-    in place, through 02's seam: `head` becomes ln_f alone (the (B, T, C) normalised
-    hidden states) and `loss_fn` the chunked loss of them. A GPT then returns (None,
-    loss) when given targets (no logits are made) and real logits without (generate
-    samples as before). Other chunks of 05 have no head: unchanged. 1,024 tokens keep
-    the chunk's fp32 (1,024, V) block at 0.2 GB for GPT-2, matmuls big enough for a
-    GPU. Refused under 04's tensor parallelism (apply_tensor_parallel comes after)."""
-    loss = getattr(model.loss_fn, "func", model.loss_fn)
-    if loss not in (model_lib.cross_entropy_loss, chunked_cross_entropy):
-        raise ValueError(
-            f"apply_chunked_loss replaces 02's cross_entropy_loss, not {loss.__name__}: "
-            "04's rank holds V/tp logit columns, whose max and sum need an all-reduce"
-        )
-    assert chunk_tokens >= 1, f"chunk_tokens must be >= 1, got {chunk_tokens}"
-    if model.lm_head is None:  # 05's chunks before the last stage
-        return model
-    assert type(model.lm_head) is nn.Linear, f"a plain lm_head: {model.lm_head}"
-    model.head = model.transformer.ln_f.__call__  # (B, T, C): no logits
-    model.loss_fn = functools.partial(
-        chunked_cross_entropy,
-        lm_head=model.lm_head,
-        vocab_size=model.config.vocab_size,
-        chunk_tokens=chunk_tokens,
-    )
-    if isinstance(model, model_lib.GPT):  # 05's chunk hands head's output to loss_fn
-        model.forward = functools.partial(_chunked_forward, model)
-    return model
-
-
-def _chunked_forward(model, idx, targets=None, reduction="mean"):
-    """GPT.forward -> (None, loss) with targets, (real logits, None) without."""
-    hidden, loss = type(model).forward(model, idx, targets, reduction)  # (B, T, C)
-    return (model.lm_head(hidden), None) if targets is None else (None, loss)
+    print(f"{k} microbatches of {b} rows vs one batch of {k * b}, max |g - g_batch|")
+    print("/ max |g_batch|:      token-normalised  mean of means  tokens each")
+    for label, targets in (("equal tokens", y), ("unequal tokens", padded)):
+        micro = list(zip(x.split(b), targets.split(b)))
+        one_batch = grads(lambda t=targets: model(x, t)[1].backward())
+        n = global_token_count(micro)
+        normalised = grads(lambda m=micro, n=n: accumulate_gradients(model, m, n))
+        mean_of_means = grads(lambda m=micro: accumulate_mean_of_means(model, m))
+        top = one_batch.abs().max()
+        ours = (normalised - one_batch).abs().max() / top
+        trap = (mean_of_means - one_batch).abs().max() / top
+        counts = [int(count_tokens(t)) for _, t in micro]
+        print(f"{label:<20} {ours:>17.1e} {trap:>14.1e}  {counts}")
 
 
 def main(argv=None):
@@ -545,16 +416,18 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
     add = parser.add_argument
     add("--batch-size", type=int, default=8, help="rows per step; 2 per microbatch")
-    add("--steps", type=int, default=50, help="fp32 steps before the gradients")
+    add("--steps", type=int, default=50, help="training steps before the gradients")
     add("--fp16-steps", type=int, default=10, help="steps of the fp16 training demo")
     add("--lr", type=float, default=3e-3, help="AdamW's; high for a short run")
     add("--init-scale", type=float, default=2.0**16, help="S, the static loss scale")
     add("--accum", type=int, default=4, help="microbatches; 4 token counts")
-    add("--chunk-tokens", type=int, default=100, help="tokens per chunk of the loss")
     add("--seed", type=int, default=1337, help="init and batch seed: runs repeat")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     add("--device", default=device, help="where it runs; a GPU when there is one")
+    add("--chunk-tokens", type=int, help=argparse.SUPPRESS)  # moved to 06b
     args = parser.parse_args(argv)
+    if args.chunk_tokens is not None:
+        parser.error("the chunked loss moved: python 06b_recompute.py --chunk-tokens N")
     if args.accum < 1 or args.batch_size % args.accum or args.steps < args.fp16_steps:
         parser.error("--steps >= --fp16-steps, and --batch-size a multiple of --accum")
     torch.set_num_threads(1)  # the tiny model's ops are too small to share
@@ -562,14 +435,10 @@ def main(argv=None):
     batch = (config.block_size, args.batch_size, args.steps + 1, args.seed)
     batches = model_lib.byte_batches(*batch, args.device)
     static_scale_example(args.init_scale)
-    # The demos (support/memory_demos.py) call this file's code, and support/ imports
-    # no numbered file: this module is handed to them.
-    lesson = sys.modules[__name__]
-    memory_demos.underflow_demo(lesson, config, batches, args)
-    memory_demos.fp16_training_demo(lesson, config, batches, args)
-    memory_demos.accumulation_demo(lesson, config, args)
-    memory_demos.recompute_demo(lesson, config, args)
-    memory_demos.chunked_loss_demo(lesson, config, args)
+    underflow_demo(config, batches, args)
+    fp16_training_demo(config, batches, args)
+    accumulation_demo(config, args)
+    print("(recomputation and the chunked loss: python 06b_recompute.py)")
 
 
 if __name__ == "__main__":

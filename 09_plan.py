@@ -7,7 +7,7 @@ search over layouts finds the ones that fit and run fastest, before a GPU is ren
 The model of one step, per GPU (Ψ parameters, N = dp·cp ranks sharing ZeRO's shards):
     memory = weights + gradients + AdamW states    (07's 16Ψ: ZeRO splits over N, 04/05
                                                     over tp and pp)
-           + activations                           (06's activation_formula, a layer's
+           + activations                           (06b's activation_formula, a layer's
              x the microbatches in flight           sharded part / tp, T / cp; GPipe
                                                     keeps m, 1F1B p - rank: 05)
            + the loss's logits                     (b·T·V/tp/cp, the largest temporary;
@@ -69,7 +69,7 @@ from support.sharding import comm_formula, tp_layout
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
 pp_lib = importlib.import_module("05_pipeline")
-mp_lib = importlib.import_module("06_mixed_precision")
+recompute_lib = importlib.import_module("06b_recompute")
 zero_lib = importlib.import_module("07_zero")
 cp_lib = importlib.import_module("08_context_parallel")
 
@@ -77,7 +77,7 @@ GIB = 2**30
 FIT = 0.9  # A plan fits in 90% of the memory: the CUDA context and fragmentation.
 BYTES = {"fp32": 4, "bf16": 2}  # A 16-bit activation or message under autocast.
 ACTIVATION_MODE = {"fp32": "fp32", "bf16": "bf16 autocast"}  # 06's mode names.
-CHUNK_TOKENS = 1024  # train.py's chunk of 06's chunked loss.
+CHUNK_TOKENS = 1024  # train.py's chunk of 06b's chunked loss.
 
 
 class PlanError(ValueError):
@@ -185,21 +185,21 @@ def model_state_bytes(config, layout: Layout, pp_rank: int = 0, lora_rank=0) -> 
 # ------------------------------------------------------------ activations per rank
 @functools.lru_cache(maxsize=4096)
 def _split_formula(items: tuple, b: int, T: int, dtype, recompute, loss) -> dict:
-    """06's activation_formula cut into a layer's and the rest's bytes, per microbatch
+    """06b's activation_formula cut into a layer's and the rest's bytes, per microbatch
     (what grows with b) and per stage (autocast's weight copies): by differences."""
     mode = ACTIVATION_MODE[dtype]
     config = model_lib.GPTConfig(**dict(items))
 
     def f(n_layer, rows):
         c = dataclasses.replace(config, n_layer=n_layer)
-        return mp_lib.activation_formula(c, rows, T, mode, recompute, loss)
+        return recompute_lib.activation_formula(c, rows, T, mode, recompute, loss)
 
     layer = (f(2, b) - f(2, 0)) - (f(1, b) - f(1, 0))
     rest = f(1, b) - f(1, 0) - layer
     return dict(
         layer=layer,
         embed=8 * b * T,  # The int64 ids the embedding's lookup keeps.
-        head=rest - 8 * b * T,  # ln_f, then 06's loss_formula (plain or chunked)
+        head=rest - 8 * b * T,  # ln_f, then 06b's loss_formula (plain or chunked)
         layer_copies=f(2, 0) - f(1, 0),
         rest_copies=f(1, 0) - (f(2, 0) - f(1, 0)),
     )
@@ -285,7 +285,7 @@ def collective_bytes(
         c = dataclasses.replace(config, n_layer=max(1, config.n_layer // lay.pp))
         for op, n in comm_formula(c, b, T // lay.cp, lay.sequence_parallel).items():
             out[op] += m * n * a // 4
-    if lay.tp > 1 and lay.recompute != "none":  # 06 replays a block's forward
+    if lay.tp > 1 and lay.recompute != "none":  # 06b replays a block's forward
         # subtle: torch's checkpoint stops replaying once the last kept tensor is back,
         # before the MLP's g: the attention's g again (SP: both gathers, one scatter).
         E = m * (config.n_layer // lay.pp) * b * (T // lay.cp) * config.n_embd * a
@@ -349,7 +349,7 @@ def check_layout(config, layout: Layout, batch: int, n_gpus: int) -> int:
         tp_lib.check_tp_config(config, lay.tp)
         schedule = lay.schedule if lay.pp > 1 else "1f1b"
         pp_lib.check_config(schedule, lay.pp, m, lay.virtual_stages, config.n_layer)
-        assert lay.recompute in mp_lib.RECOMPUTE, f"recompute {lay.recompute!r}"
+        assert lay.recompute in recompute_lib.RECOMPUTE, f"recompute {lay.recompute!r}"
     except AssertionError as e:
         raise PlanError(str(e)) from None
     return m
@@ -375,7 +375,7 @@ def plan(
     loss: str = "plain",
 ) -> Plan:
     """The memory (its fullest GPU) and time of a step of `batch` sequences of T;
-    loss: "plain" (02's) or "chunked" (06's, no (b, T, V) logits)."""
+    loss: "plain" (02's) or "chunked" (06b's, no (b, T, V) logits)."""
     spec = get_gpu(gpu)
     T = seq_len or config.block_size
     lay = layout
@@ -383,7 +383,7 @@ def plan(
     if T % (2 * lay.cp):
         raise PlanError(f"T={T} does not split into 2cp = {2 * lay.cp} zigzag chunks")
     if loss not in ("plain", "chunked") or loss == "chunked" and lay.tp > 1:
-        raise PlanError(f"loss {loss!r}: plain, or chunked at tp 1 (06's)")
+        raise PlanError(f"loss {loss!r}: plain, or chunked at tp 1 (06b's)")
     b = lay.micro_batch
     ranks = []
     for r in range(lay.pp):
@@ -504,7 +504,7 @@ def _rank(p: Plan) -> tuple:
         return (1, p.memory["total"])
     speed = round(math.log(p.tokens_per_s), 3)
     lay = p.layout
-    simpler = (lay.zero, mp_lib.RECOMPUTE.index(lay.recompute), lay.cp)
+    simpler = (lay.zero, recompute_lib.RECOMPUTE.index(lay.recompute), lay.cp)
     return (0, -speed, *simpler, -lay.micro_batch, p.memory["total"])
 
 
@@ -519,14 +519,14 @@ def worked_example() -> None:
     states = sum(p.memory[k] for k in ("weights", "grads", "optimizer"))
     print(f"  model states: 16Ψ = 16 x {psi:,} = {hand:,.0f} B (07); plan {states:,} B")
     print("    (Ψ with V padded to 50,304; plan: + AdamW's 4-byte step of 148 tensors)")
-    # 06's formula by hand: C = 768, L = 12, nh = 12, V = 50,304; a = 2 (bf16 matmul
+    # 06b's formula by hand: C = 768, L = 12, nh = 12, V = 50,304; a = 2 (bf16 matmul
     # operands), r = 4 (the fp32 residual stream).
     layer = 2 * 770 * 4 + 14 * 768 * 2 + 4 * 12  # LayerNorms, operands, lse
     rest = 770 * 4 + 8  # ln_f's input, mean and rstd; the int64 id
     head = 768 * 2 + 4 * 50_304 + 8  # lm_head's input, the fp32 log-softmax, target
     copies = 2 * 12 * 12 * 768**2 + 2 * 50_304 * 768  # autocast's bf16 weights
     act = 32 * 1024 * (12 * layer + rest + head) + 8 * 1024 + 4 + copies
-    print(f"  a layer, a token: 2(C+2)4 + 14C·2 + 4nh = {layer:,} B (06's none)")
+    print(f"  a layer, a token: 2(C+2)4 + 14C·2 + 4nh = {layer:,} B (06b's none)")
     print(
         f"  activations: 32·1,024·(12 layers·{layer:,} + ln_f {rest:,} + head {head:,})"
     )
@@ -563,7 +563,7 @@ def main(argv=None) -> None:
     add("--seq-len", type=int, default=None, help="T, wpe's rows too (default: preset)")
     add("--dtype", default="bf16", choices=tuple(BYTES), help="default: bf16, autocast")
     add("--lora-rank", type=int, default=0, help="LoRA's rank (default: 0, off)")
-    loss = "chunked: 06's loss that never keeps the logits (default: plain)"
+    loss = "chunked: 06b's loss that never keeps the logits (default: plain)"
     add("--loss", default="plain", choices=("plain", "chunked"), help=loss)
     add("--price", type=float, default=None, help="$ per GPU-hour (default: no cost)")
     add("--top", type=int, default=5, help="fitting layouts printed (default: 5)")

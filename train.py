@@ -61,6 +61,7 @@ tp_lib = importlib.import_module("04_tensor_parallel")
 sp_lib = importlib.import_module("04b_sequence_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 mp_lib = importlib.import_module("06_mixed_precision")
+recompute_lib = importlib.import_module("06b_recompute")
 zero_lib = importlib.import_module("07_zero")
 cp_lib = importlib.import_module("08_context_parallel")
 plan_lib = importlib.import_module("09_plan")  # --plan, and the log's predictions.
@@ -81,7 +82,7 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
     choices = {
         "dtype": ("auto", *mp_lib.DTYPES),
         "model": tuple(model_lib.PRESETS),
-        "recompute": mp_lib.RECOMPUTE,
+        "recompute": recompute_lib.RECOMPUTE,
         "lr_schedule": LR_SCHEDULES,
         "grad_compression": ("none", "fp16", "bf16", "powersgd"),
     }
@@ -174,13 +175,13 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device) -> list:
         apply[cfg.sequence_parallel](model, grid.tp_group, seed=cfg.seed)
     if grid.cp > 1:  # 08: the ring in every attention, wpe at the chunks' positions.
         cp_lib.apply_context_parallel(model, grid.cp_group)
-    mp_lib.apply_recomputation(model, cfg.recompute)  # 06: what each block keeps
+    recompute_lib.apply_recomputation(model, cfg.recompute)  # 06b: what a block keeps
     chunks = [model]
     if grid.pp > 1:
         chunks = pp_lib.split_model(model, grid.pp_rank, grid.pp, cfg.virtual_stages)
     for chunk in chunks:
-        if cfg.loss == "chunked":  # 06: lm_head + loss, 1,024 tokens at a time.
-            mp_lib.apply_chunked_loss(chunk, chunk_tokens=1024)
+        if cfg.loss == "chunked":  # 06b: lm_head + loss, 1,024 tokens at a time.
+            recompute_lib.apply_chunked_loss(chunk, chunk_tokens=1024)
         if cfg.compile:
             chunk.compile()  # In place: parameter names (and checkpoints) unchanged.
     # Dropout streams, none shared. Replicated activations draw from the default
@@ -457,7 +458,7 @@ def train(run: Run) -> None:
 
 def main(argv=None) -> None:
     # --help lists the lessons' values of these two.
-    listed = {"model": tuple(model_lib.PRESETS), "recompute": mp_lib.RECOMPUTE}
+    listed = {"model": tuple(model_lib.PRESETS), "recompute": recompute_lib.RECOMPUTE}
     cfg, args = parse_args(argv, __doc__.split("\n")[0], listed)
     if args.export:
         print(f"wrote {export(args.export)}")

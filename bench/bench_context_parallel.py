@@ -4,7 +4,7 @@ On 4 ranks (torchrun, started for you), a GPT of 2 layers (C = 64, nh = 4, V = 2
 fp32) whose context reaches 2,048 tokens, run whole (cp = 1, on each rank), and over CP
 groups of 2 and 4 ranks (08's zigzag ring):
 - activations: the bytes one rank keeps for backward (support/activations.py's
-  saved_activation_bytes) at T = 256 ... 2,048, against 06's activation_formula / cp;
+  saved_activation_bytes) at T = 256 ... 2,048, against 06b's activation_formula / cp;
 - the ring: the bytes one rank sends per layer in a step, against ring_bytes_per_layer;
 - time: the median forward + backward step at cp = 1, 2, 4, and the share of the ring's
   communication hidden behind the blocks' compute: 1 - (time waiting on ring steps
@@ -33,7 +33,7 @@ from support.activations import saved_activation_bytes
 from support.ring import count_p2p
 
 model_lib = importlib.import_module("02_model")
-mp_lib = importlib.import_module("06_mixed_precision")
+recompute_lib = importlib.import_module("06b_recompute")  # activation_formula
 cp_lib = importlib.import_module("08_context_parallel")
 print0 = distributed.print0
 CPS = (1, 2, 4)
@@ -115,7 +115,7 @@ def bench(args, rank, world_size, device):
         f"GPT L=2 C=64 nh=4 V=256, B={B}, fp32, {world_size} gloo ranks on {device.type}, {torch.get_num_threads()} thread(s) each"
     )
     print0(
-        "\nactivations kept for backward per rank, MB (measured | 06's formula / cp)"
+        "\nactivations kept for backward per rank, MB (measured | 06b's formula / cp)"
     )
     print0(f"{'T':>6} " + " ".join(f"{'cp=' + str(cp):>21}" for cp in CPS))
     for T in args.seq_lens:
@@ -125,7 +125,7 @@ def bench(args, rank, world_size, device):
         for cp in CPS:
             model = make_model(args.seed, T_max, groups[cp])
             kept = activations(model, x, y, groups[cp])
-            formula = mp_lib.activation_formula(model.config, B, T, "fp32") / cp
+            formula = recompute_lib.activation_formula(model.config, B, T, "fp32") / cp
             cells.append(f"{kept / 2**20:9.3f} | {formula / 2**20:9.3f}")
         print0(f"{T:>6} " + " ".join(f"{c:>21}" for c in cells))
     T = args.time_seq_len

@@ -1,17 +1,17 @@
-"""The plain loss against 06's chunked linear + cross-entropy at GPT-2 124M's shape
+"""The plain loss against 06b's chunked linear + cross-entropy at GPT-2 124M's shape
 (C = 768, V = 50,257 padded to 50,304, T = 1,024), side by side in one process: the
 bytes each keeps for the backward and the time of a step.
 
     python bench/bench_loss.py                  # CPU: B = 16, 32 counted; B = 1 run
     python bench/bench_loss.py --measure 16,32  # a GPU: the whole model's step
 
-First, for every --batch-sizes B (no run, 06's loss_formula): the bytes lm_head and the
+First, for every --batch-sizes B (no run, 06b's loss_formula): the bytes lm_head and the
 loss keep for the backward, and the (B, T, V) logits and dL/dlogits that the plain loss
 holds beside them. Then, for every --measure B, both losses run: on a CPU lm_head + the
 loss alone, from a random (B, T, C) ln_f output (--scope head, the default there:
 GPT-2's whole step at T = 1,024 takes minutes on a laptop, and its blocks are the same
 for both losses); on a GPU the whole model's forward and backward (--scope model). Each
-row prints the bytes kept, counted by 06's saved_activation_bytes, beside the formula;
+row prints the bytes kept, counted by 06b's saved_activation_bytes, beside the formula;
 the step's peak: on a CPU the most bytes the step's own tensors hold at once
 (bench_mixed_precision's StepPeak: weights left out), on a GPU
 torch.cuda.max_memory_allocated less the memory held before the step; and the median ms
@@ -34,6 +34,7 @@ sys.path.insert(
 )  # the numbered files live there
 model_lib = importlib.import_module("02_model")
 mp = importlib.import_module("06_mixed_precision")
+rc = importlib.import_module("06b_recompute")  # recomputation, the chunked loss
 StepPeak = importlib.import_module("bench.bench_mixed_precision").StepPeak
 
 LOSSES = ("plain", "chunked")
@@ -53,7 +54,7 @@ def print_formulas(config, T: int, batch_sizes, mode: str):
     print(f"{'B':>4} {'loss':<8} {'kept':>8} {'+ logits, dlogits':>18} {'all':>8}")
     for B in batch_sizes:
         for loss in LOSSES:
-            kept = mp.loss_formula(config, B, T, mode, loss)
+            kept = rc.loss_formula(config, B, T, mode, loss)
             besides = B * T * V * (a + 4) if loss == "plain" else 0
             row = (
                 f"{kept / GB:>8.2f} {besides / GB:>18.2f} {(kept + besides) / GB:>8.2f}"
@@ -66,7 +67,7 @@ def build(config, loss: str, B: int, args, device):
     torch.manual_seed(args.seed)
     model = model_lib.GPT(config).to(device)
     if loss == "chunked":
-        mp.apply_chunked_loss(model, args.chunk_tokens)
+        rc.apply_chunked_loss(model, args.chunk_tokens)
     T = config.block_size
     x = torch.randint(0, config.vocab_size, (B, T), device=device)
     y = torch.randint(0, config.vocab_size, (B, T), device=device)
@@ -97,12 +98,12 @@ def measure(config, B: int, args, device) -> list:
     for loss in LOSSES:
         model, forward = build(config, loss, B, args, device)
         with mp.autocast_context(dtype, device.type):
-            kept = mp.saved_activation_bytes(forward)[1]
+            kept = rc.saved_activation_bytes(forward)[1]
         if args.scope == "model":
-            formula = mp.activation_formula(config, B, T, mode, loss=loss)
+            formula = rc.activation_formula(config, B, T, mode, loss=loss)
         else:  # ln_f's input, mean and rstd come first: the head is ln_f + lm_head
             formula = B * T * (config.n_embd + 2) * 4
-            formula += mp.loss_formula(config, B, T, mode, loss)
+            formula += rc.loss_formula(config, B, T, mode, loss)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)

@@ -11,13 +11,13 @@ batches (02's byte_batches: real text, so the loss curves mean something), in on
 On a GPU the memory column is torch.cuda.max_memory_allocated for that mode alone (each mode
 runs on its own, after the previous one is freed); on a CPU it is the sum of the components. A
 second table prints each component measured against its formula: parameters, gradients, AdamW's
-state and the activations saved for the backward (06's saved_activation_bytes against
+state and the activations saved for the backward (06b's saved_activation_bytes against
 activation_formula). --figure writes the loss curves of every mode (the README's
 docs/mixed_precision_loss.png comes from the CPU line above). The speed-up is a tensor-core
 property: on a CPU without 16-bit matmul units, 16-bit is slower than fp32.
 
-Then, in --recompute-precision, 06's recomputation modes: ms per step, the activation bytes
-of one sequence held for the backward (measured, and 06's formula), the largest micro-batch that
+Then, in --recompute-precision, 06b's recomputation modes: ms per step, the activation bytes
+of one sequence held for the backward (measured, and 06b's formula), the largest micro-batch that
 leaves them room in --budget-gb, and the step's peak memory (a GPU's max_memory_allocated; on a
 CPU the weights and AdamW's state plus the most bytes the step's own tensors hold at once). On a
 CPU selective can cost more than full: torch runs its keep-or-redo policy in Python on every op,
@@ -46,8 +46,8 @@ sys.path.insert(
 )  # the numbered files live there
 model_lib = importlib.import_module("02_model")
 mp = importlib.import_module("06_mixed_precision")
+rc = importlib.import_module("06b_recompute")  # recomputation, the chunked loss
 gpus = importlib.import_module("support.gpus")  # peak_flops, mfu
-memory_demos = importlib.import_module("support.memory_demos")  # 06's underflow table
 
 MODES = ("fp32", "tf32", "bf16 autocast", "fp16 autocast + scaler", "fp16 by hand")
 
@@ -98,7 +98,7 @@ def memory_table(model, optimizer, master, autocast_dtype, x, y, mode) -> dict:
     """{component: (measured bytes, formula bytes)} after training: one more forward/backward
     (no step) measures the parameters, gradients, AdamW state and saved activations."""
     with mp.autocast_context(autocast_dtype, x.device.type):
-        (_, loss), activations = mp.saved_activation_bytes(lambda: model(x, y))
+        (_, loss), activations = rc.saved_activation_bytes(lambda: model(x, y))
     loss.backward()
     if master:
         master.grads_to_master()
@@ -114,7 +114,7 @@ def memory_table(model, optimizer, master, autocast_dtype, x, y, mode) -> dict:
     formulas = [(2 + 4) * N if master else 4 * N,  # by hand: 16-bit working + fp32 master
                 4 * N,  # fp32 grads (by hand: the 16-bit ones are freed once copied up)
                 8 * N + 4 * len(masters),  # AdamW's m and v, fp32, and a 4-byte step per tensor
-                mp.activation_formula(model.config, *x.shape, mode)]  # fmt: skip
+                rc.activation_formula(model.config, *x.shape, mode)]  # fmt: skip
     return dict(
         zip(("params", "grads", "AdamW state", "activations"), zip(measured, formulas))
     )
@@ -246,9 +246,9 @@ def recompute_rows(config, args, device, mode: str) -> list:
     batches = model_lib.byte_batches(
         config.block_size, args.batch_size, args.steps, args.seed, device
     )
-    for recompute in mp.RECOMPUTE:
+    for recompute in rc.RECOMPUTE:
         torch.manual_seed(args.seed)
-        model = mp.apply_recomputation(model_lib.GPT(config).to(device), recompute)
+        model = rc.apply_recomputation(model_lib.GPT(config).to(device), recompute)
         optimizer, scaler = (
             torch.optim.AdamW(model.parameters(), lr=args.lr),
             mp.make_scaler(dtype),
@@ -260,10 +260,10 @@ def recompute_rows(config, args, device, mode: str) -> list:
                 dtype, device.type
             ):  # (a new cache: weight copies again)
                 held.append(
-                    mp.saved_activation_bytes(lambda m=model, x=x, y=y: m(x, y))[1]
+                    rc.saved_activation_bytes(lambda m=model, x=x, y=y: m(x, y))[1]
                 )
             formula.append(
-                mp.activation_formula(config, B, config.block_size, mode, recompute)
+                rc.activation_formula(config, B, config.block_size, mode, recompute)
             )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -470,7 +470,7 @@ def main(argv=None):
     print()
     scaler_comparison(tiny, tiny_batches[:16], demo)
     if args.underflow_figure:
-        grads = memory_demos.underflow_demo(mp, tiny, tiny_batches, demo)
+        grads = mp.underflow_demo(tiny, tiny_batches, demo)
         plot_grad_histogram(grads, demo.init_scale, args.underflow_figure)
 
 

@@ -36,7 +36,7 @@ from support import distributed, sharding
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
 sp_lib = importlib.import_module("04b_sequence_parallel")
-mp_lib = importlib.import_module("06_mixed_precision")  # saved_activation_bytes
+recompute_lib = importlib.import_module("06b_recompute")  # saved_activation_bytes
 
 # A ring all-reduce sends 2(tp-1)/tp * S per rank, S being the payload that
 # sharding.count_comm records; all-gather (S: the gathered list) and reduce-scatter (S:
@@ -80,7 +80,7 @@ def bench(args, group, device):
     variants[False] = tp_lib.apply_tensor_parallel(copy.deepcopy(full), group)
     variants[True] = sp_lib.apply_sequence_parallel(copy.deepcopy(full), group)
     p_full = param_bytes(full)
-    _, act_full = mp_lib.saved_activation_bytes(lambda: full(x, y))
+    _, act_full = recompute_lib.saved_activation_bytes(lambda: full(x, y))
     ms_full = ms_per_step(full, x, y, args) if dist.get_rank(group) == 0 else 0.0
     dist.barrier(group)  # the others wait while rank 0 times the whole model alone
     shape = f"L={config.n_layer} nh={config.n_head} C={config.n_embd}"
@@ -95,7 +95,7 @@ def bench(args, group, device):
     )
     for sp, model in variants.items():
         p = param_bytes(model)
-        _, act = mp_lib.saved_activation_bytes(lambda m=model: m(x, y))
+        _, act = recompute_lib.saved_activation_bytes(lambda m=model: m(x, y))
         with sharding.count_comm() as log:
             _, loss = model(x, y)
             loss.backward()

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
 mp_lib = importlib.import_module("06_mixed_precision")
+recompute_lib = importlib.import_module("06b_recompute")
 gpus = importlib.import_module("support.gpus")
 data_lib = importlib.import_module("01_data")
 train = importlib.import_module("train")
@@ -106,7 +107,7 @@ def recompute_with_dropout(device) -> bool:
     for mode in ("none", "none again", "selective", "full"):
         torch.manual_seed(0)
         model = model_lib.GPT(base).to(device)
-        mp_lib.apply_recomputation(model, mode.split()[0])  # 06, from outside the model
+        recompute_lib.apply_recomputation(model, mode.split()[0])  # 06b, from outside
         torch.manual_seed(1)
         with torch.autocast(device.type, torch.bfloat16):
             _, loss = model(x, x)

@@ -1,13 +1,10 @@
-"""Bytes kept for the backward: the measuring tool behind 06's recomputation numbers.
-(And replaying_stream, 06's recomputation rewinding a per-rank dropout stream.)
+"""Bytes kept for the backward: the measuring tool behind 06b's recomputation numbers.
 
 saved_activation_bytes(fn) runs fn under autograd's saved-tensors hooks and adds up the
 distinct storages that autograd keeps for the backward. Inside torch's checkpoint, the
-checkpoint's own hooks take the place of ours, so 06's selective policy reports the
+checkpoint's own hooks take the place of ours, so 06b's selective policy reports the
 outputs it keeps by calling note_kept.
 """
-
-import contextlib
 
 import torch
 import torch.nn as nn
@@ -28,7 +25,7 @@ def _add(kept: dict, tensors) -> None:
 def note_kept(ctx) -> None:
     """Count the outputs that a selective checkpoint keeps for its backward.
 
-    `ctx` is the context torch hands a checkpoint policy (06's _policy); its op_output
+    `ctx` is the context torch hands a checkpoint policy (06b's _policy); its op_output
     is what the policy keeps. Nothing is noted unless saved_activation_bytes is running.
     """
     if _counting:
@@ -55,23 +52,3 @@ def saved_activation_bytes(fn):
         _counting.pop()
     return out, sum(t.untyped_storage().nbytes() for t in kept.values())
 
-
-def replaying_stream(contexts, stream):
-    """A checkpoint's context_fn that also rewinds a per-rank random stream (an object
-    with a `.state`, as 04's RNGStateTracker) for the replay: called as the forward
-    starts, so the stream's state now is the one the recomputation must draw from
-    again. `contexts`: another context_fn (selective recomputation's) or None."""
-    forward, redo = contexts() if contexts else (contextlib.nullcontext(),) * 2
-    return forward, _replaying(redo, stream, stream.state)
-
-
-@contextlib.contextmanager
-def _replaying(inner, stream, state):
-    """Replay from `state` (04's fork replaces .state: a reference is a snapshot)."""
-    now = stream.state
-    stream.state = state
-    try:
-        with inner:
-            yield
-    finally:
-        stream.state = now

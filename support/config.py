@@ -77,11 +77,11 @@ class TrainConfig:
     lora_alpha: float = flag(16.0, "LoRA: the update is (alpha / r)·B·A")
     # Pretraining on plenty of data needs no dropout.
     dropout: float = flag(0.0, "dropout probability")
-    recompute: str = flag("none", "activations redone in the backward (06)")
+    recompute: str = flag("none", "activations redone in the backward (06b)")
     # No GPU measurement favours chunked yet (issue 31.4): plain, the simple one.
     loss: str = flag(
         "plain",
-        "plain, or chunked: 06's lm_head + loss with no (B, T, V) logits kept; "
+        "plain, or chunked: 06b's lm_head + loss with no (B, T, V) logits kept; "
         "plain until a GPU measurement favours chunked",
     )
     # bf16 where the GPU has it; fp32 on a CPU, where 16 bits would be slower.
@@ -140,7 +140,7 @@ class TrainConfig:
     timeout_minutes: float = flag(10.0, "a collective waiting this long is an error")
 
 
-# --loss: 02's loss of the whole (B, T, V) logits, or 06's chunked linear + loss.
+# --loss: 02's loss of the whole (B, T, V) logits, or 06b's chunked linear + loss.
 LOSSES = ("plain", "chunked")
 
 # The numeric flags that must be > 0; every other number must be >= 0.

@@ -1,5 +1,4 @@
-"""Plumbing for 06's mixed precision: torch.amp.GradScaler's state format, and the
-share of numbers that rounding to 16 bits turns into 0, subnormals or inf.
+"""Plumbing for 06's mixed precision: torch.amp.GradScaler's state format.
 
 06's DynamicLossScaler makes GradScaler's decisions; what it inherits from here only
 lets a checkpoint written by either load into the other.
@@ -42,10 +41,3 @@ class GradScalerState:
         self._growth_interval = int(state_dict["growth_interval"])
         self._growth_tracker = int(state_dict["_growth_tracker"])
 
-
-def rounding_shares(flat: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
-    """Shares of |flat| · scale that round to 0, a subnormal and inf in `dtype`."""
-    q = (flat * scale).to(dtype)
-    zero = (q == 0).float().mean()
-    subnormal = ((q != 0) & (q.abs() < torch.finfo(dtype).tiny)).float().mean()
-    return zero, subnormal, q.isinf().float().mean()

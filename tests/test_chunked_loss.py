@@ -1,5 +1,5 @@
-"""06's chunked linear + cross-entropy against the plain loss (02's lm_head, then its
-cross_entropy_loss): the same loss and every gradient, the bytes it keeps equal to 06's
+"""06b's chunked linear + cross-entropy against the plain loss (02's lm_head, then its
+cross_entropy_loss): the same loss and every gradient, the bytes it keeps equal to 06b's
 formula, no (B, T, V) tensor kept, and apply_chunked_loss through 02's and 05's seam.
 
 A worked example of what the chunked forward forms: one token, V = 2 logits (0, ln 3),
@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+rc = importlib.import_module("06b_recompute")  # the chunked loss, its formula
 mp = importlib.import_module("06_mixed_precision")
 model_lib = importlib.import_module("02_model")
 pipeline = importlib.import_module("05_pipeline")
@@ -59,7 +60,7 @@ def plain_and_chunked(x, weight, bias, y, vocab_size, chunk, reduction):
         leaves.append(None if bias is None else bias.detach().clone().requires_grad_())
         if chunked:
             args = (*leaves[:3], y, vocab_size, chunk, reduction, True)
-            loss = mp.ChunkedLinearCrossEntropy.apply(*args)
+            loss = rc.ChunkedLinearCrossEntropy.apply(*args)
         else:
             logits = F.linear(*leaves)  # (N, V)
             loss = model_lib.cross_entropy_loss(
@@ -74,7 +75,7 @@ def test_the_worked_example():
     """The docstring's numbers, by hand: one token, two columns, target 1."""
     x = torch.tensor([[1.0, 2.0]], requires_grad=True)
     w = torch.tensor([[0.0, 0.0], [math.log(3), 0.0]], requires_grad=True)
-    loss = mp.ChunkedLinearCrossEntropy.apply(
+    loss = rc.ChunkedLinearCrossEntropy.apply(
         x, w, None, torch.tensor([1]), 2, 1, "sum", True
     )
     loss.backward()
@@ -131,7 +132,7 @@ def test_a_gpt_with_the_chunked_loss_equals_the_plain_one(tied):
     torch.manual_seed(0)
     plain = model_lib.GPT(config)
     torch.manual_seed(0)
-    chunked = mp.apply_chunked_loss(model_lib.GPT(config), chunk_tokens=7)
+    chunked = rc.apply_chunked_loss(model_lib.GPT(config), chunk_tokens=7)
     assert (chunked.lm_head.weight is chunked.transformer.wte.weight) == tied
     for reduction in ("mean", "sum"):
         losses = []
@@ -163,7 +164,7 @@ def test_accumulation_with_the_chunked_loss_equals_the_plain_one():
         torch.manual_seed(0)
         model = model_lib.GPT(PADDED)
         if loss_kind == "chunked":
-            mp.apply_chunked_loss(model, chunk_tokens=5)
+            rc.apply_chunked_loss(model, chunk_tokens=5)
         mp.accumulate_gradients(model, micro, mp.global_token_count(micro))
         grads.append([p.grad for p in model.parameters()])
     for p, q in zip(*grads):
@@ -188,7 +189,7 @@ def test_bf16_autocast_keeps_the_loss_and_softmax_in_fp32():
         torch.manual_seed(0)
         model = model_lib.GPT(PADDED)
         if loss_kind == "chunked":
-            mp.apply_chunked_loss(model, chunk_tokens=7)
+            rc.apply_chunked_loss(model, chunk_tokens=7)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(x, y)
         assert loss.dtype == torch.float32, loss_kind
@@ -214,7 +215,7 @@ def test_bf16_dw_is_the_fp32_product_of_the_bf16_logits_gradient(chunk):
     weight = (torch.randn(256, 32) * 0.5).requires_grad_()
     y = batch()[1].view(-1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mp.ChunkedLinearCrossEntropy.apply(
+        rc.ChunkedLinearCrossEntropy.apply(
             x, weight, None, y, 250, chunk, "sum", True
         ).backward()
     x16 = x.bfloat16().float()  # the values autocast's matmuls see
@@ -237,7 +238,7 @@ def test_no_grad_forms_no_gradient():
     head = torch.nn.Linear(32, 256, bias=False)
     y = batch()[1].view(-1)
     loss = functools.partial(
-        mp.chunked_cross_entropy, lm_head=head, vocab_size=250, chunk_tokens=7
+        rc.chunked_cross_entropy, lm_head=head, vocab_size=250, chunk_tokens=7
     )
     cpu = [torch.profiler.ProfilerActivity.CPU]
     ops = {}
@@ -261,20 +262,20 @@ def test_tensor_parallelism_after_the_chunked_loss_is_refused():
     """04's apply_tensor_parallel swaps lm_head and loss_fn but not the chunked loss's
     head (ln_f alone) and forward: the vocab-parallel loss would then take the (B, T, C)
     hidden states as logits, a wrong loss without an error (2.010 against 4.155 seen at
-    tp 2). Refused in one line, before anything changed; in the other order 06 refuses.
+    tp 2). Refused in one line, before anything changed; in the other order 06b refuses.
     A world of one gloo rank in this process: 04 needs a process group."""
     tp = importlib.import_module("04_tensor_parallel")
     dist = torch.distributed
     assert not dist.is_initialized(), "a test left a process group behind"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model = mp.apply_chunked_loss(model_lib.GPT(PADDED), chunk_tokens=7)
+        model = rc.apply_chunked_loss(model_lib.GPT(PADDED), chunk_tokens=7)
         with pytest.raises(ValueError, match="chunked loss: not under TP"):
             tp.apply_tensor_parallel(model, dist.group.WORLD)
         assert type(model.lm_head) is torch.nn.Linear, "refused before any change"
         model = tp.apply_tensor_parallel(model_lib.GPT(PADDED), dist.group.WORLD)
         with pytest.raises(ValueError, match="not vocab_parallel_cross_entropy"):
-            mp.apply_chunked_loss(model)
+            rc.apply_chunked_loss(model)
     finally:
         dist.destroy_process_group()
 
@@ -282,7 +283,7 @@ def test_tensor_parallelism_after_the_chunked_loss_is_refused():
 @pytest.mark.parametrize("mode", ["fp32", "bf16 autocast", "fp16 by hand"])
 def test_bytes_kept_equal_the_formula_and_no_tensor_is_b_t_v(mode):
     """saved_activation_bytes (autograd's saved-tensors hooks, weights left out) equals
-    06's formula to the byte, for lm_head + loss alone (loss_formula, from ln_f's output
+    06b's formula to the byte, for lm_head + loss alone (loss_formula, from ln_f's output
     on) and for the whole GPT (activation_formula), plain and chunked. The plain path
     keeps the fp32 log-softmax, B·T·V numbers; the chunked one keeps no tensor of
     B·T·V elements or more (dW has V·C, fewer since C = 32 < B·T = 48)."""
@@ -297,23 +298,23 @@ def test_bytes_kept_equal_the_formula_and_no_tensor_is_b_t_v(mode):
         if mode == "fp16 by hand":
             mp.MasterWeights(model, torch.float16)
         if loss_kind == "chunked":
-            mp.apply_chunked_loss(model, chunk_tokens=7)
+            rc.apply_chunked_loss(model, chunk_tokens=7)
         hidden = torch.randn(B, T, C, dtype=model.lm_head.weight.dtype).requires_grad_()
         head_and_loss = functools.partial(lambda m, h: m.loss_fn(m.head(h), y), model)
         largest = []  # the element count of every tensor autograd saves
         with mp.autocast_context(dtype, "cpu"):
-            _, held = mp.saved_activation_bytes(
+            _, held = rc.saved_activation_bytes(
                 functools.partial(head_and_loss, hidden)
             )
-            _, held_gpt = mp.saved_activation_bytes(functools.partial(model, x, y))
+            _, held_gpt = rc.saved_activation_bytes(functools.partial(model, x, y))
             pack = functools.partial(_note_size, largest)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 head_and_loss(hidden)
         # ln_f's own input, mean and rstd are part of the hidden path: counted apart.
         ln_f = B * T * (C + 2) * (2 if mode == "fp16 by hand" else 4)
-        formula = mp.loss_formula(PADDED, B, T, mode, loss_kind)
+        formula = rc.loss_formula(PADDED, B, T, mode, loss_kind)
         assert held - ln_f == formula, (loss_kind, held - ln_f, formula)
-        whole = mp.activation_formula(PADDED, B, T, mode, loss=loss_kind)
+        whole = rc.activation_formula(PADDED, B, T, mode, loss=loss_kind)
         assert held_gpt == whole, (loss_kind, held_gpt, whole)
         if loss_kind == "plain":
             assert max(largest) >= B * T * V, "the plain loss keeps its log-softmax"
@@ -328,11 +329,11 @@ def test_the_bias_adds_its_v_numbers_to_the_bytes_kept():
     head = torch.nn.Linear(32, 256)
     y = batch()[1].view(-1)
     args = (x, head.weight, head.bias, y, 250, 7, "mean", True)
-    _, held = mp.saved_activation_bytes(
-        lambda: mp.ChunkedLinearCrossEntropy.apply(*args)
+    _, held = rc.saved_activation_bytes(
+        lambda: rc.ChunkedLinearCrossEntropy.apply(*args)
     )
     B_T = 48  # the formula's B·T, as one row of 48 tokens
-    formula = mp.loss_formula(PADDED, 1, B_T, "fp32", "chunked", bias=True)
+    formula = rc.loss_formula(PADDED, 1, B_T, "fp32", "chunked", bias=True)
     assert held == formula == 48 * 32 * 4 + 256 * 32 * 4 + 256 * 4
 
 
@@ -348,9 +349,9 @@ def test_apply_chunked_loss_through_05s_pipeline_chunks():
         model = model_lib.GPT(PADDED)
         first, last = [pipeline.split_model(model, r, 2)[0] for r in (0, 1)]
         if loss_kind == "chunked":
-            assert mp.apply_chunked_loss(first, chunk_tokens=7) is first
+            assert rc.apply_chunked_loss(first, chunk_tokens=7) is first
             assert "head" not in vars(first), "a stage without lm_head: unchanged"
-            mp.apply_chunked_loss(last, chunk_tokens=7)
+            rc.apply_chunked_loss(last, chunk_tokens=7)
         out = last(first(x))
         assert out.shape[-1] == (32 if loss_kind == "chunked" else 256), out.shape
         loss = last.loss_fn(out, y, "sum")
@@ -359,7 +360,7 @@ def test_apply_chunked_loss_through_05s_pipeline_chunks():
     torch.testing.assert_close(results[1][0], results[0][0], **FP32)
     for p, q in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(q, p, **FP32)
-    model = mp.apply_chunked_loss(model_lib.GPT(PADDED))
+    model = rc.apply_chunked_loss(model_lib.GPT(PADDED))
     last = pipeline.split_model(model, 1, 2)[0]
     with pytest.raises(ValueError, match="every pipeline chunk"):
         last.loss_fn(last(torch.randn(3, 16, 32)), y, "sum")
@@ -373,5 +374,5 @@ def test_apply_chunked_loss_refuses_tensor_parallelism():
     vocab_parallel = tp.vocab_parallel_cross_entropy
     model.loss_fn = functools.partial(vocab_parallel, group=None, vocab_size=250)
     with pytest.raises(ValueError, match="not vocab_parallel_cross_entropy.*V/tp"):
-        mp.apply_chunked_loss(model)
+        rc.apply_chunked_loss(model)
     assert "head" not in vars(model), "refused before anything changed"

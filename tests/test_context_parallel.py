@@ -469,9 +469,9 @@ def case_blocks_and_bytes(rank, world_size):
     formula = sum(cp_lib.ring_bytes_per_layer(B, T, config.n_embd, cp, 4))
     assert sum(sent) == config.n_layer * formula, (sum(sent), formula)
     # The memory CP saves: a rank keeps 1/cp of what one process keeps for the backward
-    # (06's activation_formula), except the loss's 4-byte count, which every rank keeps.
-    mp_lib = importlib.import_module("06_mixed_precision")
-    one = mp_lib.activation_formula(config, B, T, "fp32")
+    # (06b's activation_formula), except the loss's 4-byte count, which every rank keeps.
+    recompute_lib = importlib.import_module("06b_recompute")
+    one = recompute_lib.activation_formula(config, B, T, "fp32")
     _, kept = saved_activation_bytes(lambda: model(x, y, reduction="sum"))
     assert kept == (one - 4) // cp + 4, (kept, one, cp)
     return blocks

@@ -37,7 +37,7 @@ ddp = importlib.import_module("03_ddp")
 tp_lib = importlib.import_module("04_tensor_parallel")
 sp_lib = importlib.import_module("04b_sequence_parallel")
 pp_lib = importlib.import_module("05_pipeline")
-mp_lib = importlib.import_module("06_mixed_precision")
+recompute_lib = importlib.import_module("06b_recompute")
 zero_lib = importlib.import_module("07_zero")
 cp_lib = importlib.import_module("08_context_parallel")
 
@@ -140,7 +140,7 @@ def build(layout: Layout, rank: int, world: int):
     """-> (chunks as one module, the step's callable, optimizer, chunks list)."""
     torch.manual_seed(0)
     model = model_lib.GPT(gpt_config())
-    mp_lib.apply_recomputation(model, layout.recompute)
+    recompute_lib.apply_recomputation(model, layout.recompute)
     group = dist.new_group(list(range(world)))
     kw = dict(lr=1e-3, weight_decay=0.1)
     if layout.tp > 1:
@@ -370,9 +370,9 @@ def test_chunked_loss_keeps_no_logits():
     args = (config, Layout(micro_batch=8), 8, "h100", 1)
     plain = plan_lib.plan(*args)
     chunked = plan_lib.plan(*args, loss="chunked")
-    saved = mp_lib.loss_formula(config, 8, 1024, "bf16 autocast") - mp_lib.loss_formula(
-        config, 8, 1024, "bf16 autocast", loss="chunked"
-    )
+    saved = recompute_lib.loss_formula(
+        config, 8, 1024, "bf16 autocast"
+    ) - recompute_lib.loss_formula(config, 8, 1024, "bf16 autocast", loss="chunked")
     assert plain.memory["activations"] - chunked.memory["activations"] == saved
     assert chunked.memory["logits"] == 2 * 1024 * config.padded_vocab_size
     cfg = types.SimpleNamespace(

@@ -96,13 +96,13 @@ def test_the_chunked_loss_trains_evaluates_and_samples_as_the_plain_one(data_dir
     the chunked sum runs in another order), the chunked loss really called, and model.pt rebuilt
     plain: its logits real, its sample printed."""
     called = []
-    chunked = train.mp_lib.chunked_cross_entropy
+    chunked = train.recompute_lib.chunked_cross_entropy
 
     def spy(*args, **kwargs):
         called.append(1)
         return chunked(*args, **kwargs)
 
-    monkeypatch.setattr(train.mp_lib, "chunked_cross_entropy", spy)
+    monkeypatch.setattr(train.recompute_lib, "chunked_cross_entropy", spy)
     argv = BASE + ["--data-dir", data_dir, "--micro-batch-size", "2", "--eval-interval", "2"]
     run_main(argv + ["--out-dir", str(tmp_path / "plain")])
     assert not called, "--loss plain: 02's loss"
@@ -125,7 +125,7 @@ def test_the_chunked_loss_trains_evaluates_and_samples_as_the_plain_one(data_dir
 def test_two_rank_layouts_equal_one_process(data_dir, tmp_path, reference):
     """dp=2 (+ZeRO 1, 2, 3), tp=2 (+sequence parallelism), pp=2 under every schedule: same curve.
     fp16 (06's loss scaler) with the pipeline and with ZeRO-2, whose gradients the scaler finds
-    in the optimizer's shards, not in p.grad. The chunked loss (06) in the pipeline's last stage
+    in the optimizer's shards, not in p.grad. The chunked loss (06b) in the pipeline's last stage
     and under ZeRO-3. model.pt alike at tp 2 and 1, though tp 2 trains 64·2 vocabulary rows."""
     dp2, pp2 = ["--dp", "2", "--micro-batch-size", "2"], ["--pp", "2", "--micro-batch-size", "2"]
     configs = [
@@ -803,7 +803,7 @@ def test_help_lists_the_presets_and_every_recompute_mode(capsys):
     presets = ", ".join(train.model_lib.PRESETS)
     preset = "02_model.py's preset (not given: --init-from's shape)"
     assert f"--model MODEL {preset}: {presets} (default: small)" in text
-    assert "(06): none, selective, full (default: none)" in text
+    assert "(06b): none, selective, full (default: none)" in text
     assert "plain until a GPU measurement favours chunked (default: plain)" in text
 
 

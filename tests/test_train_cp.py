@@ -83,7 +83,7 @@ def _layouts(rank, world, data_dir, tmp, configs, resume_extra):
     its train and val rows. Then, if given, 3 + 3 resumed steps against 6."""
     real_time = run_log.time
     real_grid = train.build_grid
-    real_chunked = train.mp_lib.chunked_cross_entropy
+    real_chunked = train.recompute_lib.chunked_cross_entropy
     calls = []
 
     def chunked_spy(*args, **kwargs):
@@ -93,7 +93,7 @@ def _layouts(rank, world, data_dir, tmp, configs, resume_extra):
     used = []
     run_log.time = fake_clock()
     train.build_grid = recording(real_grid, used)
-    train.mp_lib.chunked_cross_entropy = chunked_spy
+    train.recompute_lib.chunked_cross_entropy = chunked_spy
     out = []
     try:
         for name, extra in configs:
@@ -113,7 +113,7 @@ def _layouts(rank, world, data_dir, tmp, configs, resume_extra):
     finally:
         run_log.time = real_time
         train.build_grid = real_grid
-        train.mp_lib.chunked_cross_entropy = real_chunked
+        train.recompute_lib.chunked_cross_entropy = real_chunked
     resumed = None
     if resume_extra is not None:
         resumed = _straight_and_resumed(

@@ -361,12 +361,12 @@ def test_the_fused_adamw_of_cuda_runs_on_the_cpu_and_equals_the_plain_one(data_d
 
 
 def test_recompute_wraps_every_block_and_keeps_less_for_the_backward(data_dir, tmp_path):  # noqa: F811
-    """--recompute reaches the model: build_run wraps every Block's forward in 06's
+    """--recompute reaches the model: build_run wraps every Block's forward in 06b's
     _recomputed with the flag's mode ("none": no wrapper), and one forward then keeps fewer
-    bytes for its backward, full < selective < none (06's saved_activation_bytes).
+    bytes for its backward, full < selective < none (06b's saved_activation_bytes).
     test_recomputation_changes_no_bit_on_any_layout only compares results, which a train.py
     that forgot apply_recomputation would also pass; this fails then."""
-    mp = train.mp_lib
+    mp = train.recompute_lib
     argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path)]
     kept = {}
     for mode in mp.RECOMPUTE:
