@@ -1,10 +1,10 @@
 """01 · Data: from text to tokens to batches.
 
 A language model eats integers: learn a byte-level BPE vocabulary (the most frequent
-adjacent pair becomes a new token, again and again), clean the documents, encode them
-once into memory-mapped token shards, and cut (x, y) batches from them as a pure
-function of the step. BPE (Sennrich et al. 2016; byte-level as GPT-2's) runs on the
-"words" of GPT-2's pre-tokenization regex: no merge crosses a word or a special token.
+adjacent pair becomes a new token, again and again), encode the documents once into
+memory-mapped token shards, and cut (x, y) batches from them as a pure function of the
+step. BPE (Sennrich et al. 2016; byte-level as GPT-2's) runs on the "words" of GPT-2's
+pre-tokenization regex: no merge crosses a word or a special token.
 
     start:  every word is its UTF-8 bytes        "hug" -> [h, u, g]    vocab = 256 bytes
     repeat: (a, b) = the most frequent adjacent pair, counted over words x frequency
@@ -15,39 +15,33 @@ function of the step. BPE (Sennrich et al. 2016; byte-level as GPT-2's) runs on 
 BPE is taught naive first (`train_bpe_naive` recounts every pair after each merge), then
 incremental (`train_bpe`: a merge recounts only its words; a heap gives the next pair).
 
-Clean data (as FineWeb, Penedo et al. 2024): --quality gopher keeps prose by Gopher's
-rules (Rae et al. 2021). --dedup drops a document seen before: exact (the same text up
-to case and spacing), or minhash (Broder 1997), near copies too; or --dedup lines drops
-each line seen twice in the corpus (CCNet, Wenzek et al. 2019: pass 1 counts hashes).
-For word 5-gram sets A and B, J = |A∩B|/|A∪B|; the least hash over A is the least over
-B iff the least over A∪B is in A∩B: P = J. 112 hashes in 14 bands of 8 (LSH: a key a
-band) make a candidate with P = 1 - (1 - J^8)^14: 92% at J = 0.8, 5% at 0.5 (the
-S-curve's midpoint: (1/14)^(1/8) = 0.72). A candidate is a duplicate only when its share
-of equal hashes, J's estimate, is >= --dedup-threshold (0.8). The first of a cluster
-stays; ~1.9 KB a document (its signature and keys): ~25 GB for 10B tokens of prose.
-
 Who holds what (nothing is distributed yet, except who reads which window):
 
-    files, .jsonl --> clean --> encode (tiktoken) --> OUT/train_000000.bin ..., val_*
+    files, .jsonl --> (01b: clean) --> encode (tiktoken) --> OUT/train_000000.bin ...
     each shard is [header | t0 ... t(n-1)] (np.memmap, n <= --shard-tokens), cut into
     windows of T+1 tokens at stride T that never cross a shard, W of them in all:
         \\_window_/\\_window_/ ...
-    step s, epoch e = s // steps_per_epoch:  perm_e = permutation(W, seed=(seed, e)),
-    computed a window at a time, never stored (a Feistel network: support/shuffle.py)
+    step s, epoch e = s // steps_per_epoch:  perm_e = permutation(W, key=(seed, e))
         dp_rank 0 -> perm_e[k*dp*B + 0*B : ... + B]    x = window[:-1], y = window[1:]
         dp_rank 1 -> perm_e[k*dp*B + 1*B : ... + B]    (disjoint from rank 0's)
 
+perm_e is computed a position at a time, never stored (a stored permutation of every
+window grows with the corpus: 2.5 GB for 10B tokens at T = 32). A Feistel network (Luby
+and Rackoff 1988) on x = (L, R), h bits each, 4^h >= W, is a bijection of range(4^h)
+whatever its round function F:  (L, R) -> (R, L xor F_k(R)), undone by its mirror;
+cycle-walking (apply it again while the value is >= W) makes it one of range(W).
+
 Launch: `python 01_data.py` (a 4,096-token BPE on the standard library's source, shards
-in data/; --source FILES.jsonl for a real corpus; timings: bench/bench_data.py). The
-plumbing is in support/ (sources, files, token_files, progress, dedup_store, shuffle,
-data_flags). Left out on purpose: Unicode normalisation, fast trainers, packing masks,
-language ID, URL and repetition filters.
+in data/; --source FILES.jsonl for a real corpus; timings: bench/bench_data.py). It keeps
+every document: `prepare(..., cleaner=None)`. 01b_cleaning.py passes its cleaner, so
+`python 01b_cleaning.py --dedup minhash` is this pipeline, cleaned, in one command; the
+`prepare` that cleans (--dedup, --quality) is `01b_cleaning.prepare`. Plumbing: support/
+(sources, files, token_files, progress, splitmix, data_flags). Left out on purpose:
+cleaning (01b), Unicode normalisation, fast trainers, packing masks.
 """
 
-import hashlib
 import heapq
 import time
-import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -56,14 +50,10 @@ import regex
 import tiktoken
 import torch
 
-from support import data_flags, dedup_store, progress, shuffle, sources, token_files
+from support import data_flags, sources, splitmix, token_files
 from support import files as files_lib
 from support.files import atomic_write, fsync_dir  # noqa: F401 - callers use data.*
 from support.sources import split_document, val_cut
-
-# A shard is a header of four int64s (magic, version, bytes per id, number of ids), then
-# the ids: support/token_files.py writes and memory-maps it.
-from support.token_files import SHARD_MAGIC, read_shard, shard_header  # noqa: F401
 
 # GPT-2's pre-tokenization, as tiktoken's: 's 't 're 've 'm 'll 'd, ?letters, ?digits,
 # ?other symbols, trailing whitespace, whitespace before a space, a single whitespace.
@@ -327,131 +317,30 @@ def get_tokenizer(name: str):
     return token_files.gpt2_encoding()  # tiktoken's, or one line that says what to do.
 
 
-# --- Clean data: quality rules, then duplicates (exact, then near: MinHash, LSH) ----
-STOP_WORDS = "the|be|to|of|and|that|have|with"  # Gopher's eight: prose has them.
-WORD = regex.compile(r"\w+")  # A word tokenizer's cuts: words, then symbol runs.
-SYMBOLS = regex.compile(r"[^\w\s]+")
-LETTERED = regex.compile(r"\w*\p{L}\w*")
-STOP = regex.compile(rf"\b(?:{STOP_WORDS})\b", regex.I)
-QUALITY = ("none", "gopher")  # The choices of --quality.
-DEDUP = ("none", "exact", "minhash", "lines")  # The choices of --dedup.
-LINE = regex.compile(r"[^\n]*\n|[^\n]+")  # A line and its newline, as a file gives it.
+# --- Token shards: a header, then the ids, read back as a memory map ------------------
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 4  # magic, version, bytes per id, number of ids: four int64s.
 
 
-def gopher_rule_broken(text: str) -> str | None:
-    """The first Gopher rule (Rae et al. 2021; FineWeb's thresholds) `text` breaks, or
-    None. Each rule's comment says what it removes: too few, then too many."""
-    words = WORD.findall(text)  # Regexes run at C speed: no Python loop per character.
-    lines = text.splitlines() or [""]
-    n_words = max(1, len(words) + len(SYMBOLS.findall(text)))  # FineWeb counts runs.
-    mean = len("".join(words)) / max(1, len(words))
-    dots = text.count("...") + text.count("…")
-    bullets = sum(s.lstrip().startswith(("•", "-")) for s in lines) / len(lines)
-    trailing_dots = sum(s.rstrip().endswith(("...", "…")) for s in lines) / len(lines)
-    lettered = len(LETTERED.findall(text))
-    rules = {  # Each rule, and in its comment what it removes (too few; too many).
-        "words not 50 to 100,000": not 50 <= len(words) <= 100_000,  # Fragments; logs.
-        "mean word not 3 to 10 characters": not 3 <= mean <= 10,  # Numbers; URLs.
-        "'#' over 0.1 a word": text.count("#") / n_words > 0.1,  # Hashtag spam.
-        "'...' over 0.1 a word": dots / n_words > 0.1,  # Teasers.
-        "bullet lines over 90%": bullets > 0.9,  # Lists.
-        "'...' line ends over 30%": trailing_dots > 0.3,  # Teasers again.
-        "alphabetic words under 80%": lettered / n_words < 0.8,  # Tables, code.
-        "under 2 stop words": len(STOP.findall(text)) < 2,  # Not English prose.
-    }
-    return next((why for why, broken in rules.items() if broken), None)
+def shard_header(dtype, n: int) -> bytes:
+    """Four int64s: magic, version, bytes per id (2: uint16, 4: uint32), id count."""
+    fields = [SHARD_MAGIC, SHARD_VERSION, np.dtype(dtype).itemsize, n]
+    return np.array(fields, np.int64).tobytes()
 
 
-def _digest(raw: bytes) -> bytes:
-    return hashlib.blake2b(raw, digest_size=8).digest()
+def read_shard(path) -> np.ndarray:
+    """Memory-map a shard: its ids are read from disk only when a batch needs them."""
+    header = np.fromfile(path, np.int64, count=HEADER_INTS)
+    ours = len(header) == HEADER_INTS and header[0] == SHARD_MAGIC
+    not_ours = f"{path} is not a token shard of version {SHARD_VERSION}"
+    assert ours and header[1] == SHARD_VERSION, not_ours
+    dtype = {2: np.uint16, 4: np.uint32}[int(header[2])]
+    n = int(header[3])
+    return np.memmap(path, dtype, mode="r", offset=HEADER_INTS * 8, shape=(n,))
 
 
-class Deduplicator:
-    """--dedup exact: one key a text (its digest, up to case and spacing) in a set (~75 B).
-    minhash adds its signature and a key per band (support/dedup_store.py: ~1.9 KB a text).
-    lines: two passes, `count_lines` over the corpus first (a dict of 64-bit line hashes,
-    ~100 B a distinct line), then `unique_lines` keeps each text's lines counted once."""
-
-    def __init__(self, mode: str, threshold=0.8, hashes=112, bands=14, ngram=5):
-        assert hashes % bands == 0, f"{hashes} hashes do not split in {bands} bands"
-        # Fixed integers (splitmix64, not a NumPy Generator's stream, which may change
-        # between versions): the same removals everywhere. a is odd, so a·s mod 2^64 is
-        # one-to-one. Each has shape (hashes, 1).
-        self.a = shuffle.splitmix64(SHARD_MAGIC, 0, hashes)[:, None] | np.uint64(1)
-        self.b = shuffle.splitmix64(SHARD_MAGIC, 1, hashes)[:, None]
-        self.mode = mode
-        self.threshold = threshold
-        self.bands = bands
-        # A band is `rows` consecutive hashes of a signature.
-        self.rows = hashes // bands
-        self.ngram = ngram
-        self.exact = set()
-        self.store = dedup_store.SignatureStore(hashes)
-        self.line_counts = {}
-
-    def ngram_hashes(self, text: str) -> np.ndarray:
-        """(k,): a 64-bit hash of each of the text's k lowercase word n-grams, in order. A
-        word is hashed by crc32 (hash() varies by process), an n-gram as a polynomial of
-        its words' hashes, base 2^64/φ (odd)."""
-        crcs = [zlib.crc32(w.encode()) for w in WORD.findall(text.lower())]
-        words = np.array(crcs, np.uint64)
-        k = max(0, len(words) - self.ngram + 1)
-        hashes = words[:k].copy()
-        for i in range(1, self.ngram):
-            hashes = hashes * np.uint64(0x9E3779B97F4A7C15) + words[i : i + k]
-        return hashes
-
-    def minhash(self, text: str) -> np.ndarray | None:
-        """(hashes,): entry i = min over the n-gram hashes s of (a_i·s + b_i) >> 32,
-        multiply-shift mod 2^64. None: the text has under n words."""
-        shingles = self.ngram_hashes(text)
-        if len(shingles) == 0:  # Only the exact key, or all such texts would match.
-            return None
-        sig = np.full(len(self.a), np.iinfo(np.uint64).max, np.uint64)
-        for c in range(0, len(shingles), 4096):  # (hashes, 4,096) at a time.
-            hashed = self.a * shingles[c : c + 4096] + self.b
-            sig = np.minimum(sig, hashed.min(1))
-        # The top 32 bits are the well-mixed ones, and min(x >> 32) = min(x) >> 32.
-        return (sig >> 32).astype(np.uint32)
-
-    def band_keys(self, sig: np.ndarray) -> list[bytes]:
-        """A key per band of `rows` hashes, its index in front: band 2 never meets 5."""
-        bands = sig.reshape(self.bands, self.rows)
-        return [_digest(bytes([i]) + band.tobytes()) for i, band in enumerate(bands)]
-
-    def why_duplicate(self, text: str) -> str | None:
-        """What duplicate `text` is, or None. A shared band key makes a candidate; it is a
-        near duplicate when the share of equal hashes (an estimate of the Jaccard
-        similarity) is >= threshold. Kept either way, so a chain of near copies goes."""
-        key = _digest(" ".join(text.lower().split()).encode())
-        if key in self.exact:
-            return "exact duplicate"
-        self.exact.add(key)
-        sig = self.minhash(text) if self.mode == "minhash" else None
-        if sig is None:
-            return None
-        keys = self.band_keys(sig)
-        docs = self.store.candidates(keys)
-        similar = (self.store.sigs[docs] == sig).mean(1).max() if docs else 0.0
-        self.store.add(sig, keys)
-        return "near duplicate" if similar >= self.threshold else None
-
-    def count_lines(self, texts) -> None:
-        """Pass 1 of --dedup lines: count each line over the corpus (capped at 2)."""
-        for text in texts:
-            for line in LINE.findall(text):
-                key = hash(line)  # 64 bits; salted per process: both passes run here.
-                self.line_counts[key] = 2 if key in self.line_counts else 1
-
-    def unique_lines(self, text: str, seen: Counter) -> str:
-        """Pass 2: the text without its lines seen twice in the corpus, first copy too."""
-        lines = LINE.findall(text)
-        kept = [line for line in lines if self.line_counts[hash(line)] == 1]
-        seen["duplicate lines"] += len(lines) - len(kept)
-        return "".join(kept)
-
-
-# --- Prepare: documents -> cleaned -> token shards on disk ----------------------------
+# --- Prepare: documents -> (a cleaner's choice) -> token shards on disk ---------------
 def prepare(
     source,
     tokenizer,
@@ -462,87 +351,107 @@ def prepare(
     before_write=None,
     shard_tokens=SHARD_TOKENS,
     text_field="text",
-    quality="none",
-    dedup="exact",
-    dedup_threshold=0.8,
+    cleaner=None,
 ) -> dict:
-    """Stream `source` (files, a folder, a glob; .jsonl lines), cleaned, by `tokenizer`
-    into shards of <= `shard_tokens` ids a split, in OUT/meta.json; idempotent, atomic.
-    Bad input: one line, OUT untouched; `before_write()` runs before OUT is written."""
+    """Stream `source` (files, a folder, a glob; .jsonl lines) by `tokenizer` into shards
+    of <= `shard_tokens` ids a split, in OUT/meta.json; idempotent, atomic. `cleaner`
+    (01b_cleaning's: `.settings`, `.clean(docs, read_again)`, `.report(seen)`) picks the
+    documents; None keeps all. Bad input: one line, OUT untouched; `before_write()` runs
+    before OUT is written."""
     named = isinstance(tokenizer, str)
     tok = get_tokenizer(tokenizer) if named else tokenizer
     name = tokenizer_name or (tokenizer if named else type(tok).__name__)
     files = sources.source_files(source)
     settings = dict(val_fraction=val_fraction, block_size=block_size)
     settings.update(shard_tokens=shard_tokens, text_field=text_field)
-    settings.update(quality=quality, dedup=dedup, dedup_threshold=dedup_threshold)
-    assert quality in QUALITY, f"quality {quality!r} unknown"
-    assert dedup in DEDUP, f"dedup {dedup!r} unknown"
+    if cleaner is not None:  # Other cleaning, other shards: it is in the fingerprint.
+        settings.update(cleaner.settings)
     merges = repr(getattr(tok, "merges", ""))  # The same name, other merges: other ids.
     inputs = [files_lib.file_stats(files), name, tok.n_vocab, merges, settings]
 
     def build(stage):
-        meta = write_shards(source, tok, files, stage, settings)
+        meta = write_shards(source, tok, files, stage, settings, cleaner)
         return dict(meta, tokenizer=name, **settings)
 
     return files_lib.build_once(out_dir, inputs, build, before_write, "*.bin")
 
 
-def clean(docs, quality: str, deduper: Deduplicator, seen: Counter, removed: Counter):
-    """The documents that pass the quality rules and are no duplicates. `seen` counts
-    every document (and its bytes), `removed` the others, by reason."""
-    for start, end, text, whole in docs:
-        seen.update(documents=1, bytes=len(text.encode()), text=bool(text.strip()))
-        why = None
-        if deduper.mode == "lines":  # As CCNet: lines first; the rules judge the rest.
-            had_text = bool(text.strip())
-            text = deduper.unique_lines(text, seen)
-            why = had_text and not text.strip() and "every line a duplicate"
-        # The quality rules go before the document keys: a text they remove adds none.
-        why = why or (quality == "gopher" and gopher_rule_broken(text))
-        if not why and deduper.mode in ("exact", "minhash"):
-            why = deduper.why_duplicate(text)
-        if why:
-            removed[why] += 1  # Its bytes still count towards the val cut.
-        else:
-            yield start, end, text, whole
-
-
-def write_shards(source, tok, files, stage, settings: dict) -> dict:
-    """Every document cleaned and encoded into shards in `stage`; then the checks that
-    there was text and that each split holds a block. Returns meta.json's fields."""
+def write_shards(source, tok, files, stage, settings: dict, cleaner) -> dict:
+    """Every document (that `cleaner` keeps) encoded into shards in `stage`; then the
+    checks that there was text and that each split holds a block. meta.json's fields."""
     cut = val_cut(files, settings["val_fraction"])
     total = val_cut(files, 0.0)  # The source's text bytes, for the progress line.
+    field = settings["text_field"]
     skipped = []  # The binary files go here.
-    seen = Counter()
-    removed = Counter()
-    deduper = Deduplicator(settings["dedup"], settings["dedup_threshold"])
-    if settings["dedup"] == "lines":  # Pass 1 of 2: count every line of the corpus.
-        again = sources.iter_documents(files, [], settings["text_field"])
-        deduper.count_lines(text for _, _, text, _ in again)
-    docs = sources.iter_documents(files, skipped, settings["text_field"])
-    docs = clean(docs, settings["quality"], deduper, seen, removed)
+    seen = Counter()  # Documents read and kept, their bytes, those with text.
+
+    def read():  # Every document, counted as it is read.
+        for doc in sources.iter_documents(files, skipped, field):
+            text = doc[2]
+            seen.update(documents=1, bytes=len(text.encode()), text=bool(text.strip()))
+            yield doc
+
+    docs = read()
+    if cleaner is not None:  # Its first pass, if any, reads the files again.
+        docs = cleaner.clean(docs, lambda: sources.iter_documents(files, [], field))
 
     def pieces():  # Yields (split, text, the source's bytes read so far).
         for doc in docs:
+            seen["kept"] += 1  # A removed document's bytes still count for the cut.
             for split, text in split_document(doc, cut):
                 yield split, text, doc[1]
 
     enc = tok.to_tiktoken() if isinstance(tok, Tokenizer) else tok  # The fast encoder.
     dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32  # GPT-2's ids: 16 bits.
-    writers = token_files.writers(stage, SPLITS, dtype, settings["shard_tokens"])
+    limit = settings["shard_tokens"]
+    writers = token_files.writers(stage, SPLITS, dtype, limit, shard_header)
     token_files.encode_documents(enc, pieces(), writers, total)
-    kept = seen["documents"] - removed.total()
-    flags = f"--quality {settings['quality']}, --dedup {settings['dedup']}"
-    progress.report_cleaning(flags, seen, removed, len(skipped), len(files))
+    # What cleaning removed, by reason: printed before a check below can stop the run.
+    cleaned = cleaner.report(seen) if cleaner is not None else {"removed": {}}
+    if skipped:
+        print(f"skipped {len(skipped)} of {len(files)} files as binary")
     sources.check_some_text(source, files, skipped, seen["text"])
-    meta = token_files.splits_meta(writers, settings["block_size"], kept)
+    meta = token_files.splits_meta(writers, settings["block_size"], seen["kept"])
     meta.update(vocab_size=tok.n_vocab, eot_token=tok.eot_token, source=source)
     meta.update(n_bytes=seen["bytes"], documents_in=seen["documents"])
-    meta["documents_kept"] = kept
-    meta["removed"] = dict(removed)  # Documents, by reason.
-    meta["duplicate_lines_removed"] = seen["duplicate lines"]  # --dedup lines only.
+    meta["documents_kept"] = seen["kept"]
+    meta.update(cleaned)  # "removed": documents by reason (and 01b's other counts).
     return meta
+
+
+# --- The shuffle: a permutation computed a position at a time -------------------------
+# Four rounds already make a pseudo-random permutation (Luby-Rackoff); six mix more.
+ROUNDS = 6
+
+
+def _feistel(x: np.ndarray, keys: np.ndarray, half_bits: int) -> np.ndarray:
+    """One pass of the network over uint64 values below 4^half_bits."""
+    mask = np.uint64((1 << half_bits) - 1)
+    left = x >> np.uint64(half_bits)
+    right = x & mask
+    for key in keys:  # A round: (L, R) -> (R, L xor F_key(R)).
+        new_right = left ^ (splitmix.mix(right ^ key) & mask)
+        left = right
+        right = new_right
+    return (left << np.uint64(half_bits)) | right
+
+
+def shuffled(positions, n: int, seed: int, epoch: int) -> np.ndarray:
+    """The items at `positions` (each in range(n)) of the order (seed, epoch) picks.
+    Over positions 0..n-1 it returns every item of range(n) once: a permutation."""
+    positions = np.asarray(positions, dtype=np.uint64)
+    assert n >= 1 and (positions < n).all(), f"positions outside range({n})"
+    half_bits = max(1, (int(n - 1).bit_length() + 1) // 2)  # 4^h >= n
+    # Keys from (seed, epoch) by integer arithmetic: the same on any NumPy version.
+    keys = splitmix.splitmix64(seed, epoch, ROUNDS)  # A new order each epoch.
+    out = _feistel(positions, keys, half_bits)
+    outside = out >= n
+    # Cycle-walking: the cycle through a value < n comes back below n. 4^h < 4n, so
+    # fewer than 4 passes are expected a position.
+    while outside.any():
+        out[outside] = _feistel(out[outside], keys, half_bits)
+        outside = out >= n
+    return out.astype(np.int64)
 
 
 # --- The loader: (x, y) = f(seed, step, dp_rank, dp_size), nothing else ---------------
@@ -590,10 +499,9 @@ class DataLoader:
         """The B windows this rank reads at `step`."""
         epoch, k = self.position(step)
         first = (k * self.dp_size + self.dp_rank) * self.B
-        # perm_e[first : first + B], computed, not stored: a stored permutation of all W
-        # windows grows with the corpus (support/shuffle.py: a Feistel network).
+        # perm_e[first : first + B], computed, not stored (the docstring's Feistel).
         positions = np.arange(first, first + self.B)
-        return shuffle.shuffled(positions, self.n_windows, self.seed, epoch)
+        return shuffled(positions, self.n_windows, self.seed, epoch)
 
     def get_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         windows = self.window_ids(step)
@@ -614,10 +522,14 @@ class DataLoader:
 
 # --- The demo: each lesson printed with its check -------------------------------------
 def main(argv=None) -> None:
-    """Train a BPE (naive == incremental, ours == tiktoken), clean and write the shards,
-    show two DP ranks' batches. Bad input: one line, and --out untouched."""
+    """Train a BPE (naive == incremental, ours == tiktoken), write the shards, show two
+    DP ranks' batches. Bad input: one line, and --out untouched."""
     description = __doc__.split("\n")[0]
-    args = data_flags.parse_args(argv, description, SHARD_TOKENS, QUALITY, DEDUP)
+    run(data_flags.parse_args(argv, description, SHARD_TOKENS))
+
+
+def run(args, cleaner=None, prog="01_data.py") -> None:
+    """main's work on parsed flags; 01b_cleaning.py runs it with its `cleaner`."""
     bpe = args.tokenizer == "bpe"
     label = f"bpe{args.vocab_size}" if bpe else Path(args.tokenizer).stem
     out = Path(args.out or f"data/{Path(args.source).stem}-{label}")
@@ -629,10 +541,9 @@ def main(argv=None) -> None:
             tok = get_tokenizer(args.tokenizer)
             name = args.tokenizer
         save = (lambda: tok.save(name)) if bpe else None  # Runs once checks pass.
-        flags = "val_fraction block_size shard_tokens text_field quality dedup"
-        flags += " dedup_threshold"
+        flags = "val_fraction block_size shard_tokens text_field"
         options = {key: getattr(args, key) for key in flags.split()}  # Passed as is.
-        options.update(tokenizer_name=name, before_write=save)
+        options.update(tokenizer_name=name, before_write=save, cleaner=cleaner)
         meta = prepare(args.source, tok, out, **options)
         for split, shards in meta["shards"].items():  # Also when the work was done.
             n = meta[split + "_tokens"]
@@ -640,7 +551,7 @@ def main(argv=None) -> None:
         loaders = [DataLoader(out, "train", 2, 8, 0, rank, 2) for rank in (0, 1)]
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         one_line = " ".join(str(e).splitlines())
-        raise SystemExit(f"01_data.py: error: {one_line}") from None
+        raise SystemExit(f"{prog}: error: {one_line}") from None
     demo_loader(loaders, tok)
 
 

@@ -1,4 +1,4 @@
-"""Benchmark 01_data.py: BPE training speed and data-preparation throughput.
+"""Benchmark 01_data.py and 01b_cleaning.py: BPE training speed and data-preparation throughput.
 
     python bench/bench_data.py            # a few minutes on 2 CPU cores (--skip-reference: ~1)
 
@@ -15,15 +15,15 @@
    prose: sentences of the standard library's words, Zipf-weighted, ~700 words a document, 1% of
    them exact and 1% near copies of earlier ones; into data/bench-prose/, not committed) and
    prepares it with GPT-2's tokenizer in a fresh process three times: without cleaning, with
-   the default exact deduplication, and with --quality gopher --dedup minhash. For each: MB/s,
+   01b's default exact deduplication, and with --quality gopher --dedup minhash. For each: MB/s,
    time per GB, what was removed, the peak resident memory of that process (target: under 1
    GiB, whatever the corpus size), and the extrapolation to a corpus of 10 billion tokens.
 
 5. `--memory-mb 300,900`: 01's whole run (`python 01_data.py --tokenizer gpt2 --shard-tokens
-   20000000`: clean, encode, shards, the demo's loaders) on one generated .jsonl file of each
+   20000000`: encode, shards, the demo's loaders) on one generated .jsonl file of each
    size (random words, in data/bench-memory/, deleted after), in a fresh process each: the peak
    resident memory of each (VmHWM), and the difference (issue 30: within 100 MB of each other,
-   each under 1 GiB). Before the loader's shuffle was computed (support/shuffle.py), a stored
+   each under 1 GiB). Before the loader's shuffle was computed (01's `shuffled`), a stored
    permutation of every window grew ~0.8 MB per MB of text.
 
 `--shakespeare` runs them on tiny-shakespeare instead (downloaded once into data/downloads/, the
@@ -47,6 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 data = importlib.import_module("01_data")
+clean = importlib.import_module("01b_cleaning")
 gpus = importlib.import_module("support.gpus")
 files_lib = importlib.import_module("support.files")
 sources = importlib.import_module("support.sources")
@@ -134,8 +135,8 @@ def prose_corpus(corpus: str, gb: float, folder="data/bench-prose", seed=0) -> t
     changed) of earlier documents. Distinct, prose-shaped text: cleaning does all its work and
     removes little, so its cost is not hidden by documents it drops before the encoder."""
     out, rng = Path(folder), np.random.default_rng(seed)
-    counts = collections.Counter(w for w in data.WORD.findall(corpus) if w.isalpha())
-    stop = data.STOP_WORDS.split("|")
+    counts = collections.Counter(w for w in clean.WORD.findall(corpus) if w.isalpha())
+    stop = clean.STOP_WORDS.split("|")
     vocab = np.array([w.lower() for w, _ in counts.most_common(20_000)] + stop)
     weights = 1 / np.arange(1, len(vocab) + 1)
     weights[-len(stop) :] = weights[0]  # stop words as common as the commonest word
@@ -176,7 +177,7 @@ def at_scale(corpus: str, gb: float, folder="data/bench-prose"):
     carry the parent's over the fork and exec, 755 MiB here whatever the child did)."""
     out, size = prose_corpus(corpus, gb, folder)
     print(f"[4] {size / 1e9:.2f} GB of .jsonl in {out}; preparing with gpt2 ...", flush=True)
-    code = ("import importlib, json, sys; d = importlib.import_module('01_data'); "
+    code = ("import importlib, json, sys; d = importlib.import_module('01b_cleaning'); "
             "m = d.prepare(sys.argv[1], 'gpt2', sys.argv[2], block_size=1024, quality=sys.argv[3], "
             "dedup=sys.argv[4]); m['peak'] = [int(line.split()[1]) for line in open('/proc/self/status') "
             "if line.startswith('VmHWM')][0]; "

@@ -17,16 +17,3 @@ def progress(
     counts = f"{done:,.1f}/{total:,.1f}{unit}, {rate:,.1f}{unit}/s"
     status = f"{counts}, ETA {eta:.0f} s ({elapsed:.0f} s in)"
     print(f"\r  {what}: {status}", end="\n" if done >= total else "", flush=True)
-
-
-def report_cleaning(flags: str, seen, removed, n_skipped: int, n_files: int) -> None:
-    """One line: documents kept and removed by reason (and lines, files skipped)."""
-    kept = seen["documents"] - removed.total()
-    lost = ", ".join(f"{why} ({n:,})" for why, n in removed.items()) or "none"
-    line = f"cleaning ({flags}): kept {kept:,} of {seen['documents']:,} documents; "
-    line += f"removed: {lost}"
-    if "--dedup lines" in flags:
-        line += f"; {seen['duplicate lines']:,} duplicate lines dropped"
-    if n_skipped:
-        line += f"; skipped {n_skipped} of {n_files} files as binary"
-    print(line)

@@ -1,9 +1,9 @@
 """Files of token ids: shards written at any scale, and a BPE's rank and merge files.
 
-Plumbing for 01_data.py, which keeps what a learner needs (the shard header, the
-tokenizer): a writer that rolls over to a new shard at a size limit and renames each
-into place only when whole, tiktoken's threaded batch encoder fed in bounded memory,
-and the two files a trained BPE is saved in.
+Plumbing for 01_data.py, which keeps what a learner needs (the shard's header and its
+memory map, the tokenizer): a writer that rolls over to a new shard at a size limit and
+renames each into place only when whole, tiktoken's threaded batch encoder fed in bounded
+memory, and the two files a trained BPE is saved in.
 """
 
 import base64
@@ -20,27 +20,6 @@ from support.progress import progress
 
 # Text per tiktoken call: this bounds the memory of encode_documents.
 ENCODE_BATCH_CHARS = 8_000_000
-# A shard's header: four int64s (magic, version, bytes per id, number of ids).
-SHARD_MAGIC = 20240520
-SHARD_VERSION = 1
-HEADER_INTS = 4
-
-
-def shard_header(dtype, n: int) -> bytes:
-    """Four int64s: magic, version, bytes per id (2: uint16, 4: uint32), id count."""
-    fields = [SHARD_MAGIC, SHARD_VERSION, np.dtype(dtype).itemsize, n]
-    return np.array(fields, np.int64).tobytes()
-
-
-def read_shard(path) -> np.ndarray:
-    """Memory-map a shard: its ids are read from disk only when a batch needs them."""
-    header = np.fromfile(path, np.int64, count=HEADER_INTS)
-    ours = len(header) == HEADER_INTS and header[0] == SHARD_MAGIC
-    not_ours = f"{path} is not a token shard of version {SHARD_VERSION}"
-    assert ours and header[1] == SHARD_VERSION, not_ours
-    dtype = {2: np.uint16, 4: np.uint32}[int(header[2])]
-    n = int(header[3])
-    return np.memmap(path, dtype, mode="r", offset=HEADER_INTS * 8, shape=(n,))
 
 
 class RollingWriter:
@@ -89,11 +68,10 @@ class RollingWriter:
         self.file = None  # The next add() opens the next file.
 
 
-def writers(folder, splits, dtype, limit: int) -> dict:
-    """A RollingWriter per split, of shards with `shard_header`."""
+def writers(folder, splits, dtype, limit: int, header) -> dict:
+    """A RollingWriter per split, of shards that start with `header(dtype, n)`."""
     return {
-        split: RollingWriter(folder, split, dtype, limit, shard_header)
-        for split in splits
+        split: RollingWriter(folder, split, dtype, limit, header) for split in splits
     }
 
 

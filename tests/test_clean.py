@@ -1,4 +1,4 @@
-"""01_data.py's cleaning: the Gopher rules, exact and near-duplicate removal, on a generated
+"""01b_cleaning.py: the Gopher rules, exact and near-duplicate removal, on a generated
 corpus with planted copies and rule-breakers; MinHash's estimate of the Jaccard similarity."""
 
 import importlib
@@ -13,11 +13,12 @@ import pytest
 from support import token_files
 
 data = importlib.import_module("01_data")
+clean = importlib.import_module("01b_cleaning")
 char = data.CharTokenizer()
 rng = np.random.default_rng(7)
 LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 VOCAB = ["".join(rng.choice(LETTERS, rng.integers(3, 10))) for _ in range(5_000)]
-STOP = data.STOP_WORDS.split("|")
+STOP = clean.STOP_WORDS.split("|")
 
 
 def sentence(r, words=None, stop=True) -> str:
@@ -61,9 +62,9 @@ def breakers(r) -> list:
 def test_every_gopher_rule_catches_its_breaker_and_prose_passes():
     r = np.random.default_rng(1)
     for reason, text in breakers(r):
-        assert data.gopher_rule_broken(text) == reason, reason
+        assert clean.gopher_rule_broken(text) == reason, reason
     for _ in range(50):
-        assert data.gopher_rule_broken(document(r)) is None
+        assert clean.gopher_rule_broken(document(r)) is None
 
 
 def test_the_rules_bite_at_their_thresholds_not_a_word_off():
@@ -72,20 +73,20 @@ def test_the_rules_bite_at_their_thresholds_not_a_word_off():
     body = [w for w in " ".join(sentence(np.random.default_rng(5)) for _ in range(20)).split()]
     body = [w.strip(".").lower() for w in body if w.strip(".").lower() not in STOP][:48]
     prose = lambda words: " ".join(["the", "of", *words])  # noqa: E731 - two stop words first
-    assert data.gopher_rule_broken(prose(body)) is None  # 50 words
-    assert data.gopher_rule_broken(prose(body[:47])) == "words not 50 to 100,000"  # 49
-    assert data.gopher_rule_broken(" ".join(["the", *body, "zz"])) == "under 2 stop words"
+    assert clean.gopher_rule_broken(prose(body)) is None  # 50 words
+    assert clean.gopher_rule_broken(prose(body[:47])) == "words not 50 to 100,000"  # 49
+    assert clean.gopher_rule_broken(" ".join(["the", *body, "zz"])) == "under 2 stop words"
     digits = [str(1000 + i) for i in range(13)]  # 13 of 65 words without a letter: 80%
-    assert data.gopher_rule_broken(prose(body + digits[:2] + digits)) == (
+    assert clean.gopher_rule_broken(prose(body + digits[:2] + digits)) == (
         "alphabetic words under 80%"
     )  # 15 of 65 (77%)
-    assert data.gopher_rule_broken(prose(body[:2] + body + digits[:1] + digits[:12])) is None
+    assert clean.gopher_rule_broken(prose(body[:2] + body + digits[:1] + digits[:12])) is None
 
 
 def test_texts_without_five_words_meet_only_their_exact_copies():
     """Under 5 words there is no 5-gram: the exact key alone, so "", "!!!" and "a b" do not all
     match each other as near duplicates (a zero-padded signature made them one cluster)."""
-    dedupe = data.Deduplicator("minhash")
+    dedupe = clean.Deduplicator("minhash")
     assert dedupe.minhash("one two three four") is None
     assert [dedupe.why_duplicate(t) for t in ("", "!!!", "???", "a b", "A  b", "")] == [
         None, None, None, None, "exact duplicate", "exact duplicate"]  # fmt: skip
@@ -113,7 +114,7 @@ def planted(r, n_clean=60, n_exact=10, n_near=10) -> tuple[list, list, dict]:
 def prepare(tmp_path, docs, name, **kw):
     src = tmp_path / "corpus.jsonl"
     src.write_text("\n".join(json.dumps({"text": d}) for d in docs))
-    meta = data.prepare(str(src), char, tmp_path / name, 0.2, block_size=8, **kw)
+    meta = clean.prepare(str(src), char, tmp_path / name, 0.2, block_size=8, **kw)
     texts = []  # each split's documents (no EOT between the splits)
     for split in data.SPLITS:
         ids = [data.read_shard(p) for p in token_files.listed_shards(tmp_path / name, split)]
@@ -145,7 +146,7 @@ def test_planted_copies_and_rule_breakers_are_removed_and_nothing_else(tmp_path)
 
 def shingles(text: str) -> set:
     """The test's own 5-gram sets, to compare MinHash with: words as 01 cuts them, lowercase."""
-    words = data.WORD.findall(text.lower())
+    words = clean.WORD.findall(text.lower())
     return {tuple(words[i : i + 5]) for i in range(len(words) - 4)}
 
 
@@ -154,7 +155,7 @@ def test_minhash_estimates_the_jaccard_similarity_within_its_error():
     (<= 0.047). On 40 pairs whose second text rewrites a random share of the first's words,
     each estimate is within 4 of those (a miss per pair has probability ~6e-5) and the mean
     error, an unbiased estimator's, is within 0.02 (its deviation: ~0.006)."""
-    r, dedupe, errors = np.random.default_rng(3), data.Deduplicator("minhash"), []
+    r, dedupe, errors = np.random.default_rng(3), clean.Deduplicator("minhash"), []
     for k in range(40):
         a = [VOCAB[i] for i in r.integers(len(VOCAB), size=300)]
         b = [w if r.random() > k / 200 else VOCAB[r.integers(len(VOCAB))] for w in a]
@@ -172,7 +173,7 @@ def test_minhash_estimates_the_jaccard_similarity_within_its_error():
 @pytest.mark.parametrize("flag, value", [("--quality", "fineweb"), ("--dedup", "fuzzy")])
 def test_unknown_cleaning_is_refused_by_the_command_line(flag, value, capsys):
     with pytest.raises(SystemExit):
-        data.main([flag, value])
+        clean.main([flag, value])
     assert "invalid choice" in capsys.readouterr().err
 
 
@@ -183,7 +184,7 @@ def test_bands_times_rows_is_the_signature_and_the_s_curve_sits_where_01_says():
     = e^(-0.3299) = 0.719 (01's docstring says 92% and 0.72). On planted signatures: equal on
     hashes 0..7 (band 0) is a candidate; equal on 0..6 only, or on all but one hash of every
     band, is not. (16 bands of 7 would make 0..6 a whole band: a candidate.)"""
-    d = data.Deduplicator("minhash")
+    d = clean.Deduplicator("minhash")
     assert (d.bands, d.rows, len(d.a)) == (14, 8, 112)
     assert (1 / d.bands) ** (1 / d.rows) == pytest.approx(0.719, abs=5e-4)
     assert 1 - (1 - 0.8**d.rows) ** d.bands == pytest.approx(0.9235, abs=5e-4)
@@ -207,7 +208,7 @@ def test_ngrams_are_the_word_5_grams_written_out_by_hand():
     Its n-gram hashes are those of the three 5-word texts (one each, in order), its signature
     their elementwise minimum (MinHash of a set: the least over its members); a 4-word text
     has no 5-gram. With 4-grams each 5-word text would have 2, and the text 4."""
-    d = data.Deduplicator("minhash")
+    d = clean.Deduplicator("minhash")
     grams = ["the cat sat on the", "cat sat on the mat", "sat on the mat today"]
     each = [d.ngram_hashes(g).tolist() for g in grams]
     assert [len(h) for h in each] == [1, 1, 1]
@@ -219,13 +220,13 @@ def test_ngrams_are_the_word_5_grams_written_out_by_hand():
 
 
 def test_minhash_parameters_and_a_signature_are_pinned_across_library_versions():
-    """The hash parameters are splitmix64 integers (support/shuffle.py), not a NumPy
+    """The hash parameters are splitmix64 integers (support/splitmix.py), not a NumPy
     Generator's stream, which may change between versions and with it which documents a
     rerun removes. a_0, b_0 and the first signature entries of the worked text were printed
     once and are fixed here; entry 0 is recomputed on Python integers: crc32 per word, the
     5-gram as a polynomial base 0x9E3779B97F4A7C15, min over the 3 grams of (a·s + b) mod
     2^64, its top 32 bits."""
-    d = data.Deduplicator("minhash")
+    d = clean.Deduplicator("minhash")
     a0 = int(d.a[0, 0])
     b0 = int(d.b[0, 0])
     assert (a0, b0) == (0x48A349DDA44A835, 0x6C8336F9695E8380)
@@ -264,7 +265,7 @@ def test_a_candidate_below_the_threshold_is_kept_and_one_above_is_dropped():
     for _ in range(20):
         a = [VOCAB[i] for i in r.integers(len(VOCAB), size=400)]
         low = rewrite(r, a, 15)
-        d = data.Deduplicator("minhash")
+        d = clean.Deduplicator("minhash")
         assert d.why_duplicate(" ".join(a)) is None
         sig = d.minhash(" ".join(low))
         if d.store.candidates(d.band_keys(sig)):
@@ -279,7 +280,7 @@ def test_a_candidate_below_the_threshold_is_kept_and_one_above_is_dropped():
     high = rewrite(r, a, 4)
     assert d.why_duplicate(" ".join(high)) == "near duplicate"
     for threshold, why in [(estimate, "near duplicate"), (estimate + 1 / 112, None)]:
-        d = data.Deduplicator("minhash", threshold=threshold)
+        d = clean.Deduplicator("minhash", threshold=threshold)
         d.why_duplicate(" ".join(a))
         assert d.why_duplicate(" ".join(low)) == why, threshold
 
@@ -300,7 +301,7 @@ def test_line_dedup_drops_every_line_seen_twice_in_the_corpus(tmp_path):
     each page keeps only its own sentence, the first page's menu goes too (no copy is "the
     first"), the third page loses both its lines and is removed as empty, the fourth stays
     whole: 8 lines dropped, 1 document removed, 5 kept, in meta.json and in the shards."""
-    d = data.Deduplicator("lines")
+    d = clean.Deduplicator("lines")
     d.count_lines(LINE_DOCS)
     seen = Counter()
     kept = [d.unique_lines(text, seen) for text in LINE_DOCS]
@@ -318,3 +319,37 @@ def test_line_dedup_drops_every_line_seen_twice_in_the_corpus(tmp_path):
     assert meta["duplicate_lines_removed"] == 8
     assert meta["documents_in"] == 6 and meta["documents_kept"] == 5
     assert texts == [t for t in want if t]
+
+
+def test_the_demo_is_01s_pipeline_cleaned_and_01_names_it(tmp_path, capsys):
+    """`python 01b_cleaning.py` prints its worked documents (an exact copy, the rules, a near
+    copy dropped and a far one kept), then 01's headlines and what cleaning removed: here the
+    one exact copy of seven files, gone from meta.json's counts and from the shards. `python
+    01_data.py --dedup minhash` (01 cleans nothing) is one line naming 01b's command."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for d in range(6):
+        (corpus / f"doc{d}.txt").write_text(" ".join(f"w{d}_{i % 50}" for i in range(400)))
+    (corpus / "doc6.txt").write_text((corpus / "doc2.txt").read_text().upper())
+    out = tmp_path / "out"
+    flags = ["--vocab-size", "300", "--block-size", "64", "--val-fraction", "0.2"]
+    clean.main(["--source", str(corpus), "--out", str(out), *flags])
+    printed = capsys.readouterr().out
+    assert "'exact duplicate']" in printed and "heapq's code: alphabetic words" in printed
+    assert "every 80th word changed: J = 0.901" in printed and ": near duplicate" in printed
+    assert "every 20th word changed: J = 0.600" in printed and "False: kept" in printed
+    assert "same merges: True" in printed and "ours == tiktoken: True" in printed
+    kept = "kept 6 of 7 documents; removed: exact duplicate (1)"
+    assert f"cleaning (--quality none, --dedup exact): {kept}" in printed, printed
+    assert "disjoint: True" in printed
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["documents_in"] == 7 and meta["documents_kept"] == 6
+    assert meta["removed"] == {"exact duplicate": 1} and meta["dedup"] == "exact"
+    tok = data.get_tokenizer(meta["tokenizer"])
+    ids = [data.read_shard(out / name) for name in meta["files"]]
+    assert "W2_" not in tok.decode(np.concatenate(ids).tolist())
+    with pytest.raises(SystemExit) as e:
+        data.main(["--dedup", "minhash", "--out", str(out)])
+    msg = str(e.value.code)
+    assert msg.startswith("01_data.py: error: --dedup is 01b_cleaning.py's") and "\n" not in msg
+    assert f"run `python 01b_cleaning.py --dedup minhash --out {out}`" in msg, msg

@@ -19,7 +19,7 @@ import tiktoken
 import tiktoken.load
 import torch
 
-from support import files, shuffle, sources, token_files
+from support import files, sources, splitmix, token_files
 
 data = importlib.import_module("01_data")
 EOT = data.EOT
@@ -595,8 +595,8 @@ def test_cli_skips_binaries_in_a_folder_and_saves_the_tokenizer_with_the_shards(
 
 def test_the_demo_prints_its_headlines_and_trains_on_the_train_split_only(tmp_path, capsys):
     """`python 01_data.py` prints each lesson with its check: naive == incremental BPE, our
-    encoder == tiktoken's with the same merges, what cleaning kept and a loader step for two dp
-    ranks. The tokenizer is trained on the train split alone: the last
+    encoder == tiktoken's with the same merges and a loader step for two dp ranks; it cleans
+    nothing (01b does). The tokenizer is trained on the train split alone: the last
     file, "qx qx ...", lies wholly in the validation tail, so no learned token may contain "qx"
     (training on all the text made "qx" its first merge)."""
     corpus = write_corpus(tmp_path / "corpus")
@@ -607,9 +607,9 @@ def test_the_demo_prints_its_headlines_and_trains_on_the_train_split_only(tmp_pa
     printed = capsys.readouterr().out
     assert "ours == tiktoken: True" in printed, printed
     assert re.search(r"naive [\d.]+ s, incremental [\d.]+ s, same merges: True", printed), printed
-    assert (
-        "cleaning (--quality none, --dedup exact): kept 7 of 7 documents; removed: none" in printed
-    )
+    assert "cleaning" not in printed
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["documents_in"] == meta["documents_kept"] == 7 and meta["removed"] == {}
     assert "disjoint: True" in printed and "y is x shifted: True" in printed
     files = sorted(corpus.iterdir())
     cut, docs = sources.val_cut(files, 0.2), sources.iter_documents(files, [])
@@ -788,7 +788,7 @@ def test_big_documents_are_refused_and_lone_surrogates_repaired(tmp_path, monkey
         data.prepare(str(tmp_path / "big.txt"), "char", tmp_path / "out", block_size=8)
     lines = [json.dumps({"text": "ok " * 20}), '{"text": "half a pair \\ud83d here"}'] * 3
     (tmp_path / "s.jsonl").write_text("\n".join(lines))
-    data.prepare(str(tmp_path / "s.jsonl"), "char", tmp_path / "j", 0.4, block_size=8, dedup="none")
+    data.prepare(str(tmp_path / "s.jsonl"), "char", tmp_path / "j", 0.4, block_size=8)
     text = data.CharTokenizer().decode(
         np.concatenate([split_tokens(tmp_path / "j", s) for s in ("train", "val")]).tolist()
     )
@@ -891,12 +891,12 @@ def test_the_computed_shuffle_is_a_permutation_for_any_size(n):
     every item once, whatever n (a power of 4 or not, 1 and 2 included); the same order for
     the same (seed, epoch), another for another seed or epoch (n > 3: 2 of 3 orders of 3
     may coincide by chance, 1 in 6)."""
-    order = shuffle.shuffled(np.arange(n), n, seed=1, epoch=0).tolist()
+    order = data.shuffled(np.arange(n), n, seed=1, epoch=0).tolist()
     assert sorted(order) == list(range(n))
-    assert shuffle.shuffled(np.arange(n), n, 1, 0).tolist() == order
+    assert data.shuffled(np.arange(n), n, 1, 0).tolist() == order
     if n > 3:
-        assert shuffle.shuffled(np.arange(n), n, 1, 1).tolist() != order
-        assert shuffle.shuffled(np.arange(n), n, 2, 0).tolist() != order
+        assert data.shuffled(np.arange(n), n, 1, 1).tolist() != order
+        assert data.shuffled(np.arange(n), n, 2, 0).tolist() != order
 
 
 def test_the_computed_shuffle_spreads_each_position_evenly():
@@ -906,12 +906,12 @@ def test_the_computed_shuffle_spreads_each_position_evenly():
     walk, puts it on one item or a few."""
     hits = np.zeros(10, int)
     for key in range(3000):
-        hits[shuffle.shuffled([0], 10, seed=key, epoch=key % 7)[0]] += 1
+        hits[data.shuffled([0], 10, seed=key, epoch=key % 7)[0]] += 1
     assert np.abs(hits - 300).max() <= 90, hits
 
 
 def splitmix64_by_hand(seed: int, stream: int, i: int) -> int:
-    """support/shuffle.py's key chain on Python's own integers (no NumPy): splitmix64's step
+    """support/splitmix.py's key chain on Python's own integers (no NumPy): splitmix64's step
     x -> mix(x + 0x9E37...), chained over seed, stream and the index, mod 2^64."""
     m = 2**64 - 1
 
@@ -931,14 +931,14 @@ def test_the_shuffle_order_is_pinned_across_library_versions():
     keys equal the chain on Python integers. The two orders were printed once and checked by
     hand to hold each of 0..9 and 0..16 once (17 is no power of 4: cycle-walking runs); a
     change of key derivation, round count, round function or walk changes them."""
-    assert int(shuffle._mix(np.array([shuffle.GOLDEN]))[0]) == 0xE220A8397B1DCDAF
+    assert int(splitmix.mix(np.array([splitmix.GOLDEN]))[0]) == 0xE220A8397B1DCDAF
     for seed, stream in [(0, 0), (5, 1), (-3, 2**40)]:
-        want = [splitmix64_by_hand(seed, stream, i) for i in range(shuffle.ROUNDS)]
-        assert shuffle.splitmix64(seed, stream, shuffle.ROUNDS).tolist() == want
+        want = [splitmix64_by_hand(seed, stream, i) for i in range(data.ROUNDS)]
+        assert splitmix.splitmix64(seed, stream, data.ROUNDS).tolist() == want
     want = [2, 0, 7, 8, 1, 3, 4, 5, 6, 9]
-    assert shuffle.shuffled(np.arange(10), 10, 0, 0).tolist() == want
+    assert data.shuffled(np.arange(10), 10, 0, 0).tolist() == want
     want = [11, 1, 16, 14, 4, 13, 10, 8, 15, 0, 7, 6, 9, 3, 12, 5, 2]
-    assert shuffle.shuffled(np.arange(17), 17, 5, 1).tolist() == want
+    assert data.shuffled(np.arange(17), 17, 5, 1).tolist() == want
 
 
 PEAK_CHILD = """
@@ -976,10 +976,10 @@ def prepare_in_a_child(tmp_path, megabytes: int) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs Linux's /proc")
 def test_preparation_memory_does_not_grow_with_the_corpus(tmp_path):
-    """01's whole run (clean, encode, shards, then the demo's two loaders) on 3 MB and on
-    9 MB of .jsonl, one id a byte (char): the peaks differ by under 6 MiB. What may grow:
-    the exact-dedup key set (~75 B a document: 0.1 MB for the 1,500 more here) and malloc's
-    noise (~1 MiB measured). The loaders' stored permutations of every window (8 B a window
+    """01's whole run (encode, shards, then the demo's two loaders) on 3 MB and on 9 MB of
+    .jsonl, one id a byte (char): the peaks differ by under 6 MiB. What may grow: malloc's
+    noise (~1 MiB measured; 01b's exact-dedup key set would add ~75 B a document, 0.1 MB
+    for the 1,500 more here). The loaders' stored permutations of every window (8 B a window
     of 8 ids, two loaders: 2 B an id, and the shuffle's temporaries) grew by 17 MiB for
     these 6M more ids (measured; issue 30's 0.8 MB per MB of GPT-2 tokens), so 6 MiB is a
     third of the old growth and several times the new."""

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # The numbered lessons and their lettered extensions (01_data.py, 01b_cleaning.py, ...).
 LESSONS = sorted(p.name for p in ROOT.glob("[0-9][0-9]*_*.py"))
-BUDGETS = {"01_data.py": 700, "train.py": 500}  # every other lesson: 600 lines
+BUDGETS = {"train.py": 500}  # every lesson: 600 lines
 LONG = 88  # the formatter's line length (pyproject.toml)
 LONG_SHARE = 0.05  # at most 5% of a file's lines longer than LONG
 
