@@ -69,6 +69,7 @@ from support.sharding import comm_formula, tp_layout
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
 pp_lib = importlib.import_module("05_pipeline")
+sched_lib = importlib.import_module("05b_schedules")
 recompute_lib = importlib.import_module("06b_recompute")
 zero_lib = importlib.import_module("07_zero")
 cp_lib = importlib.import_module("08_context_parallel")
@@ -262,7 +263,7 @@ def _peak(schedule, p, m, v, rank, chunk_bytes) -> tuple[int, int]:
     alive = 0
     count = 0
     peak = (0, 0)
-    for step in pp_lib.schedule_steps(schedule, p, m, v, rank):
+    for step in sched_lib.schedule_steps(schedule, p, m, v, rank):
         for a in step:
             sign = 1 if a.op == "F" else -1
             alive += sign * chunk_bytes[a.chunk]
@@ -348,7 +349,7 @@ def check_layout(config, layout: Layout, batch: int, n_gpus: int) -> int:
     try:
         tp_lib.check_tp_config(config, lay.tp)
         schedule = lay.schedule if lay.pp > 1 else "1f1b"
-        pp_lib.check_config(schedule, lay.pp, m, lay.virtual_stages, config.n_layer)
+        sched_lib.check_config(schedule, lay.pp, m, lay.virtual_stages, config.n_layer)
         assert lay.recompute in recompute_lib.RECOMPUTE, f"recompute {lay.recompute!r}"
     except AssertionError as e:
         raise PlanError(str(e)) from None
@@ -411,7 +412,7 @@ def plan(
         m * config.n_layer / lay.pp * c
     )  # each microbatch, each of the stage's layers
     t = dict(compute=matmuls * slowdown + fixed)
-    bubble = pp_lib.bubble_formula(lay.pp, m, lay.virtual_stages)  # of the whole step
+    bubble = sched_lib.bubble_formula(lay.pp, m, lay.virtual_stages)  # of the whole step
     t["bubble"] = t["compute"] * bubble / (1 - bubble)
     worst = max(ranks, key=lambda x: sum(x["collectives"].values()))["collectives"]
     tp_wire = 2 * (lay.tp - 1) / lay.tp * worst["all_reduce"] if lay.tp > 1 else 0

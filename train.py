@@ -60,6 +60,7 @@ ddp_lib = importlib.import_module("03_ddp")
 tp_lib = importlib.import_module("04_tensor_parallel")
 sp_lib = importlib.import_module("04b_sequence_parallel")
 pp_lib = importlib.import_module("05_pipeline")
+sched_lib = importlib.import_module("05b_schedules")
 mp_lib = importlib.import_module("06_mixed_precision")
 recompute_lib = importlib.import_module("06b_recompute")
 zero_lib = importlib.import_module("07_zero")
@@ -86,7 +87,7 @@ def check_flags(cfg: TrainConfig, world_size: int) -> None:
         "lr_schedule": LR_SCHEDULES,
         "grad_compression": ("none", "fp16", "bf16", "powersgd"),
     }
-    config.check_flags(cfg, world_size, choices, model_lib.PRESETS, pp_lib.check_config)
+    config.check_flags(cfg, world_size, choices, model_lib.PRESETS, sched_lib.check_config)
 
 
 def validate(cfg: TrainConfig, world_size: int, rank: int = 0, plan: bool = False):
@@ -241,13 +242,13 @@ def build_run(cfg: TrainConfig, gpt_config, grid: Grid, device) -> Run:
 
 # --------------------------------------------------------------------------- one step
 def pipeline(run: Run, x: torch.Tensor, y: torch.Tensor, **kwargs):
-    """05's pipeline_step on this rank's chunks (activations (b, T/cp, C); SP: /tp)."""
+    """05b's pipeline_step on this rank's chunks (activations (b, T/cp, C); SP: /tp)."""
     T = run.T // run.grid.cp
     T = T // run.grid.tp if run.cfg.sequence_parallel else T
     kwargs["act_shape"] = (run.cfg.micro_batch_size, T, run.gpt_config.n_embd)
-    kwargs["dtype"] = run.dtype  # Autocast's, in 05's forwards only; sent in it.
+    kwargs["dtype"] = run.dtype  # Autocast's, in 05b's forwards only; sent in it.
     args = (run.chunks, (x, y), run.m, run.cfg.schedule, run.grid.pp_group)
-    return pp_lib.pipeline_step(*args, **kwargs)
+    return sched_lib.pipeline_step(*args, **kwargs)
 
 
 def gradients(run: Run) -> list:

@@ -3,7 +3,7 @@
 For each pipeline size p (default 4, then 2) one world of p gloo CPU ranks is spawned.
 In it, every schedule (gpipe, 1f1b, interleaved with v=2) runs at m = 4, 8, 16
 microbatches: one warm-up step, then --steps timed ones. Each step's timeline is what
-05_pipeline.pipeline_step recorded (real start and end of every forward and backward on
+05b_schedules.pipeline_step recorded (real start and end of every forward and backward on
 every rank); its bubble is 05's bubble_fraction: 1 - (mean busy time per rank) / (first
 start to last end). Anything that is not a forward or backward counts as bubble: waiting
 for a message, the message itself, Python between actions, and, when ranks outnumber
@@ -20,17 +20,17 @@ Target: within 10% of the formula for GPipe and 1F1B, and the
 interleaved bubble smaller by about v.
 
 --naive adds 05's two plain loops as the first rows, the naive GPipe (`gpipe_naive`) and
-the explicit 1F1B (`one_f_one_b`): with it, the demo's table (`python 05_pipeline.py`, one
+the explicit 1F1B (`one_f_one_b`): with it, the demo's table (`python 05b_schedules.py`, one
 step after a warm-up) comes out as medians over --steps steps:
     python bench/bench_pipeline.py --naive --p 4 --m 8 --n-embd 256 --b 4 --steps 3
 
-Besides the table: the simulator's ideal timelines (05's `simulate`, t_f = t_b = 1) as
+Besides the table: the simulator's ideal timelines (05b's `simulate`, t_f = t_b = 1) as
 text, and for every (p, m) a Gantt PNG and a Chrome trace (open it in ui.perfetto.dev)
 of the median step, under --out-dir (support/gantt.py draws both).
 
 Run:  python bench/bench_pipeline.py                 (about 8 minutes on 2 CPU cores)
       python bench/bench_pipeline.py --p 4 --m 8 --figure docs/pipeline_p4_m8.png
-          (the README's measured figure; `python 05_pipeline.py --plot` draws the simulated)
+          (the README's measured figure; `python 05b_schedules.py --plot` draws the simulated)
 """
 
 import argparse
@@ -48,7 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(
     0, str(ROOT)
 )  # the numbered files, and tests/distributed.py's run_ranks
-pp = importlib.import_module("05_pipeline")
+pp = importlib.import_module("05_pipeline")  # the stages, the loops, the bubble
+sched = importlib.import_module("05b_schedules")  # the tables and their executor
 model_lib = importlib.import_module("02_model")
 from support.gantt import plot_timelines, write_chrome_trace  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
@@ -67,7 +68,7 @@ def config(args):
 
 def ascii_timeline(timeline, unit: float = 1.0, chunks: bool = False) -> str:
     """One row per rank, one column per `unit` of time: Fi/Bi (+ the chunk's letter);
-    a dot is idle. (How 05_pipeline.py's docstring picture was drawn.)"""
+    a dot is idle. (How 05's and 05b's docstring pictures were drawn.)"""
     w, lines = 3 if chunks else 2, []
     for r, events in enumerate(timeline):
         row, t = f"r{r} ", 0.0
@@ -106,8 +107,8 @@ LOOP = "1f1b, loop"  # 05's one_f_one_b: 1F1B's order, Megatron's paired p2p cal
 
 
 def runs(args):
-    """What is timed: 05's schedules, after its two plain loops with --naive."""
-    return ((NAIVE, LOOP) if args.naive else ()) + pp.SCHEDULES
+    """What is timed: 05b's schedules, after its two plain loops with --naive."""
+    return ((NAIVE, LOOP) if args.naive else ()) + sched.SCHEDULES
 
 
 def rank_main(rank, p, args):
@@ -131,7 +132,7 @@ def rank_main(rank, p, args):
                 elif schedule == LOOP:
                     res = pp.one_f_one_b(chunks[0], batch, m, embed_group=embed_group)
                 else:
-                    res = pp.pipeline_step(
+                    res = sched.pipeline_step(
                         chunks, batch, m, schedule, embed_group=embed_group
                     )
                 steps.append(res.events)
@@ -162,7 +163,7 @@ def measure(p, args):
             )
             busy = sum(e.end - e.start for ev in tl for e in ev) / p  # per rank
             ideal = (
-                m * alone / (1 - pp.bubble_formula(p, m, v))
+                m * alone / (1 - sched.bubble_formula(p, m, v))
             )  # a core per rank, free messages
             timelines[(schedule, m)] = (tl, bubbles[i])
             rows.append((schedule, v, m, span, ideal, busy / (m * alone), bubbles[i]))
@@ -177,7 +178,7 @@ def report(p, rows, load):
     )
     print(f"{head}{'bubble':>8}{'formula':>9}{'ratio':>7}")
     for schedule, v, m, span, ideal, slow, bubble in rows:
-        f = pp.bubble_formula(p, m, v)
+        f = sched.bubble_formula(p, m, v)
         row = f"{schedule:<13}{v:>2}{m:>4}{span * 1e3:>9.0f}{ideal * 1e3:>9.0f}"
         print(f"{row}{slow:>9.2f}{bubble:>8.1%}{f:>9.1%}{bubble / f:>7.2f}")
     print(
@@ -191,12 +192,12 @@ def report(p, rows, load):
 def print_ideal(p, m):
     """The simulator's timelines for this p and m: what the measured ones should look
     like."""
-    for schedule in pp.SCHEDULES:
+    for schedule in sched.SCHEDULES:
         v = 2 if schedule == "interleaved" else 1
-        _, timeline = pp.simulate(schedule, p, m, v, 1.0, 1.0)
+        _, timeline = sched.simulate(schedule, p, m, v, 1.0, 1.0)
         print(
             f"\nsimulated {schedule} p={p} m={m} v={v} (t_f = t_b = 1; a column is 1/v): "
-            f"bubble {pp.bubble_fraction(timeline):.1%} = {pp.bubble_formula(p, m, v):.1%}"
+            f"bubble {pp.bubble_fraction(timeline):.1%} = {sched.bubble_formula(p, m, v):.1%}"
         )
         print(ascii_timeline(timeline, 1.0 / v, chunks=v > 1))
 
@@ -254,7 +255,7 @@ def main(argv=None):
             named = {}
             for s in runs(args):
                 timeline, bubble = timelines[(s, m)]
-                f = pp.bubble_formula(p, m, 2 if s == "interleaved" else 1)
+                f = sched.bubble_formula(p, m, 2 if s == "interleaved" else 1)
                 where = f"measured on {cores} CPU cores"
                 named[f"{s}: {where}, bubble {bubble:.1%} (formula {f:.1%})"] = timeline
             path = Path(args.out_dir) / f"pipeline_p{p}_m{m}"

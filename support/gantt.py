@@ -1,4 +1,4 @@
-"""Gantt charts and Chrome traces of pipeline timelines (05_pipeline.py, bench/).
+"""Gantt charts and Chrome traces of pipeline timelines (05b_schedules.py, bench/).
 
 A timeline is one list of Events per rank; an Event has .op ("F" or "B"), .mb (the
 microbatch), .chunk (which of a rank's v chunks), .start and .end. Plotting teaches
@@ -66,17 +66,3 @@ def write_chrome_trace(timelines: dict, path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
 
-
-def plot_simulated(simulate, bubble_fraction, p: int, m: int, v: int) -> Path:
-    """05's simulated timelines of gpipe, 1f1b and interleaved (v chunks) at t_f = 1 and
-    t_b = 2, one PNG, each chart titled with its bubble. -> the file's path."""
-    titled = {}
-    for schedule, vs in (("gpipe", 1), ("1f1b", 1), ("interleaved", v)):
-        timeline = simulate(schedule, p, m, vs)[1]
-        label = f"{schedule} v={vs}" if vs > 1 else schedule
-        bubble = f"bubble {bubble_fraction(timeline):.1%} = (p-1)/(v·m+p-1)"
-        titled[f"{label}: simulated, {bubble}"] = timeline
-    path = Path("out/pipeline") / f"pipeline_simulated_p{p}_m{m}.png"
-    xlabel = "time in units of one stage's forward (t_f = 1, t_b = 2, messages free)"
-    plot_timelines(titled, path, 1.0, xlabel)
-    return path

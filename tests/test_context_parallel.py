@@ -518,11 +518,12 @@ def case_cp_tp(rank, world_size):
 
 def case_cp_pp(rank, world_size):
     """cp 2 x pp 2, grid arange(4).view(pp, cp): CP groups {0,1} {2,3}, PP groups {0,2}
-    {1,3}. 05 cuts the context-parallel model into stages and runs 1F1B under NCCL's
+    {1,3}. 05 cuts the context-parallel model into stages and 05b runs 1F1B under NCCL's
     rule, n_tokens counted over the CP ranks and dp_size = cp (CP averages as DP does)."""
     if world_size != 4:
         return "4 ranks only"
     pp_lib = importlib.import_module("05_pipeline")
+    sched_lib = importlib.import_module("05b_schedules")
     cp_rank = rank % 2
     pp_rank = rank // 2
     cp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]
@@ -538,7 +539,7 @@ def case_cp_pp(rank, world_size):
     y = cp_lib.zigzag_split(targets, cp_rank, 2)
     n = cp_lib.cp_token_count(y, cp_group)
     with nccl_p2p_rules():
-        result = pp_lib.pipeline_step(
+        result = sched_lib.pipeline_step(
             chunks,
             (x, y),
             2,

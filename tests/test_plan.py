@@ -37,6 +37,7 @@ ddp = importlib.import_module("03_ddp")
 tp_lib = importlib.import_module("04_tensor_parallel")
 sp_lib = importlib.import_module("04b_sequence_parallel")
 pp_lib = importlib.import_module("05_pipeline")
+sched_lib = importlib.import_module("05b_schedules")
 recompute_lib = importlib.import_module("06b_recompute")
 zero_lib = importlib.import_module("07_zero")
 cp_lib = importlib.import_module("08_context_parallel")
@@ -176,7 +177,7 @@ def step(layout, chunks, batch, embed_group):
         return kept, None
     if layout.pp > 1:
         m = len(batch[0]) // B
-        result = pp_lib.pipeline_step(
+        result = sched_lib.pipeline_step(
             chunks, batch, m, layout.schedule, embed_group=embed_group
         )
         return None, result
