@@ -143,7 +143,10 @@ def rank_main(rank, p, args):
 def measure(p, args):
     load0 = os.getloadavg()[0]
     t = time.perf_counter()
-    per_rank = run_ranks(rank_main, p, args, timeout=1800)
+    # subtle: the ranks fork from tests/distributed.py's zygote, which finds rank_main
+    # by its module's name, so this file's importable name, not __main__.
+    job = importlib.import_module("bench.bench_pipeline").rank_main
+    per_rank = run_ranks(job, p, args, timeout=1800)
     wall, load1 = time.perf_counter() - t, os.getloadavg()[0]
     rows, timelines = [], {}
     for schedule in runs(args):
