@@ -52,7 +52,6 @@ import torch
 
 from support import data_flags, sources, splitmix, token_files
 from support import files as files_lib
-from support.files import atomic_write, fsync_dir  # noqa: F401 - callers use data.*
 from support.sources import split_document, val_cut
 
 # GPT-2's pre-tokenization, as tiktoken's: 's 't 're 've 'm 'll 'd, ?letters, ?digits,
