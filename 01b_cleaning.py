@@ -271,12 +271,18 @@ class Cleaner:
 
 
 def prepare(
-    source, tokenizer, out_dir, *args, quality="none", dedup="exact", **kwargs
+    source,
+    tokenizer,
+    out_dir,
+    *args,
+    quality="none",
+    dedup="exact",
+    dedup_threshold=0.8,
+    **kwargs,
 ) -> dict:
-    """01's `prepare`, cleaned: DESIGN's `prepare(..., quality, dedup)`. kwargs: 01's,
-    and dedup_threshold."""
-    threshold = kwargs.pop("dedup_threshold", 0.8)
-    cleaner = Cleaner(quality, dedup, threshold)
+    """01's `prepare` (args, kwargs: its own), cleaned: DESIGN's `prepare(..., quality,
+    dedup)`, whose meta.json also says what was removed, by reason."""
+    cleaner = Cleaner(quality, dedup, dedup_threshold)
     return data.prepare(source, tokenizer, out_dir, *args, cleaner=cleaner, **kwargs)
 
 
@@ -330,9 +336,9 @@ def demo_near_copy(text: str, near: str, what: str) -> None:
     d.why_duplicate(text)
     candidate = bool(d.store.candidates(d.band_keys(sigs[1])))
     why = d.why_duplicate(near) or "kept"
-    print(f"minhash, {what}: J = {j:.3f}, estimated {estimate:.3f} ", end="")
-    print("(112 hashes); ", end="")
-    print(f"P(candidate) = 1 - (1 - J^8)^14 = {p:.3f}, a candidate: {candidate}: {why}")
+    found = f"J = {j:.3f}, estimated {estimate:.3f} (112 hashes)"
+    curve = f"P(candidate) = 1 - (1 - J^8)^14 = {p:.3f}"
+    print(f"minhash, {what}: {found}; {curve}, a candidate: {candidate}: {why}")
 
 
 if __name__ == "__main__":
