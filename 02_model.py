@@ -524,7 +524,9 @@ def overfit_demo(model: GPT, x, y, args):
     for step in range(args.steps + 1):
         _, loss = model(x, y)  # the loss after `step` updates
         if step % max(args.steps // 5, 1) == 0 or step == args.steps:
-            print(f"step {step:4d}  loss {loss.item():.4f}")
+            # Two significant digits: lr 1e-2 makes the run chaotic, and the CPU's
+            # kernels (ATEN_CPU_CAPABILITY) moved step 30's loss by 1e-4, in fp64 too.
+            print(f"step {step:4d}  loss {loss.item():#.2g}")
         if step < args.steps:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

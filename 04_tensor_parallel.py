@@ -351,7 +351,7 @@ def apply_tensor_parallel(model, group, *, seed=None):
     if group is None:
         raise ValueError("pass the TP process group explicitly (dist.new_group(ranks))")
     if getattr(model.loss_fn, "func", None) is not model_lib.cross_entropy_loss:
-        raise ValueError("already tensor-parallel, or 06's chunked loss: not under TP")
+        raise ValueError("already tensor-parallel, or 06b's chunked loss: not under TP")
     check_tp_config(model.config, dist.get_world_size(group))  # before any collective
     different = "weights differ across TP ranks: torch.manual_seed alike before GPT()"
     sharding.check_same_on_ranks(list(model.parameters()), group, different)

@@ -392,7 +392,7 @@ class ContextParallelAttention(nn.Module):
         self.c_attn = attn.c_attn
         self.c_proj = attn.c_proj
         self.resid_dropout = attn.resid_dropout
-        self.dropout = attn.dropout  # 0.0; 06's recomputation asks it
+        self.dropout = attn.dropout  # 0.0; 06b's recomputation asks it
         self.head_dim = attn.head_dim
         self.group = group
         self.split = split
@@ -579,7 +579,7 @@ def demo_gpt(args, group, device):
     per_layer = sum(sent) / config.n_layer
     formula = sum(ring_bytes_per_layer(B, T, config.n_embd, cp, 4))
     print0(f"  ring bytes per layer and rank {per_layer:,.0f} | formula {formula:,}")
-    # What CP is for: activations / cp, bar the loss's 4-byte count (06's formula).
+    # What CP is for: activations / cp, bar the loss's 4-byte count (06b's formula).
     kept = f"{kept_mine:,} = (one process {kept_one:,} - 4) / cp + 4"
     assert kept_mine == (kept_one - 4) // cp + 4, kept
     print0(f"  activations kept per rank {kept}")
