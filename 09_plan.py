@@ -10,33 +10,36 @@ The model of one step, per GPU (Ψ parameters, N = dp·cp ranks sharing ZeRO's s
            + activations                           (06b's activation_formula, a layer's
              x the microbatches in flight           sharded part / tp, T / cp; GPipe
                                                     keeps m, 1F1B p - rank: 05)
-           + the loss's logits                     (b·T·V/tp/cp, the largest temporary;
+           + the loss's logits                     (b·T·V/tp/cp, on the last stage;
                                                     --loss chunked: 1,024 tokens' worth)
-    time = compute / (1 - bubble) + TP's all-reduces + PP's sends + exposed ring + DP's
+           + ZeRO-3's gathered weights             (07: the root and two blocks whole)
+    time = compute / (1 - bubble) + the wire that compute does not hide, a ring's bytes
+           ((n-1)/n of a gather's or scatter's, twice an all-reduce's) / link:
     compute = tokens · (6Ψ + 12·L·C·T, 02's flops_per_token; + 2Ψ: full recompute)
               / (GPUs · peak FLOP/s · e) + m · L/pp · c     (x 1.36: selective, measured)
               e: the matmuls' share of the peak, c: a layer's fixed time per microbatch,
               both fitted to two measured micro-batches (support/gpu_specs.CALIBRATION)
     bubble  = (p - 1)/(v·m + p - 1)                                  (05)
-    TP      = comm_formula's bytes · 2(tp-1)/tp / link, on the critical path   (04)
-    ring    = 08's ring_bytes_per_layer · L/pp · m / link, less attention's compute,
-              which hides it (08 posts each transfer before the block's compute)
-    DP      = 2(N-1)/N · 4Ψ/tp/pp / link, hidden behind the last backward for DP
-              (03); ZeRO-1/2's all-gather after the step, ZeRO-1's reduce-scatter
-              after backward, exposed (07)
-    links: NVLink inside a node, else the network (grid arange(world).view(pp, dp, cp,
-    tp): TP, then CP, share a node when they fit). CP's zigzag gives every rank (cp+1)/2
-    blocks of attention (08's blocks_per_rank), so compute divides evenly over cp.
+    TP      = each block's f and g, the embedding's g (first stage), the head's f and
+              the loss (last), on the critical path                  (04)
+    PP      = sends of (b, T/cp, C), SP's (b, T/cp/tp, C), + the tied gradient  (05)
+    ring    = 08's ring_bytes_per_layer · L/pp · m, less attention's compute, which
+              hides it (08 posts each transfer before the block's compute)
+    DP      = 03's all-reduce of 4Ψ/tp/pp less the last backward; ZeRO-1/2's after
+              backward, exposed; ZeRO-3's gathers less each of the m backwards  (07)
+    links: NVLink if a group's size·stride fits a node, else the network (the grid
+    arange(world).view(pp, dp, cp, tp): TP's stride 1, CP's tp, PP's tp·cp·dp). CP's
+    zigzag gives every rank (cp+1)/2 blocks of attention (08's blocks_per_rank).
 Then tokens/s = B·T / time, MFU, hours to a token budget, GPU-hours, energy (at the
 datasheet's board power, TDP) and cost at the price per GPU-hour you give.
 
     dp 2, tp 2, pp 2 on 8 GPUs of one node (tp fastest: its pairs are neighbours):
     GPU 0 1 | 2 3 | 4 5 | 6 7     pp 0: dp 0 (tp 0, 1), dp 1 (tp 0, 1); pp 1: same
 
-Checked (tests/test_plan.py): 19 layouts built with the lessons' wrappers on CPU ranks
-(cp among them) hold plan's model-state bytes and send its collective and ring bytes
-exactly, and keep its activations within 10%; the H200 runs of docs/results.md that
-calibrate nothing (gpt2-medium, gpt2-large) within 10%.
+Checked (tests/test_plan.py): 21 layouts built with the lessons' wrappers on CPU ranks
+(cp, tp x pp among them) hold plan's model-state bytes and send its collective and ring
+bytes exactly, and keep its activations within 10%; each time term equals its formula
+by hand; the H200 runs that calibrate nothing (gpt2-medium, -large) within 10%.
 
 Run it:  python 09_plan.py    (a worked example by hand, a search)
          python 09_plan.py --model gpt2-xl --gpus 16 --gpus-per-node 8 --gpu h100 \\
@@ -48,14 +51,13 @@ compute, offload, fp8, fragmentation (a plan fits in 90% of the memory), eager m
 temporaries (the calibrating runs were compiled), selective recomputation under
 torch.compile (charged eager's 1.36x), and micro-batches other than 32 and 64 of GPT-2
 124M measured: below 32, c's fixed cost per microbatch is assumed, not measured, and
-on a tie the ranking takes the larger micro-batch.
+on a tie the ranking takes the larger micro-batch; latency (8-byte all-reduces: free).
 """
 
 import argparse
 import dataclasses
 import functools
 import importlib
-import math
 import sys
 
 from support import plan_report
@@ -64,7 +66,7 @@ from support.gpus import recompute_flops_per_token
 from support.meta import shapes_only
 from support.plan_report import Layout, Plan, layouts
 from support.run import adamw_groups
-from support.sharding import comm_formula, tp_layout
+from support.sharding import tp_layout
 
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
@@ -137,8 +139,8 @@ def _flats(config_items, lora_rank, tp, pp, v, pp_rank) -> tuple:
     """This rank's ZeRO flats as 07's ZeroOptimizer cuts them: one per unit (zero_units
     of each of 05's chunks), AdamW group (train.py's adamw_groups) and dtype, each
     holding a parameter in the first unit that has it. -> ((numel, trainable, root,
-    tensors)...),
-    numels per rank: a tensor that 04 shards (tp_layout) holds numel / tp."""
+    tensors, unit)...), numels per rank: a tensor that 04 shards (tp_layout) holds
+    numel / tp."""
     model = _meta_gpt(config_items, lora_rank)
     chunks = pp_lib.split_model(model, pp_rank, pp, v)
     tied = [pp_lib.tied_parameter(c) for c in chunks] if pp > 1 else []
@@ -147,15 +149,16 @@ def _flats(config_items, lora_rank, tp, pp, v, pp_rank) -> tuple:
     per_rank = {p: p.numel() // (tp if tp_layout(n) else 1) for p, n in names.items()}
     taken = set()
     flats = []
-    for unit in [u for c in chunks for u in zero_lib.zero_units(c)]:
+    units = [u for c in chunks for u in zero_lib.zero_units(c)]
+    for i, unit in enumerate(units):
         for group in groups:
             mine = [p for p in unit.parameters() if p in group and p not in taken]
             taken.update(mine)
             if mine:
                 root = any(unit is c for c in chunks)
-                flats.append((sum(per_rank[p] for p in mine), True, root, len(mine)))
+                flats.append((sum(per_rank[p] for p in mine), True, root, len(mine), i))
     frozen = [n for p, n in per_rank.items() if not p.requires_grad]
-    flats.append((sum(frozen), False, True, 0))  # LoRA's frozen base: whole
+    flats.append((sum(frozen), False, True, 0, None))  # LoRA's frozen base: whole
     return tuple(flats)
 
 
@@ -181,6 +184,22 @@ def model_state_bytes(config, layout: Layout, pp_rank: int = 0, lora_rank=0) -> 
         sizes = dict(weights=weights, grads=grads, optimizer=2 * sum(S) + len(S))
     sizes["weights"] += frozen
     return {k: 4 * n for k, n in sizes.items()}  # fp32: 4 bytes each
+
+
+def gathered_bytes(config, layout: Layout, lora_rank=0) -> int:
+    """ZeRO-3's whole weights at the step's peak, beside its shards: 07 keeps the root
+    gathered through backward, and two blocks (the one running, the next prefetched);
+    each unit's flats padded to N·S, fp32. Other stages gather after the step."""
+    if layout.zero != 3:
+        return 0
+    N = layout.dp * layout.cp
+    units = {}
+    flats = _flats(_items(config), lora_rank, layout.tp, 1, 1, 0)  # ZeRO-3: pp 1
+    for n, trainable, root, _, unit in flats:
+        if trainable:
+            units[root, unit] = units.get((root, unit), 0) + 4 * N * -(-n // N)
+    blocks = sorted(size for (root, _), size in units.items() if not root)
+    return sum(size for (root, _), size in units.items() if root) + sum(blocks[-2:])
 
 
 # ------------------------------------------------------------ activations per rank
@@ -273,55 +292,69 @@ def _peak(schedule, p, m, v, rank, chunk_bytes) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------ collectives per rank
+def tp_bytes(config, layout: Layout, b: int, T: int, a: int, layers, first, last):
+    """04's collectives of a microbatch (b x T/cp) on a stage of `layers` blocks: each
+    block's two f and two g of E = b·T·C activations, the embedding's g (first stage),
+    the head's f and the loss's 3 fp32 all-reduces of (b, T) (last). SP: gathers and
+    scatters, and f sums the replicated fp32 gradients: wpe (first), a block's
+    LayerNorms and row biases, ln_f (last). 06b's replay runs the attention's g again
+    (SP: both gathers, one scatter): torch's checkpoint stops before the MLP's."""
+    C = config.n_embd
+    E = b * T * C * a
+    acts = (4 * layers + first + last) * E
+    loss = 3 * 4 * b * T * last
+    replay = layers * E if layout.recompute != "none" else 0
+    if not layout.sequence_parallel:
+        return dict(all_reduce=acts + loss + replay)
+    bias = int(config.bias)
+    grads = T * C * first + layers * (2 + 4 * bias) * C + (1 + bias) * C * last
+    out = dict(all_gather=acts + 2 * replay, reduce_scatter=acts + replay)
+    return dict(out, all_reduce=loss + 4 * grads)
+
+
 def collective_bytes(
     config, layout: Layout, b: int, m: int, T: int, pp_rank=0, lora_rank=0, dtype="fp32"
 ) -> dict:
-    """Payload bytes per step a rank hands each collective, as tests count them:
-    all_reduce / reduce_scatter / all_gather (their input or output list), send (05's
-    pipeline), ring (08's K, V and their gradients)."""
+    """Payload bytes per step a rank hands each collective, by group (tp, pp, cp, dp),
+    as tests count them: all_reduce / reduce_scatter / all_gather (their input or output
+    list), send (05's pipeline), ring (08's K, V and their gradients)."""
     lay = layout
     a = BYTES[dtype]
-    out = dict(all_reduce=0, reduce_scatter=0, all_gather=0, send=0, ring=0)
-    if lay.tp > 1:  # 04: per microbatch, the whole model's (pp = 1) or a stage's share
-        c = dataclasses.replace(config, n_layer=max(1, config.n_layer // lay.pp))
-        for op, n in comm_formula(c, b, T // lay.cp, lay.sequence_parallel).items():
-            out[op] += m * n * a // 4
-    if lay.tp > 1 and lay.recompute != "none":  # 06b replays a block's forward
-        # subtle: torch's checkpoint stops replaying once the last kept tensor is back,
-        # before the MLP's g: the attention's g again (SP: both gathers, one scatter).
-        E = m * (config.n_layer // lay.pp) * b * (T // lay.cp) * config.n_embd * a
-        if lay.sequence_parallel:
-            out["all_gather"] += 2 * E
-            out["reduce_scatter"] += E
-        else:
-            out["all_reduce"] += E
+    C = config.n_embd
+    S = lay.pp * lay.virtual_stages
+    stages = [c * lay.pp + pp_rank for c in range(lay.virtual_stages)]  # 05's split
+    L = config.n_layer
+    layers = sum((s + 1) * L // S - s * L // S for s in stages)
+    out = {group: plan_report.by_op({}) for group in ("tp", "pp", "cp", "dp")}
+    if lay.tp > 1:  # 04, each microbatch
+        ends = (0 in stages, S - 1 in stages)
+        per_microbatch = tp_bytes(config, lay, b, T // lay.cp, a, layers, *ends)
+        out["tp"].update({op: m * n for op, n in per_microbatch.items()})
     if lay.pp > 1:  # 05: an activation forward and a gradient back per stage boundary
-        S = lay.pp * lay.virtual_stages
-        stages = [c * lay.pp + pp_rank for c in range(lay.virtual_stages)]
         sends = sum((s < S - 1) + (s > 0) for s in stages)
-        out["send"] += m * sends * b * (T // lay.cp) * config.n_embd * a
+        rows = T // lay.cp // (lay.tp if lay.sequence_parallel else 1)  # SP: T/cp/tp
+        out["pp"]["send"] = m * sends * b * rows * C * a
         if config.tie_embeddings and pp_rank in (0, lay.pp - 1):  # the tied gradient
-            out["all_reduce"] += 4 * config.padded_vocab_size * config.n_embd // lay.tp
+            out["pp"]["all_reduce"] = 4 * config.padded_vocab_size * C // lay.tp
     if lay.cp > 1:  # 08: per layer and microbatch; a replayed block runs its ring again
-        C = config.n_embd // lay.tp  # the width of a rank's K: heads split over tp
-        forward, backward = cp_lib.ring_bytes_per_layer(b, T, C, lay.cp, a)
+        width = C // lay.tp  # the width of a rank's K: heads split over tp
+        forward, backward = cp_lib.ring_bytes_per_layer(b, T, width, lay.cp, a)
         replays = forward if lay.recompute == "full" else 0
-        out["ring"] += m * config.n_layer // lay.pp * (forward + backward + replays)
-        out["all_reduce"] += 8 * m  # 08's cp_token_count: one int64 a microbatch
+        out["cp"]["ring"] = m * layers * (forward + backward + replays)
+        out["cp"]["all_reduce"] = 8 * m  # 08's cp_token_count: one int64 a microbatch
     if lay.dp * lay.cp > 1:
         items = _items(config)
         flats = _flats(items, lora_rank, lay.tp, lay.pp, lay.virtual_stages, pp_rank)
         N = lay.dp * lay.cp
         trainable = [n for n, t, *_ in flats if t]
-        padded = [4 * N * -(-n // N) for n in trainable]
-        blocks = [4 * N * -(-n // N) for n, t, root, _ in flats if t and not root]
+        padded = sum(4 * N * -(-n // N) for n in trainable)
+        blocks = sum(4 * N * -(-n // N) for n, t, root, *_ in flats if t and not root)
         if lay.zero == 0:  # 03: all-reduce every gradient once, fp32
-            out["all_reduce"] += 4 * sum(trainable)
+            out["dp"]["all_reduce"] = 4 * sum(trainable)
         else:  # 07: reduce-scatter every flat, all-gather the weights
-            out["reduce_scatter"] += sum(padded)
-            out["all_gather"] += sum(padded)
+            out["dp"].update(reduce_scatter=padded, all_gather=padded)
         if lay.zero == 3:  # gathered each forward, again each backward but root's
-            out["all_gather"] += (m - 1) * sum(padded) + m * sum(blocks)
+            out["dp"]["all_gather"] += (m - 1) * padded + m * blocks
     return out
 
 
@@ -329,22 +362,13 @@ def collective_bytes(
 def check_layout(config, layout: Layout, batch: int, n_gpus: int) -> int:
     """PlanError (one line) unless the layout can run; -> microbatches per step."""
     lay = layout
-    world = lay.dp * lay.tp * lay.pp * lay.cp
-    if world != n_gpus:
-        sizes = f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp} x cp {lay.cp} = {world}"
-        raise PlanError(f"{sizes} does not fill {n_gpus} GPUs")
+    problem = plan_report.grid_problem(lay, batch, n_gpus)
+    if problem:
+        raise PlanError(problem)
     if lay.cp > 1 and config.dropout > 0:  # 08's ring has no attention dropout.
         raise PlanError(f"cp {lay.cp} needs dropout 0: 08's ring has none")
     if lay.cp > 1 and lay.recompute == "selective":  # Its replayed ring: not modelled.
         raise PlanError("09 cannot plan selective recompute with cp (train.py runs it)")
-    split = f"micro_batch {lay.micro_batch} x dp {lay.dp} x m"
-    if batch % (lay.micro_batch * lay.dp):
-        raise PlanError(f"batch {batch} is not {split}")
-    zero_ok = lay.zero in range(4) and (lay.zero == 0 or lay.dp * lay.cp > 1)
-    if not zero_ok or lay.zero == 3 and lay.pp > 1:  # 07 refuses ZeRO-3 on pp's chunks
-        raise PlanError(f"zero {lay.zero} needs a stage 0-3, dp > 1 and, at 3, pp 1")
-    if lay.sequence_parallel and lay.tp == 1:
-        raise PlanError("sequence parallelism needs tp > 1")
     m = batch // (lay.micro_batch * lay.dp)
     try:
         tp_lib.check_tp_config(config, lay.tp)
@@ -391,16 +415,16 @@ def plan(
         memory = model_state_bytes(config, layout, r, lora_rank)
         args = (config, layout, b, m, T, dtype, r, loss)
         memory["activations"], alive = activation_bytes(*args)
-        # The largest temporary, on the last stage: the loss's (b, T/cp, V/tp) logits,
-        # or the chunked loss's (1,024 tokens, V) of them.
+        # The largest temporary: the loss's (b, T/cp, V/tp) logits (chunked: 1,024 rows)
         rows = b * T // lay.cp if loss == "plain" else min(CHUNK_TOKENS, b * T)
         logits = BYTES[dtype] * rows * config.padded_vocab_size // lay.tp
         memory["logits"] = logits if r == lay.pp - 1 else 0
+        memory["gathered"] = gathered_bytes(config, layout, lora_rank)
         memory["total"] = sum(memory.values())
-        comm = collective_bytes(config, layout, b, m, T, r, lora_rank, dtype)
-        ranks.append(
-            dict(memory=memory, collectives=comm, in_flight=alive, dtype=dtype)
-        )
+        groups = collective_bytes(config, layout, b, m, T, r, lora_rank, dtype)
+        comm = plan_report.by_op(groups)
+        rank = dict(memory=memory, collectives=comm, groups=groups, in_flight=alive)
+        ranks.append(dict(rank, dtype=dtype))
     fullest = max(ranks, key=lambda x: x["memory"]["total"])
     fpt = _flops(_items(config), T)
     extra = recompute_flops_per_token(config, T, lay.recompute)
@@ -408,34 +432,18 @@ def plan(
     e, c = calibrate(dtype, gpu.lower())
     matmuls = tokens * (fpt + extra) / n_gpus / (spec.flops[dtype] * e)
     slowdown = SELECTIVE_SLOWDOWN if lay.recompute == "selective" else 1.0
-    fixed = (
-        m * config.n_layer / lay.pp * c
-    )  # each microbatch, each of the stage's layers
+    fixed = m * config.n_layer / lay.pp * c  # each microbatch, each layer of a stage
     t = dict(compute=matmuls * slowdown + fixed)
-    bubble = sched_lib.bubble_formula(lay.pp, m, lay.virtual_stages)  # of the whole step
+    bubble = sched_lib.bubble_formula(lay.pp, m, lay.virtual_stages)  # of the step
     t["bubble"] = t["compute"] * bubble / (1 - bubble)
-    worst = max(ranks, key=lambda x: sum(x["collectives"].values()))["collectives"]
-    tp_wire = 2 * (lay.tp - 1) / lay.tp * worst["all_reduce"] if lay.tp > 1 else 0
-    if lay.tp > 1 and lay.sequence_parallel:
-        tp_wire = (
-            (lay.tp - 1) / lay.tp * (worst["all_gather"] + worst["reduce_scatter"])
-        )
-    t["tp"] = tp_wire / _link(spec, lay.tp, 1, gpus_per_node)
-    stride = lay.tp * lay.cp * lay.dp  # a pipeline's neighbours are a grid slice apart
-    t["pp"] = worst["send"] / _link(spec, lay.pp, stride, gpus_per_node)
     # 08's zigzag: every CP rank computes (cp+1)/2 blocks, so the FLOPs split evenly;
     # the ring hides behind the attention FLOPs (02's 12·L·C·T a token) it overlaps.
     assert len(set(cp_lib.blocks_per_rank(lay.cp, "zigzag"))) == 1
     attention = matmuls * 12 * config.n_layer * config.n_embd * T / (fpt + extra)
-    ring = worst["ring"] / _link(spec, lay.cp, lay.tp, gpus_per_node)
-    t["cp"] = max(0.0, ring - attention)
-    N = lay.dp * lay.cp
-    grads = model_state_bytes(config, dataclasses.replace(lay, zero=0), 0, lora_rank)
-    half = (N - 1) / N * grads["grads"]  # one reduce-scatter or one all-gather
-    overlapped, exposed = _dp_wire(lay.zero, half, m) if N > 1 else (0.0, 0.0)
-    link = _link(spec, N, lay.tp, gpus_per_node)
-    hidden = 2 / 3 * t["compute"] / m  # the last microbatch's backward overlaps it
-    t["dp"] = max(0.0, overlapped / link - hidden) + exposed / link
+    step = (t["compute"], attention, m)
+    waits = [wire_seconds(spec, gpus_per_node, lay, r["groups"], *step) for r in ranks]
+    for part in ("tp", "pp", "cp", "dp"):  # the slowest pipeline rank's
+        t[part] = max(w[part] for w in waits)
     t["total"] = sum(t.values())
     capacity = FIT * spec.memory
     return Plan(
@@ -443,18 +451,40 @@ def plan(
     )
 
 
-def _dp_wire(zero: int, half: float, m: int) -> tuple[float, float]:
-    """(bytes overlapped, bytes exposed) a DP rank sends a step, as 03 and 07 send
-    them; half: one reduce-scatter's. DP all-reduces in backward; ZeRO-1 reduce-scatters
-    after it and ZeRO-1/2 all-gather after the step, exposed; ZeRO-3 gathers each unit
-    in forward and backward (m times) beside the compute."""
-    if zero == 0:
-        return 2 * half, 0.0
+def wire_seconds(spec, gpus_per_node, lay, groups, compute, attention, m) -> dict:
+    """Seconds of a rank's step on each group's wire that compute does not hide (see
+    the top). PP's tied gradient: an all-reduce of 2 ranks, its bytes once. A
+    microbatch's backward: 2/3 of its compute. ZeRO-3's m windows hide 1/m each."""
+    tp = groups["tp"]
+    wire = 2 * tp["all_reduce"] + tp["all_gather"] + tp["reduce_scatter"]
+    t = dict(tp=(lay.tp - 1) / lay.tp * wire / _link(spec, lay.tp, 1, gpus_per_node))
+    stride = lay.tp * lay.cp * lay.dp  # a pipeline's neighbours are a grid slice apart
+    pp = groups["pp"]["send"] + groups["pp"]["all_reduce"]
+    t["pp"] = pp / _link(spec, lay.pp, stride, gpus_per_node)
+    ring = groups["cp"]["ring"] / _link(spec, lay.cp, lay.tp, gpus_per_node)
+    t["cp"] = max(0.0, ring - attention)
+    N = lay.dp * lay.cp
+    overlapped, exposed = _dp_wire(lay.zero, groups["dp"], N)
+    link = _link(spec, N, lay.tp, gpus_per_node)
+    windows = m if lay.zero == 3 else 1
+    backward = 2 / 3 * compute / m  # a microbatch's backward
+    unhidden = windows * max(0.0, overlapped / windows / link - backward)
+    t["dp"] = unhidden + exposed / link
+    return t
+
+
+def _dp_wire(zero: int, dp: dict, N: int) -> tuple[float, float]:
+    """(bytes overlapped, bytes exposed) a DP rank sends a step: 03 all-reduces in
+    backward; 07's ZeRO-1 reduce-scatters after it and ZeRO-1/2 all-gather after the
+    step; ZeRO-3 gathers in each microbatch's forward and backward, beside them."""
+    share = (N - 1) / N
+    scatter = share * (dp["reduce_scatter"] + dp["all_reduce"])
+    gather = share * (dp["all_gather"] + dp["all_reduce"])
     if zero == 1:
-        return 0.0, 2 * half
+        return 0.0, scatter + gather
     if zero == 2:
-        return half, half
-    return half + 2 * m * half, 0.0
+        return scatter, gather
+    return scatter + gather, 0.0
 
 
 def plan_run(cfg, gpt_config, gpu: str, gpus_per_node: int = 8) -> Plan:
@@ -462,11 +492,8 @@ def plan_run(cfg, gpt_config, gpu: str, gpus_per_node: int = 8) -> Plan:
     the model it builds): train.py --plan prints it, and its first log lines."""
     cpu = gpu.lower() == "cpu"
     dtype = "fp32" if cfg.dtype == "fp32" or cfg.dtype == "auto" and cpu else "bf16"
-    cp = getattr(cfg, "cp", 1)
-    grid = (cfg.dp, cfg.tp, cfg.pp, cp, cfg.zero, cfg.recompute, cfg.micro_batch_size)
-    pipe = (cfg.schedule, cfg.virtual_stages, cfg.sequence_parallel)
-    layout = Layout(*grid, *pipe)
-    n = cfg.dp * cfg.tp * cfg.pp * cp
+    layout = plan_report.train_layout(cfg)
+    n = layout.dp * layout.tp * layout.pp * layout.cp
     options = (gpus_per_node, gpt_config.block_size, dtype, cfg.lora_rank)
     loss = getattr(cfg, "loss", "plain")
     return plan(gpt_config, layout, cfg.batch_size, gpu, n, *options, loss=loss)
@@ -492,21 +519,8 @@ def search(
             plans.append(plan(*args, lora_rank, loss))
         except PlanError:
             continue  # e.g. interleaved's m % p, a vocabulary that does not split
-    plans.sort(key=_rank)
+    plans.sort(key=plan_report.rank_key)  # fitting first, fastest first
     return plans
-
-
-def _rank(p: Plan) -> tuple:
-    """Fitting plans first, fastest first; on a tie (to 0.1%) the simpler one: a lower
-    ZeRO stage, less recomputation, fewer CP ranks, then the larger micro-batch (an
-    assumption: fewer microbatches cost no more, where c is not measured), then less
-    memory. The plans that do not fit: least memory first."""
-    if not p.fits:
-        return (1, p.memory["total"])
-    speed = round(math.log(p.tokens_per_s), 3)
-    lay = p.layout
-    simpler = (lay.zero, recompute_lib.RECOMPUTE.index(lay.recompute), lay.cp)
-    return (0, -speed, *simpler, -lay.micro_batch, p.memory["total"])
 
 
 def worked_example() -> None:
@@ -553,21 +567,7 @@ def worked_example() -> None:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add = parser.add_argument
-    presets = f"02's preset: {', '.join(model_lib.PRESETS)} (default: %(default)s)"
-    add("--model", default="gpt2-xl", help=presets)
-    add("--gpus", type=int, default=16, help="GPUs in all (default: %(default)s)")
-    add("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default: 8)")
-    add("--gpu", default="h100", help=f"{', '.join(GPUS)} (default: %(default)s)")
-    add("--tokens", type=float, default=10e9, help="the run's tokens (default: 10e9)")
-    add("--batch-size", type=int, default=512, help="sequences a step, all GPUs (512)")
-    add("--seq-len", type=int, default=None, help="T, wpe's rows too (default: preset)")
-    add("--dtype", default="bf16", choices=tuple(BYTES), help="default: bf16, autocast")
-    add("--lora-rank", type=int, default=0, help="LoRA's rank (default: 0, off)")
-    loss = "chunked: 06b's loss that never keeps the logits (default: plain)"
-    add("--loss", default="plain", choices=("plain", "chunked"), help=loss)
-    add("--price", type=float, default=None, help="$ per GPU-hour (default: no cost)")
-    add("--top", type=int, default=5, help="fitting layouts printed (default: 5)")
+    plan_report.add_arguments(parser, model_lib.PRESETS, tuple(BYTES))
     args = parser.parse_args(argv)
     try:
         if not argv:

@@ -5,6 +5,7 @@ printed table. Plumbing: it teaches nothing new; 09 computes every number it pri
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from support.gpu_specs import GPUS
@@ -49,9 +50,9 @@ class Plan:
     gpu: str
     n_gpus: int
     tokens_per_step: int
-    memory: dict  # weights, grads, optimizer, activations, logits, total: bytes
+    memory: dict  # weights, grads, optimizer, activations, logits, gathered, total
     time: dict  # compute, bubble, tp, pp, cp, dp, total: seconds per step
-    ranks: list  # Per pipeline rank: memory dict, collectives dict, in_flight
+    ranks: list  # Per pipeline rank: memory, collectives (by op), groups, in_flight
     flops_per_token: int
     capacity: float  # The bytes a plan may use: FIT x the GPU's memory.
     fits: bool = field(init=False)
@@ -76,6 +77,57 @@ class Plan:
         kwh = None if watts is None else gpu_hours * watts / 1000
         cost = None if price is None else gpu_hours * price
         return dict(hours=hours, gpu_hours=gpu_hours, kwh=kwh, cost=cost)
+
+
+def train_layout(cfg) -> Layout:
+    """The Layout of train.py's settings (support/config.TrainConfig)."""
+    cp = getattr(cfg, "cp", 1)
+    grid = (cfg.dp, cfg.tp, cfg.pp, cp, cfg.zero, cfg.recompute, cfg.micro_batch_size)
+    return Layout(*grid, cfg.schedule, cfg.virtual_stages, cfg.sequence_parallel)
+
+
+def grid_problem(lay: Layout, batch: int, n_gpus: int) -> str | None:
+    """What 09's check_layout refuses before any lesson's check, in one line."""
+    world = lay.dp * lay.tp * lay.pp * lay.cp
+    if world != n_gpus:
+        sizes = f"dp {lay.dp} x tp {lay.tp} x pp {lay.pp} x cp {lay.cp} = {world}"
+        return f"{sizes} does not fill {n_gpus} GPUs"
+    if batch % (lay.micro_batch * lay.dp):
+        return f"batch {batch} is not micro_batch {lay.micro_batch} x dp {lay.dp} x m"
+    no_zero3 = lay.zero == 3 and lay.pp > 1  # 07 refuses ZeRO-3 on pp's chunks
+    if lay.zero not in range(4) or lay.zero and lay.dp * lay.cp == 1 or no_zero3:
+        return f"zero {lay.zero} needs a stage 0-3, dp > 1 and, at 3, pp 1"
+    if lay.sequence_parallel and lay.tp == 1:
+        return "sequence parallelism needs tp > 1"
+    return None
+
+
+def by_op(groups: dict) -> dict:
+    """09's collective_bytes (by group, then op) summed by op, as tests count them."""
+    out = dict(all_reduce=0, reduce_scatter=0, all_gather=0, send=0, ring=0)
+    for ops in groups.values():
+        for op, n in ops.items():
+            out[op] += n
+    return out
+
+
+def add_arguments(parser, presets, dtypes) -> None:
+    """09's flags."""
+    add = parser.add_argument
+    models = f"02's preset: {', '.join(presets)} (default: %(default)s)"
+    add("--model", default="gpt2-xl", help=models)
+    add("--gpus", type=int, default=16, help="GPUs in all (default: %(default)s)")
+    add("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default: 8)")
+    add("--gpu", default="h100", help=f"{', '.join(GPUS)} (default: %(default)s)")
+    add("--tokens", type=float, default=10e9, help="the run's tokens (default: 10e9)")
+    add("--batch-size", type=int, default=512, help="sequences a step, all GPUs (512)")
+    add("--seq-len", type=int, default=None, help="T, wpe's rows too (default: preset)")
+    add("--dtype", default="bf16", choices=dtypes, help="default: bf16, autocast")
+    add("--lora-rank", type=int, default=0, help="LoRA's rank (default: 0, off)")
+    loss = "chunked: 06b's loss that never keeps the logits (default: plain)"
+    add("--loss", default="plain", choices=("plain", "chunked"), help=loss)
+    add("--price", type=float, default=None, help="$ per GPU-hour (default: no cost)")
+    add("--top", type=int, default=5, help="fitting layouts printed (default: 5)")
 
 
 def layouts(config, batch: int, n_gpus: int, gpus_per_node: int, T=None):
@@ -125,6 +177,20 @@ def gib(n: float) -> str:
 def size(n: float) -> str:
     """Bytes in GiB, or in MiB below 1 GiB (a CPU plan's sizes are not 0.0 GiB)."""
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+
+def rank_key(p) -> tuple:
+    """09's ranking: fitting plans first, fastest first; on a tie (to 0.1%) the simpler
+    one: a lower ZeRO stage, less recomputation, fewer CP ranks, then the larger
+    micro-batch (an assumption: fewer microbatches cost no more, where c is not
+    measured), then less memory (cost_of says which). Plans that do not fit: least
+    memory first."""
+    if not p.fits:
+        return (1, p.memory["total"])
+    speed = round(math.log(p.tokens_per_s), 3)
+    lay = p.layout
+    simpler = (lay.zero, RECOMPUTE.index(lay.recompute), lay.cp)
+    return (0, -speed, *simpler, -lay.micro_batch, p.memory["total"])
 
 
 def cost_of(best, rival) -> str:
@@ -189,6 +255,8 @@ def describe(p) -> list[str]:
     scale, unit = (GIB, "GiB") if m["total"] >= GIB else (MIB, "MiB")
     mem = "+".join(f"{m[k] / scale:.1f}" for k in ("weights", "grads", "optimizer"))
     mem += f" +act {m['activations'] / scale:.1f} +logits {m['logits'] / scale:.1f}"
+    if m.get("gathered"):  # ZeRO-3's whole root and two blocks at the peak (07)
+        mem += f" +gathered {m['gathered'] / scale:.1f}"
     t = p.time
     parts = ("compute", "bubble", "tp", "pp", "cp", "dp")
     ms = " ".join(f"{k} {1e3 * t[k]:.0f}" for k in parts)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from support import grid as grid_lib
 from support.activations import saved_activation_bytes
 from support.run import adamw_groups
 from tests.distributed import case_results, run_cases, run_ranks
@@ -45,6 +46,7 @@ cp_lib = importlib.import_module("08_context_parallel")
 Layout = plan_lib.Layout
 CONFIG = dict(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=256)
 B = 2  # sequences per microbatch
+C = CONFIG["n_embd"]
 M_PP = 4  # microbatches of a pipeline step
 T = 32
 
@@ -75,6 +77,8 @@ LAYOUTS = {
         "dp zero 3": Layout(dp=4, zero=3, micro_batch=B),
         "tp sp": Layout(tp=4, micro_batch=B, sequence_parallel=True),
         "pp 1f1b": Layout(pp=4, micro_batch=B),
+        "tp pp": Layout(tp=2, pp=2, micro_batch=B),
+        "tp pp sp": Layout(tp=2, pp=2, micro_batch=B, sequence_parallel=True),
     },
 }
 
@@ -96,11 +100,13 @@ PAYLOAD = dict(
     all_gather_single="output_tensor",
     reduce_scatter="input_list",
     reduce_scatter_tensor="input",
+    reduce_scatter_single="input",
 )
 KIND = dict(
     all_gather_into_tensor="all_gather",
     all_gather_single="all_gather",
     reduce_scatter_tensor="reduce_scatter",
+    reduce_scatter_single="reduce_scatter",
 )
 
 
@@ -138,37 +144,43 @@ class Counter:
 
 # ------------------------------------------------------------ one layout on the ranks
 def build(layout: Layout, rank: int, world: int):
-    """-> (chunks as one module, the step's callable, optimizer, chunks list)."""
+    """-> (chunks as one module, chunks list, optimizer, train.py's grid of groups)."""
     torch.manual_seed(0)
     model = model_lib.GPT(gpt_config())
     recompute_lib.apply_recomputation(model, layout.recompute)
-    group = dist.new_group(list(range(world)))
+    sizes = (layout.pp, layout.dp, layout.tp, rank, world, pp_lib.embedding_group)
+    grid = grid_lib.build_grid(*sizes, layout.cp)
     kw = dict(lr=1e-3, weight_decay=0.1)
     if layout.tp > 1:
         apply = tp_lib.apply_tensor_parallel  # 04b's SP builds on 04's split
         if layout.sequence_parallel:
             apply = sp_lib.apply_sequence_parallel
-        apply(model, group)
+        apply(model, grid.tp_group)
     if layout.cp > 1:
-        cp_lib.apply_context_parallel(model, group)
+        cp_lib.apply_context_parallel(model, grid.cp_group)
     if layout.pp > 1:
-        chunks = pp_lib.split_model(model, rank, world, layout.virtual_stages)
+        chunks = pp_lib.split_model(model, grid.pp_rank, grid.pp, layout.virtual_stages)
         tied = [pp_lib.tied_parameter(c) for c in chunks]
         opt = torch.optim.AdamW(adamw_groups(chunks, tied, 0.1), **kw)
-        return nn.ModuleList(chunks), chunks, opt
+        return nn.ModuleList(chunks), chunks, opt, grid
     groups = adamw_groups([model], [], 0.1)
     if layout.dp > 1:
         args = (model, layout.zero, groups, torch.optim.AdamW)
-        wrapped, opt = zero_lib.zero_data_parallel(*args, group=group, **kw)
-        return model, [wrapped], opt
-    return model, [model], torch.optim.AdamW(groups, **kw)
+        wrapped, opt = zero_lib.zero_data_parallel(*args, group=grid.dp_group, **kw)
+        return model, [wrapped], opt, grid
+    return model, [model], torch.optim.AdamW(groups, **kw), grid
 
 
-def step(layout, chunks, batch, embed_group):
+def rows_sent(layout: Layout) -> int:
+    """The tokens of a sequence a stage sends (train.py's act_shape): SP's T/tp."""
+    return T // layout.tp if layout.sequence_parallel else T
+
+
+def step(layout, chunks, batch, grid):
     """One step's forward and backward; -> (bytes kept for backward, Events or None)."""
     if layout.cp > 1:  # 08's cp_step, its forward counted: this rank's zigzag chunks
         model = chunks[0]
-        rank = dist.get_rank()
+        rank = grid.cp_rank
         x, y = (cp_lib.zigzag_split(t, rank, layout.cp) for t in batch)
         n = cp_lib.cp_token_count(y, model.cp_group)
         (_, loss), kept = saved_activation_bytes(lambda: model(x, y, reduction="sum"))
@@ -177,20 +189,19 @@ def step(layout, chunks, batch, embed_group):
         return kept, None
     if layout.pp > 1:
         m = len(batch[0]) // B
-        result = sched_lib.pipeline_step(
-            chunks, batch, m, layout.schedule, embed_group=embed_group
-        )
-        return None, result
+        kw = dict(embed_group=grid.embed_group, act_shape=(B, rows_sent(layout), C))
+        args = (chunks, batch, m, layout.schedule, grid.pp_group)
+        return None, sched_lib.pipeline_step(*args, **kw)
     (_, loss), kept = saved_activation_bytes(lambda: chunks[0](*batch))
     loss.backward()
     return kept, None
 
 
-def chunk_bytes(chunk, batch) -> int:
+def chunk_bytes(chunk, batch, layout) -> int:
     """Bytes one microbatch keeps for backward in one pipeline chunk (06's count)."""
     x, y = (t[:B] for t in batch)
-    C = chunk.config.n_embd
-    inp = x if chunk.is_first else torch.zeros(B, T, C, requires_grad=True)
+    rows = rows_sent(layout)
+    inp = x if chunk.is_first else torch.zeros(B, rows, C, requires_grad=True)
 
     def forward():
         out = chunk(inp)
@@ -200,26 +211,21 @@ def chunk_bytes(chunk, batch) -> int:
 
 
 def measure(rank: int, world: int, layout: Layout) -> dict:
-    module, chunks, opt = build(layout, rank, world)
-    embed_group = (
-        pp_lib.embedding_group([list(range(world))]) if layout.pp > 1 else None
-    )
-    rows = batch_size(layout)
-    if layout.dp > 1:  # DP: this rank's rows
-        rows //= world
-    batches = model_lib.byte_batches(T, rows, 2, seed=rank if layout.dp > 1 else 0)
-    step(layout, chunks, batches[0], embed_group)  # AdamW's state exists after one
+    module, chunks, opt, grid = build(layout, rank, world)
+    rows = batch_size(layout) // layout.dp  # DP: this rank's rows
+    batches = model_lib.byte_batches(T, rows, 2, seed=grid.dp_rank)
+    step(layout, chunks, batches[0], grid)  # AdamW's state exists after one
     opt.step()
     opt.zero_grad(set_to_none=True)
     with Counter() as counter:
-        kept, result = step(layout, chunks, batches[1], embed_group)
+        kept, result = step(layout, chunks, batches[1], grid)
         memory = zero_lib.memory_per_rank(module, opt)  # after backward, as 07 counts
         opt.step()
     out = dict(memory=memory, collectives=counter.bytes)
     if result is None:
         out.update(activations=kept, alive=1)
         return out
-    sizes = [chunk_bytes(c, batches[1]) for c in chunks]
+    sizes = [chunk_bytes(c, batches[1], layout) for c in chunks]
     alive = 0
     peak = 0
     for e in result.events:  # the order the step ran its forwards and backwards in
@@ -256,7 +262,7 @@ def test_plan_equals_the_bytes_of_real_steps(world):
         args = (config, layout, batch_size(layout), "cpu", size)
         p = plan_lib.plan(*args, seq_len=T, dtype="fp32")
         for rank, measured in enumerate(got):
-            pp_rank = rank if layout.pp > 1 else 0
+            pp_rank = rank // (size // layout.pp)  # the grid's slowest axis
             want = p.ranks[pp_rank]
             where = f"{name}, world {size}, rank {rank}"
             mem = measured["memory"]
@@ -265,7 +271,8 @@ def test_plan_equals_the_bytes_of_real_steps(world):
             assert model_states == wanted, f"{where}: model states"
             expected = dict(want["collectives"])
             expected["send"] += expected.pop("ring")  # 08's ring sends as 05's do
-            if layout.zero:  # gloo: 07's reduce-scatter runs as an all-reduce
+            if layout.zero and not measured["collectives"]["reduce_scatter"]:
+                # gloo without a reduce-scatter: 07 runs it as an all-reduce, same input
                 expected["all_reduce"] += expected.pop("reduce_scatter")
                 expected["reduce_scatter"] = 0
             assert measured["collectives"] == expected, f"{where}: collectives"
@@ -434,3 +441,154 @@ def test_zero_1_and_2_expose_what_07_sends_after_backward():
     assert exposed[0] == 0.0
     assert exposed[1] == pytest.approx(2 * h / spec.nvlink, rel=1e-9)
     assert exposed[2] == pytest.approx(h / spec.nvlink, rel=1e-9)
+
+
+# ------------------------------------------------------------ each term by hand
+# CONFIG's GPT (L = 4, C = 64, V = 256, T = 32, biases, wte tied to the head): a block
+# holds 12C² matrix numbers and 13C vector ones (2 LayerNorms, 4 biases), the root wte
+# V·C, wpe T·C and ln_f 2C. Every flat (a unit's decayed or not) is even, so 07's
+# padding to N·S = 2⌈n/2⌉ adds nothing at N = 2. fp32: 4 bytes a number everywhere.
+L = CONFIG["n_layer"]
+V = CONFIG["vocab_size"]
+BLOCK = 12 * C * C + 13 * C
+ROOT = V * C + T * C + 2 * C
+PSI = L * BLOCK + ROOT
+M = 4  # microbatches a step
+E = B * T * C * 4  # a microbatch's activations (b, T, C), fp32
+H100 = plan_lib.get_gpu("h100")  # links one way: NVLink 450e9, network 50e9 B/s
+
+
+def small_plan(layout: Layout, gpus_per_node: int = 8):
+    n = layout.dp * layout.tp * layout.pp * layout.cp
+    args = (gpt_config(), layout, B * layout.dp * M, "h100", n, gpus_per_node)
+    return plan_lib.plan(*args, seq_len=T, dtype="fp32")
+
+
+def compute_by_hand(layout: Layout) -> float:
+    """A GPU's share of the step's FLOPs (02's count a token) at e of the peak, + c a
+    layer and microbatch (fp32: one calibrating run, c = 0)."""
+    e, c = plan_lib.calibrate("fp32", "h100")
+    n = layout.dp * layout.tp * layout.pp * layout.cp
+    flops = B * layout.dp * M * T * model_lib.flops_per_token(gpt_config(), T)
+    return flops / n / (H100.flops["fp32"] * e) + M * L / layout.pp * c
+
+
+def test_the_small_gpt_has_the_parameters_counted_by_hand():
+    assert PSI == model_lib.count_params(gpt_config()) == 218_496
+
+
+def test_tp_collectives_fall_on_the_stages_that_hold_them():
+    """tp 2 x pp 2, m = 4 microbatches of b = 2. Each stage runs its 2 blocks' two f and
+    two g (8E); the first adds the embedding's g, the last the head's f and the loss's 3
+    fp32 all-reduces of (b, T); both all-reduce the tied wte's gradient (V/tp rows) in
+    05's embedding group. Full recompute replays each block's attention g (2E). SP:
+    those E's as gathers and scatters, f on the replicated gradients (wpe's T·C
+    first; 6C a block: 2 LayerNorms, 2 row biases; ln_f's 2C last), sends of T/tp."""
+    tied = 4 * V * C // 2
+    plain = small_plan(Layout(tp=2, pp=2, micro_batch=B))
+    first, last = (r["collectives"] for r in plain.ranks)
+    assert first["all_reduce"] == M * 9 * E + tied
+    assert last["all_reduce"] == M * (9 * E + 3 * 4 * B * T) + tied
+    assert first["send"] == last["send"] == M * E
+    full = small_plan(Layout(tp=2, pp=2, micro_batch=B, recompute="full"))
+    assert full.ranks[0]["collectives"]["all_reduce"] == M * (9 + 2) * E + tied
+    sp = Layout(tp=2, pp=2, micro_batch=B, sequence_parallel=True)
+    first, last = (r["collectives"] for r in small_plan(sp).ranks)
+    assert first["all_gather"] == first["reduce_scatter"] == M * 9 * E
+    assert first["all_reduce"] == M * 4 * (T * C + 2 * 6 * C) + tied
+    assert last["all_reduce"] == M * (3 * 4 * B * T + 4 * (2 * 6 * C + 2 * C)) + tied
+    assert first["send"] == last["send"] == M * E // 2
+
+
+def test_tp_time_is_a_ring_on_nvlink_at_the_slowest_stage():
+    """A ring all-reduce puts 2(tp-1)/tp of its payload on the wire, a gather or a
+    scatter (tp-1)/tp. TP's pairs are neighbours (size 2 x stride 1 <= 8): NVLink. The
+    slowest stage: the last without SP (the loss), the first with it (wpe)."""
+    last = M * (9 * E + 3 * 4 * B * T)  # TP's all-reduces (the tied one is PP's)
+    plain = small_plan(Layout(tp=2, pp=2, micro_batch=B))
+    assert plain.time["tp"] == pytest.approx(2 * last / 2 / H100.nvlink, rel=1e-12)
+    first = M * 4 * (T * C + 2 * 6 * C)
+    wire = 2 * first + 2 * M * 9 * E  # + its gathers and scatters
+    sp = small_plan(Layout(tp=2, pp=2, micro_batch=B, sequence_parallel=True))
+    assert sp.time["tp"] == pytest.approx(wire / 2 / H100.nvlink, rel=1e-12)
+
+
+def test_pp_time_and_the_node_boundary():
+    """dp 2 x pp 2: a pipeline's neighbours are tp·cp·dp = 2 ranks apart (the grid
+    arange(4).view(pp, dp, cp, tp)), so its group spans size·stride = 4 GPUs: NVLink on
+    nodes of 4, the network on nodes of 2. Each stage sends one (b, T, C) a microbatch
+    and all-reduces the tied gradient with the other (2 ranks: its bytes once)."""
+    wire = M * E + 4 * V * C
+    for per_node, link in ((4, H100.nvlink), (2, H100.network)):
+        p = small_plan(Layout(dp=2, pp=2, micro_batch=B), per_node)
+        assert p.time["pp"] == pytest.approx(wire / link, rel=1e-12), per_node
+
+
+def test_cp_exposes_the_ring_that_attention_does_not_hide():
+    """cp 2 on nodes of 1 GPU: the ring crosses the network. 08's bytes a layer and
+    microbatch, E' = b·T/cp·C numbers: forward K and V to cp - 1 peers, 2(cp-1)E'·4;
+    backward the same, and dK, dV travelling the whole ring home, 2cp·E'·4. It hides
+    behind attention's share of the compute, 12·L·C·T of 02's FLOPs a token."""
+    layout = Layout(cp=2, micro_batch=B)
+    p = small_plan(layout, gpus_per_node=1)
+    share = B * T // 2 * C
+    ring = M * L * (2 * share * 4 + 2 * share * 4 + 2 * 2 * share * 4)
+    attention = 12 * L * C * T / model_lib.flops_per_token(gpt_config(), T)
+    want = ring / H100.network - compute_by_hand(layout) * attention
+    assert want > 0
+    assert p.time["cp"] == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_dp_time_of_each_zero_stage(zero):
+    """dp 2 on nodes of 1 GPU (the network), m = 4: a ring puts 1/2 (= (N-1)/N) of a
+    reduce-scatter's or an all-gather's payload on the wire, both for an all-reduce.
+    03's all-reduce hides behind the last microbatch's backward (2/3 of its compute);
+    ZeRO-1 sends both halves after backward, exposed; ZeRO-2 reduce-scatters in backward
+    (hidden) and gathers after the step (exposed); ZeRO-3 reduce-scatters once and
+    gathers every unit each forward and all but the root each backward, beside m
+    backwards, each hiding 1/m of the bytes."""
+    layout = Layout(dp=2, zero=zero, micro_batch=B)
+    half = 4 * PSI / 2 / H100.network  # seconds of one reduce-scatter or all-gather
+    backward = 2 / 3 * compute_by_hand(layout) / M
+    gathers = M * 4 * PSI + M * 4 * L * BLOCK
+    zero_3 = (4 * PSI + gathers) / 2 / H100.network
+    want = {
+        0: max(0.0, 2 * half - backward),
+        1: 2 * half,
+        2: max(0.0, half - backward) + half,
+        3: M * max(0.0, zero_3 / M - backward),
+    }[zero]
+    assert 0 < backward < half  # partly hidden: each window shows
+    assert small_plan(layout, 1).time["dp"] == pytest.approx(want, rel=1e-9)
+
+
+def test_logits_on_the_last_stage_and_zero_3_holds_the_root_and_two_blocks():
+    """The loss's fp32 (b, T, V/tp) logits on the last stage only. ZeRO-3 (07) keeps
+    the root gathered through backward and gathers a block while prefetching the next:
+    the root and two blocks whole, beside the shards, at the peak."""
+    p = small_plan(Layout(tp=2, pp=2, micro_batch=B))
+    assert [r["memory"]["logits"] for r in p.ranks] == [0, 4 * B * T * V // 2]
+    z3 = small_plan(Layout(dp=2, zero=3, micro_batch=B)).memory
+    assert z3["gathered"] == 4 * ROOT + 2 * 4 * BLOCK
+    assert z3["total"] == sum(n for k, n in z3.items() if k != "total")
+    assert small_plan(Layout(dp=2, zero=2, micro_batch=B)).memory["gathered"] == 0
+
+
+def test_every_micro_batch_that_divides_the_batch_per_dp_rank_is_tried():
+    """nanoGPT's 12 sequences of 480 on 8 GPUs (60 a rank): not a power of two."""
+    config = plan_lib.model_config("gpt2")
+    tried = {x.micro_batch for x in plan_lib.layouts(config, 480, 8, 8) if x.dp == 8}
+    assert tried == {1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60}
+
+
+def test_memory_is_what_the_card_reports():
+    """nvidia-smi's MiB (support/gpu_specs cites each). gpt2-large at micro-batch 30 on
+    one A100 80GB needs 69.4 GiB: over 90% of the datasheet's 80e9 B (67.1 GiB), within
+    90% of the 81,920 MiB the card reports (72.0 GiB): it fits."""
+    MiB = 2**20
+    cards = [plan_lib.GPUS[k].memory for k in ("h100", "h200", "a100")]
+    assert cards == [81_559 * MiB, 143_771 * MiB, 81_920 * MiB]
+    large = plan_lib.model_config("gpt2-large")
+    p = plan_lib.plan(large, Layout(micro_batch=30), 30, "a100", 1)
+    assert 0.9 * 80e9 < p.memory["total"] <= 0.9 * 81_920 * MiB and p.fits
