@@ -10,7 +10,8 @@ or --dedup lines drops each line seen twice in the corpus (CCNet, Wenzek et al. 
     exact:   key = digest(lowercase text, spaces collapsed); seen before -> a duplicate
     minhash: A, B = the word 5-gram sets of two texts;  J = |A∩B| / |A∪B|
              min over A of a random hash h == min over B  iff  the least of A∪B is in
-             A∩B, so P = J; 112 hashes: J ≈ the share of equal minima (sd sqrt(J(1-J)/112))
+             A∩B, so P = J; 112 hashes: J ≈ the share of equal minima, with sd
+             sqrt(J(1-J)/112)
     LSH:     14 bands of 8 hashes, a key a band; a shared key makes a candidate pair:
              P = 1 - (1 - J^8)^14: 92% at J = 0.8, 5% at 0.5, 50% at (1/14)^(1/8) = 0.72
              a candidate is a duplicate only when its share of equal hashes is >=
@@ -21,18 +22,18 @@ or --dedup lines drops each line seen twice in the corpus (CCNet, Wenzek et al. 
 Who holds what (one process; it remembers hashes, never the text):
 
     document -> Gopher rules -> exact key -> signature (112 x uint32) -> 14 band keys
-                                   |               |                         |
-                          a set: ~75 B a doc   sigs[doc]: 448 B   key -> first doc: 1.4 KB
+                                   |               |                      |
+                          a set: ~75 B a doc  sigs[doc]: 448 B  key -> first doc: 1.4 KB
     minhash: ~1.9 KB a document, ~25 GB for 10B tokens of prose; lines: ~100 B a line
 
 Launch: `python 01b_cleaning.py` (01's pipeline, cleaned: every flag of `python
 01_data.py`, and --quality none|gopher, --dedup none|exact|minhash|lines, default exact,
 and --dedup-threshold). What changed from 01_data.py: 01's `prepare` keeps every
 document unless it is given a cleaner; `Cleaner` here is one, so the data pipeline stays
-one command and one pass over the corpus, and 01 never imports this file. `prepare` here
-is 01's with the cleaning flags (DESIGN's `prepare(... --dedup, --quality)`). Left out on
-purpose: language ID, URL and repetition filters, fuzzy line dedup, a dedup index sharded
-over machines by band key, substring (suffix-array) dedup.
+one command and one pass over the corpus, and 01 never imports this file. `prepare`
+here is 01's with the cleaning flags (DESIGN's `prepare(... --dedup, --quality)`). Left
+out on purpose: language ID, URL and repetition filters, fuzzy line dedup, a dedup index
+sharded over machines by band key, substring (suffix-array) dedup.
 """
 
 import hashlib
@@ -86,7 +87,7 @@ def gopher_rule_broken(text: str) -> str | None:
     return next((why for why, broken in rules.items() if broken), None)
 
 
-# --- Duplicates: exact keys first, then MinHash signatures and LSH bands ---------------
+# --- Duplicates: exact keys first, then MinHash signatures and LSH bands -------------
 def _digest(raw: bytes) -> bytes:
     return hashlib.blake2b(raw, digest_size=8).digest()
 
@@ -99,9 +100,9 @@ def exact_key(text: str) -> bytes:
 class SignatureStore:
     """MinHash signatures by document number, and which documents hold each band key:
     the LSH buckets. A key maps to the first document that had it; the rare later ones
-    (near copies, or two bands that collide by chance) go to a side list, so no candidate
-    is ever lost. Fixed memory a document, whatever its length: the signature (112
-    uint32: 448 B) and one dict entry a band key (~100 B: 1.4 KB for 14 bands)."""
+    (near copies, or two bands that collide by chance) go to a side list, so no
+    candidate is ever lost. Fixed memory a document, whatever its length: the signature
+    (112 uint32: 448 B) and one dict entry a band key (~100 B: 1.4 KB for 14 bands)."""
 
     def __init__(self, n_hashes: int):
         self.sigs = np.zeros((1024, n_hashes), np.uint32)
@@ -132,10 +133,10 @@ class SignatureStore:
 
 
 class Deduplicator:
-    """--dedup exact: `exact_key`s in a set (~75 B a text). minhash adds its signature and
-    a key per band (a SignatureStore: ~1.9 KB a text). lines: two passes, `count_lines`
-    over the corpus first (a dict of 64-bit line hashes, ~100 B a distinct line), then
-    `unique_lines` keeps each text's lines counted once."""
+    """--dedup exact: `exact_key`s in a set (~75 B a text). minhash adds its signature
+    and a key per band (a SignatureStore: ~1.9 KB a text). lines: two passes,
+    `count_lines` over the corpus first (a dict of 64-bit line hashes, ~100 B a distinct
+    line), then `unique_lines` keeps each text's lines counted once."""
 
     def __init__(self, mode: str, threshold=0.8, hashes=112, bands=14, ngram=5):
         assert mode in DEDUP, f"dedup {mode!r} unknown: one of {DEDUP}"
@@ -156,9 +157,9 @@ class Deduplicator:
         self.line_counts = {}
 
     def ngram_hashes(self, text: str) -> np.ndarray:
-        """(k,): a 64-bit hash of each of the text's k lowercase word n-grams, in order. A
-        word is hashed by crc32 (hash() varies by process), an n-gram as a polynomial of
-        its words' hashes, base 2^64/φ (odd)."""
+        """(k,): a 64-bit hash of each of the text's k lowercase word n-grams, in
+        order. A word is hashed by crc32 (hash() varies by process), an n-gram as a
+        polynomial of its words' hashes, base 2^64/φ (odd)."""
         crcs = [zlib.crc32(w.encode()) for w in WORD.findall(text.lower())]
         words = np.array(crcs, np.uint64)
         k = max(0, len(words) - self.ngram + 1)
@@ -186,8 +187,8 @@ class Deduplicator:
         return [_digest(bytes([i]) + band.tobytes()) for i, band in enumerate(bands)]
 
     def why_duplicate(self, text: str) -> str | None:
-        """What duplicate `text` is, or None. A shared band key makes a candidate; it is a
-        near duplicate when the share of equal hashes (an estimate of the Jaccard
+        """What duplicate `text` is, or None. A shared band key makes a candidate; it is
+        a near duplicate when the share of equal hashes (an estimate of the Jaccard
         similarity) is >= threshold. Kept either way, so a chain of near copies goes."""
         key = exact_key(text)
         if key in self.exact:
@@ -210,7 +211,8 @@ class Deduplicator:
                 self.line_counts[key] = 2 if key in self.line_counts else 1
 
     def unique_lines(self, text: str, seen: Counter) -> str:
-        """Pass 2: the text without its lines seen twice in the corpus, first copy too."""
+        """Pass 2: the text without its lines seen twice in the corpus (first copies
+        too)."""
         lines = LINE.findall(text)
         kept = [line for line in lines if self.line_counts[hash(line)] == 1]
         seen["duplicate lines"] += len(lines) - len(kept)
@@ -219,8 +221,8 @@ class Deduplicator:
 
 # --- The cleaner 01's prepare takes ---------------------------------------------------
 class Cleaner:
-    """The document filter for 01_data.prepare(..., cleaner=): the Gopher rules, then one
-    --dedup mode. `settings` go into meta.json and the shards' fingerprint (other
+    """The document filter for 01_data.prepare(..., cleaner=): the Gopher rules, then
+    one --dedup mode. `settings` go into meta.json and the shards' fingerprint (other
     cleaning: other shards); `clean` filters the stream; `report` prints what went."""
 
     def __init__(self, quality="none", dedup="exact", dedup_threshold=0.8):
@@ -233,7 +235,7 @@ class Cleaner:
 
     def clean(self, docs, read_again):
         """The documents (start, end, text, whole) that pass the quality rules and are
-        no duplicates. `read_again()` gives the corpus anew, for --dedup lines' pass 1."""
+        no duplicates. `read_again()` reads the corpus anew (--dedup lines' pass 1)."""
         quality = self.settings["quality"]
         deduper = Deduplicator(self.settings["dedup"], self.settings["dedup_threshold"])
         self.removed.clear()  # A new run: new keys, new counts.
@@ -247,7 +249,7 @@ class Cleaner:
                 had_text = bool(text.strip())
                 text = deduper.unique_lines(text, self.lines)
                 why = had_text and not text.strip() and "every line a duplicate"
-            # The quality rules go before the document keys: a text they remove adds none.
+            # The rules go before the document keys: a text they remove adds none.
             why = why or (quality == "gopher" and gopher_rule_broken(text))
             if not why and deduper.mode in ("exact", "minhash"):
                 why = deduper.why_duplicate(text)
