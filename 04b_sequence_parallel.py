@@ -208,7 +208,8 @@ def demo_sublayer(args, config, group, device):
     d_grad = [relative_diff(x_mine.grad, x_full.grad.chunk(tp, SEQ_DIM)[rank])]
     d_grad.append(relative_diff(sp_ln.weight.grad, ln.weight.grad))
     d_grad.append(relative_diff(proj.bias.grad, mlp.c_proj.bias.grad))
-    d_grad.append(relative_diff(fc.weight.grad, mlp.c_fc.weight.grad.chunk(tp, 0)[rank]))
+    fc_slice = mlp.c_fc.weight.grad.chunk(tp, 0)[rank]  # this rank's rows of dW
+    d_grad.append(relative_diff(fc.weight.grad, fc_slice))
     z_full = mlp(ln(x)).chunk(tp, SEQ_DIM)[rank]
     diffs = {"output": relative_diff(z, z_full), "any gradient": max(d_grad)}
     worst = sharding.equal_over_ranks(diffs, group, "the SP LayerNorm + MLP")
@@ -219,7 +220,7 @@ def demo_sublayer(args, config, group, device):
 
 def ln_saved_bytes(config, B: int, T: int, tp: int) -> int:
     """What SP saves per rank of the bytes kept for backward: every LayerNorm's input
-    (C numbers a token) and its mean and 1/std (2), fp32, for T/tp tokens, not T."""
+    (C numbers a token) and its mean and 1/std (2), fp32, kept for T/tp tokens, not T."""
     per_token = (2 * config.n_layer + 1) * (config.n_embd + 2) * 4
     return B * T * per_token * (tp - 1) // tp
 

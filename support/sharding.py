@@ -1,4 +1,5 @@
-"""The plumbing of tensor parallelism (04_tensor_parallel.py), which teaches nothing new.
+"""The plumbing of tensor parallelism (04_tensor_parallel.py and 04b_sequence_parallel.py),
+which teaches nothing new.
 
 Which rows or columns of each GPT weight a rank holds (tp_layout), slicing a full tensor
 into a rank's shard (a Parameter, marked) and merging the shards back, a check that the
@@ -153,7 +154,8 @@ def count_comm():
 
 
 def comm_formula(config, B: int, T: int, sp: bool) -> dict:
-    """Payload bytes per forward + backward step, by collective (fp32), as 04 counts."""
+    """Payload bytes per forward + backward step, by collective (fp32), as 04 counts
+    (sp: as 04b counts)."""
     C = config.n_embd
     L = config.n_layer
     b = int(config.bias)

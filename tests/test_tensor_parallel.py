@@ -691,11 +691,15 @@ def world(request):
 
 
 def verdict(world, case):
+    """The case's result on every rank; fails with its traceback, or, if the world
+    stopped before it, with the traceback of the case that failed first."""
     tp, per_rank = world
     for rank, results in enumerate(per_rank):
-        status, detail = results.get(
-            case.__name__, ("not run", "an earlier case failed")
-        )
+        missing = ("not run", "")
+        for name, (status, detail) in results.items():
+            if status == "failed":  # the world stops at its first failure
+                missing = ("not run, as an earlier case failed", f"{name}: {detail}")
+        status, detail = results.get(case.__name__, missing)
         assert status == "ok", (
             f"tp={tp} rank {rank}: {case.__name__} {status}:\n{detail}"
         )
