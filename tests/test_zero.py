@@ -791,7 +791,8 @@ def test_collective_names_fall_back_to_older_torch(monkeypatch, tmp_path):
                 assert out.equal(x)
     finally:
         dist.destroy_process_group()
-    for lesson in ("03_ddp.py", "04_tensor_parallel.py", "05_pipeline.py", "07_zero.py"):
+    lessons = ("03_ddp.py", "04_tensor_parallel.py", "04b_sequence_parallel.py")
+    for lesson in (*lessons, "05_pipeline.py", "07_zero.py"):
         source = open(lesson).read()
         assert "dist.reduce_scatter_single(" not in source, lesson
         assert "dist.all_gather_single(" not in source, lesson
