@@ -298,8 +298,6 @@ def _chunked_forward(model, idx, targets=None, reduction="mean"):
     return (model.lm_head(hidden), None) if targets is None else (None, loss)
 
 
-
-
 # ------------------------------------------------------------------------ the demos
 def recompute_demo(config, args):
     """Each mode's bytes held for the backward, in all and a layer (L layers' less
