@@ -35,8 +35,9 @@ one executor runs them all and a checker proves each safe before any GPU runs it
 `Microbatches` grows the step train.py runs: 03's DP around each chunk, the forwards in
 a lower precision with messages in it, backward from a scaled loss, and a token count
 made elsewhere without a host sync (06 comes later: its choices are passed in).
-To add a schedule: name it in SCHEDULES, give `schedule_steps` its order, and teach
-`input_message`/`consumer_rank` and `simulate`'s durations any new kind of action.
+To add a schedule: name it in SCHEDULES, give `warmup_forwards` and `schedule_steps` its
+order, and teach any new kind of action (zero-bubble's W: a weight gradient, sent
+nowhere) to `input_message`, `SENDS_TO`, `nccl_timeline`'s durations and `run_plan`.
 Left out on purpose: zero-bubble schedules (2401.10241), DualPipe, unbalanced stages,
 overlapping messages with compute.
 """
