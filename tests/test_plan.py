@@ -1,11 +1,13 @@
 """09's plan against the tensors and messages of real steps, and against the GPU runs.
 
 On the CPU, each layout below is built with the lessons' own wrappers (03's
-DataParallel, 07's zero_data_parallel, 04's apply_tensor_parallel, 05's split_model and
-pipeline_step, 06's apply_recomputation, 08's apply_context_parallel) in one spawned
-world per size, and one step runs. Then, per rank:
+DataParallel, 07's zero_data_parallel, 04's apply_tensor_parallel (04b's with SP), 05's
+split_model, 05b's pipeline_step, 06b's apply_recomputation, 08's
+apply_context_parallel) on train.py's grid of groups, in one spawned world per size,
+and one step runs. Then, per rank:
 - the weights', gradients' and AdamW states' bytes (07's memory_per_rank: the storages
-  that exist after a backward) equal plan's exactly;
+  that exist after a backward) equal plan's exactly, and so do ZeRO-3's whole flats at
+  their most (seen at every module's forward: the root and two blocks);
 - the payload bytes handed to each collective during the step (the dist functions
   wrapped, as support/sharding.count_comm does) equal plan's exactly, 08's ring's sends
   among them;
@@ -13,9 +15,10 @@ world per size, and one step runs. Then, per rank:
   (support/activations.saved_activation_bytes per chunk, replayed in the order the
   step's Events ran), are within 10% of plan's, and the microbatches alive then equal
   05's count.
-The GPU half checks plan against the H200 runs in docs/results.md (hard-coded, each
-with its source line: they are measurements, not outputs of the planner): the runs
-that calibrate nothing within 10%.
+Then each time and memory term is computed by hand on a small GPT and compared. The GPU
+half checks plan against the H200 runs in docs/results.md (hard-coded, each with its
+source line: they are measurements, not outputs of the planner): the runs that
+calibrate nothing within 10%.
 """
 
 import importlib
@@ -217,10 +220,19 @@ def measure(rank: int, world: int, layout: Layout) -> dict:
     step(layout, chunks, batches[0], grid)  # AdamW's state exists after one
     opt.step()
     opt.zero_grad(set_to_none=True)
+    gathered = [0]  # ZeRO-3: 07's whole flats alive, seen at every module's forward
+    full = [f.full.untyped_storage() for f in getattr(opt, "flats", [])]
+
+    def sample(*_):
+        gathered.append(sum(x.nbytes() for x in full))
+
+    for m in module.modules() if layout.zero == 3 else []:
+        m.register_forward_hook(sample)
     with Counter() as counter:
         kept, result = step(layout, chunks, batches[1], grid)
         memory = zero_lib.memory_per_rank(module, opt)  # after backward, as 07 counts
         opt.step()
+    memory["gathered"] = max(gathered)
     out = dict(memory=memory, collectives=counter.bytes)
     if result is None:
         out.update(activations=kept, alive=1)
@@ -269,6 +281,7 @@ def test_plan_equals_the_bytes_of_real_steps(world):
             model_states = (mem["params"], mem["grads"], mem["optimizer"])
             wanted = tuple(want["memory"][k] for k in ("weights", "grads", "optimizer"))
             assert model_states == wanted, f"{where}: model states"
+            assert mem["gathered"] == want["memory"]["gathered"], f"{where}: gathered"
             expected = dict(want["collectives"])
             expected["send"] += expected.pop("ring")  # 08's ring sends as 05's do
             if layout.zero and not measured["collectives"]["reduce_scatter"]:
