@@ -21,34 +21,22 @@ backward (last layer first) still computes the earlier layers (DDP, arXiv 2006.1
     (each bucket is all-reduced, its mean on both ranks, as soon as it is full; each
     rank holds all Ψ weights, all Ψ gradients and all the optimizer state)
 
-Communication hooks (DDP's register_comm_hook): DataParallel hands each full bucket to
-one function that sends it. The default all-reduces the mean. Others send fewer bytes,
-which matters across nodes on Ethernet, where sending about 2·4Ψ bytes per rank can take
-longer than the step's compute:
-- fp16/bf16 (torch's fp16_compress_hook, op for op): cast the bucket, divide by N (the
-  sum cannot overflow), all-reduce, cast back: half the bytes, 11 or 8 bits kept.
-- PowerSGD (Vogels et al. 2019, arXiv 1905.13727) sends a rank-r sketch of each gradient
-  matrix M (m×n: p.grad as (len(p), the rest)); vectors go whole. M̄ is the mean of
-  the ranks' M.
-      M += e    P = orthonormal(all-reduce(M·orthonormal(Q)))  (m×r)
-      Q = all-reduce(Mᵀ P) / N  (n×r)    update = P Qᵀ = P Pᵀ M̄    e = M - update
-  It sends (m + n)·r numbers instead of m·n. Q is warm-started (gradients drift
-  slowly), and the error feedback e keeps it converging: what a sketch misses is sent
-  later, not lost.
+DataParallel hands each full bucket to one function that sends it, its communication
+hook (comm_hook=, DDP's register_comm_hook); the default all-reduces the bucket's mean.
+03b_compression.py writes hooks that send fewer bytes.
 
 Launch:  python 03_ddp.py [--ranks N]                           (runs torchrun for you)
          torchrun --standalone --nproc_per_node=2 03_ddp.py    (or 4; gloo or NCCL)
-It checks the naive and the bucketed wrapper against one process, counts their
-all-reduces and bytes against the ring formula, and prints each hook's bytes and loss.
-Timings against torch DDP: bench/bench_ddp.py; compression's loss and break-even
-bandwidth: bench/bench_compression.py.
+It checks the naive and the bucketed wrapper against one process, and counts their
+all-reduces and bytes against the ring formula. Timings against torch DDP:
+bench/bench_ddp.py.
 
 What changed from 02_model.py: nothing inside the GPT; rank r trains it on its own rows.
 Simple first: NaiveDataParallel (an all-reduce per gradient after backward), then
-DataParallel (buckets overlapped with backward), then hooks that compress a bucket.
+DataParallel (buckets overlapped with backward, sent by a hook).
 
 Left out on purpose: DDP's find_unused_parameters (an unused parameter is an error
-here), bucket rebuilding, overlapping PowerSGD's first round (its hook waits for it).
+here), bucket rebuilding, compressing what a bucket sends (03b_compression.py).
 Sharding the weights, gradients and optimizer state instead of copying them is ZeRO, a
 later lesson.
 """
@@ -63,7 +51,6 @@ import torch.nn as nn
 
 from support import distributed
 from support.distributed import print0
-from support.handles import empty_when_freed, retire, weak_hook
 
 model_lib = importlib.import_module("02_model")
 
@@ -167,7 +154,7 @@ class DataParallel(nn.Module):
     default: all_reduce_hook, below, which calls self.all_reduce). A missing gradient is
     an error that names it, not a hang. The gradient hooks hold the wrapper weakly:
     `model = DataParallel(model.module)` leaves one wrapper; close() silences one still
-    referenced. A freed wrapper's buckets are emptied (support/handles.py says why)."""
+    referenced."""
 
     forward = NaiveDataParallel.forward
 
@@ -185,11 +172,14 @@ class DataParallel(nn.Module):
         self._sync = True
         self._queued = False
         self._sent = []  # one handle per bucket launched in this pass
-        hook = weak_hook(self, "_hook")
-        handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+        # Weakly held: a module may outlive its wrapper, and a dropped wrapper must stop
+        # sending. Freed, it removes them (torch DDP's reducer does the same).
+        hook = weakref.WeakMethod(self._hook)
+        handles = [
+            p.register_post_accumulate_grad_hook(lambda p: hook()(p))
+            for p in self.params
+        ]
         self._detach = [weakref.finalize(self, handle.remove) for handle in handles]
-        # Freed, the wrapper empties its buckets: a retired handle may still hold one.
-        empty_when_freed(self, self.params, [b.buffer for b in self.buckets])
 
     def close(self) -> None:
         """Stop synchronising: remove the gradient hooks now, not when freed."""
@@ -251,7 +241,6 @@ class DataParallel(nn.Module):
         for sent in self._sent:
             sent.wait()
         launched = len(self._sent)
-        retire(*self._sent)  # dropped later, not now: support/handles.py says why
         self._sent = []
         self._done.clear()
         if missing:
@@ -268,7 +257,7 @@ class DataParallel(nn.Module):
         self.stats["syncs"] += 1
 
 
-# ------------- communication hooks: the default one, then two that send fewer bytes
+# ------------- the default communication hook (03b_compression.py has two that send less)
 def all_reduce_hook(dp: DataParallel, bucket: Bucket):
     """The default hook: the bucket becomes the ranks' mean (divide, then SUM)."""
     # Divided first, as DDP: x / N is exact for N = 2^k, and the sum stays in range.
@@ -276,146 +265,7 @@ def all_reduce_hook(dp: DataParallel, bucket: Bucket):
     return dp.all_reduce(bucket.buffer)
 
 
-class Then:
-    """A started collective and what finishes it once done (torch's future.then)."""
-
-    def __init__(self, work, then):
-        self.work = work
-        self.then = then
-
-    def wait(self) -> None:
-        self.work.wait()  # on a GPU: makes the current stream wait, not the host
-        then = self.then
-        # Dropped before the call: a retired Then must keep no bucket or tensor alive.
-        self.then = None
-        then()
-
-
-class HalfPrecision:
-    """fp16 or bf16 compression, torch's fp16_compress_hook op for op: cast, / N, SUM,
-    cast back into the bucket. Half the bytes; every gradient rounded to 16 bits."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-
-    def __call__(self, dp: DataParallel, bucket: Bucket):
-        sent = bucket.buffer.to(self.dtype).div_(dp.world)  # order: cast, then / N
-        work = dp.all_reduce(sent)
-
-        def copy_back() -> None:
-            bucket.buffer.copy_(sent)
-            sent.untyped_storage().resize_(0)  # freed now: the kept handle refers to it
-
-        return Then(work, copy_back)
-
-
-def orthonormal(a: torch.Tensor) -> torch.Tensor:
-    """(k, r), r <= k: an orthonormal basis of the span of a's columns."""
-    return torch.linalg.qr(a).Q  # Householder: a zero column still gives a unit vector
-
-
-class PowerSGD:
-    """Rank-r PowerSGD with error feedback (see the top), a hook for DataParallel. The
-    first warmup_steps synced passes all-reduce exactly (torch's start_powerSGD_iter)."""
-
-    def __init__(self, params, rank: int = 4, warmup_steps: int = 10, seed: int = 0):
-        assert rank >= 1, f"the PowerSGD rank must be >= 1, got {rank}"
-        assert warmup_steps >= 0, f"warmup_steps must be >= 0, got {warmup_steps}"
-        self.rank = rank
-        self.warmup_steps = warmup_steps
-        self.seed = seed
-        self.steps = 0  # synced passes so far
-        params = [p for p in params if p.requires_grad]
-        # The matrices are sketched as (len(p), the rest); the vectors go whole.
-        self.matrices = [p for p in params if p.dim() >= 2]
-        self.index = {p: i for i, p in enumerate(self.matrices)}
-        # The residuals e, (m, n) each.
-        self.errors = [torch.zeros_like(p).view(len(p), -1) for p in self.matrices]
-        self.qs = []  # Q (n, r) per matrix: drawn at the first sketch, then reused
-
-    @property
-    def active(self) -> bool:
-        """True once the warm-up is over: the hook sketches, no longer exact."""
-        return self.steps >= self.warmup_steps
-
-    def __call__(self, dp: DataParallel, bucket: Bucket):
-        if self.active:
-            sent = self.sketch(dp, bucket)
-        else:
-            sent = all_reduce_hook(dp, bucket)
-        if bucket.is_last:
-            self.steps += 1
-        return sent
-
-    def _draw_qs(self) -> None:
-        """The first Qs: the same random ones on every rank (from the seed)."""
-        g = torch.Generator().manual_seed(self.seed)
-        for p, e in zip(self.matrices, self.errors):
-            q = torch.randn(e.shape[1], min(self.rank, *e.shape), generator=g)
-            self.qs.append(q.to(p))
-
-    def sketch(self, dp: DataParallel, bucket: Bucket):
-        """Replace this rank's gradients in the bucket with the sketch of the ranks'
-        mean: the first all-reduce (the Ps) is waited for here, the second is not."""
-        if not self.qs:
-            self._draw_qs()
-        pairs = list(zip(bucket.params, bucket.views))
-        idx = [self.index[p] for p, _ in pairs if p.dim() >= 2]
-        Ms = [v.view(len(p), -1) for p, v in pairs if p.dim() >= 2]  # (m, n) each
-        vectors = [v for p, v in pairs if p.dim() < 2]  # sent whole, with the Ps
-        for M, i in zip(Ms, idx):
-            M.add_(self.errors[i])  # error feedback: what the last sketch missed
-        ps = [M @ orthonormal(self.qs[i]) for M, i in zip(Ms, idx)]  # (m, r) each
-        flat = torch.cat([t.reshape(-1) for t in ps + vectors])
-        work = dp.all_reduce(flat)
-        work.wait()
-        retire(work)
-        sums = split_like(flat, ps + vectors)  # Σ_ranks M Q, and the vectors' sums
-        # No / N here: P is orthonormalised anyway.
-        ps = [orthonormal(p) for p in sums[: len(ps)]]
-        for v, total in zip(vectors, sums[len(ps) :]):
-            v.copy_(total).div_(dp.world)
-        flat.untyped_storage().resize_(0)  # freed now: the kept handle refers to it
-        qs = [M.T @ p for M, p in zip(Ms, ps)]  # (n, r) each
-        if not qs:  # a bucket of vectors only: they are done
-            return Then(work, lambda: None)
-        flat = torch.cat([q.reshape(-1) for q in qs])
-
-        def update() -> None:
-            means = split_like(flat.div_(dp.world), qs)  # (n, r) each
-            for M, p, q, i in zip(Ms, ps, means, idx):
-                self.qs[i] = q.clone()  # Mᵀ P of the ranks' mean M: the warm start
-                self.errors[i].copy_(M)
-                torch.matmul(p, q.T, out=M)  # the update P Qᵀ = P Pᵀ M̄, rank <= r
-                # The residual: what this rank had, less the update.
-                self.errors[i].sub_(M)
-            flat.untyped_storage().resize_(0)  # freed now: the kept handle refers to it
-
-        return Then(dp.all_reduce(flat), update)
-
-    def state_dict(self) -> dict:
-        """Training state a resume must continue (torch.save copies the tensors)."""
-        return {"steps": self.steps, "qs": self.qs, "errors": self.errors}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Any step's state. subtle: saved in the warm-up, qs is [] (none drawn yet), and
-        the first sketch draws the seed's, as the run that never stopped does."""
-        self.steps = state["steps"]
-        pairs = zip(state["errors"], self.matrices, strict=True)
-        self.errors = [e.to(p.device) for e, p in pairs]
-        pairs = zip(state["qs"], self.matrices, strict=bool(state["qs"]))
-        self.qs = [q.to(p.device) for q, p in pairs]
-
-
-def demo_hook(name: str, params, warmup: int):
-    """The hook a row of the demo names (None: the default all-reduce)."""
-    if name.startswith("powersgd"):
-        return PowerSGD(params, rank=int(name[-1]), warmup_steps=warmup)
-    half = {"fp16": torch.half, "bf16": torch.bfloat16}.get(name)
-    return None if half is None else HalfPrecision(half)
-
-
-# ------------- the demo: both wrappers equal one process; each hook's bytes
+# ------------- the demo: both wrappers equal one process; all-reduces and bytes
 PRESET = "small"  # 02's ~0.8M-parameter GPT on bytes
 T = 64
 B = 4  # rows per rank
@@ -479,35 +329,6 @@ def run_demo(args, rank: int, world: int, device) -> None:
         )
     print0(
         f"   formula   4Ψ = {4 * psi:,} bytes reduced, 2(N-1)/N · 4Ψ = {ring:,.0f} sent"
-    )
-    compression_demo(rank, world, config, device)
-
-
-def compression_demo(rank, world, config, device, steps=30, warmup=5) -> None:
-    """Bytes sent in a step after the warm-up, and the loss on held-out rows."""
-    batches = model_lib.byte_batches(T, B * world, steps, SEED + 1, device)
-    held_out = model_lib.byte_batches(T, 32, 1, SEED + 2, device)[0]  # (32, T) each
-    mine = slice(rank * B, (rank + 1) * B)
-    sent = {}
-    exact = f"PowerSGD's first {warmup} exact"
-    print0(f"\n3. hooks: {steps} AdamW steps ({exact}); bytes sent in the last")
-    for name in ("none", "fp16", "bf16", "powersgd r=1", "powersgd r=4"):
-        torch.manual_seed(SEED)
-        gpt = model_lib.GPT(config).to(device)
-        hook = demo_hook(name, gpt.parameters(), warmup)
-        model = DataParallel(gpt, bucket_mb=1.0, comm_hook=hook)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        for x, y in batches:
-            before = model.stats["allreduce_bytes"]
-            train_step(model, opt, x[mine], y[mine])
-        sent[name] = model.stats["allreduce_bytes"] - before
-        loss = model(*held_out)[1].item()
-        ratio = f"1/{sent['none'] / sent[name]:.0f}"
-        print0(
-            f"   {name:<13} {sent[name]:>9,} bytes {ratio:>7}   held-out loss {loss:.3f}"
-        )
-    print0(
-        "   (30 steps: no verdict on the loss; the main job's: bench/bench_compression.py)"
     )
 
 

@@ -43,6 +43,7 @@ keeps autocast's 16-bit weight copies to backward), gradient compression under Z
 """
 
 import contextlib
+import functools
 import importlib
 
 import torch
@@ -51,7 +52,6 @@ import torch.nn as nn
 
 from support import distributed
 from support.distributed import print0
-from support.handles import reduce_scatter_kept, retire, weak_hook
 from support.zero_layout import check_layout
 
 model_lib = importlib.import_module("02_model")
@@ -132,7 +132,6 @@ class FlatParameter:
         views stay; what autograd saved of them sees the next gather (FSDP's trick)."""
         if self.work is not None:
             self.work.wait()
-            retire(self.work)
         self.full.untyped_storage().resize_(0)
         self.work = None
         self.gathered = False
@@ -158,7 +157,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stage = stage
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        self.backend = dist.get_backend(self.group)  # gloo: see reduce_scatter_kept
         groups = [
             [p for p in g["params"] if p.requires_grad] for g in self.param_groups
         ]
@@ -217,21 +215,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 flat.take_grad(p)
         if flat.grad is None:  # no gradient here: zeros, as every rank must take part
             flat.grad = flat.full.new_zeros(flat.full.shape)
-        # Started now, waited for and retired later: support/handles.py's
-        # reduce_scatter_kept keeps no copy of the flat gradient in the handle.
-        args = (flat.grad, flat.lo, flat.S, self.group, self.backend)
-        work, out = reduce_scatter_kept(*args)
+        out = flat.grad.new_empty(flat.S)  # (S,): rank r's slice of the sum
+        work = distributed.reduce_scatter_tensor(
+            out, flat.grad, op=SUM, group=self.group, async_op=True
+        )
         self.stats["reduce_scatter_calls"] += 1
         self.stats["reduce_scatter_bytes"] += nbytes(flat.grad)
         return work, flat, out
 
     def _finish(self, pending: list) -> None:
-        for work, flat, out in pending:
+        """Wait for the reduce-scatters in pending, emptying it: each full gradient (and
+        the handle that holds it) is freed before the caller starts another."""
+        while pending:
+            work, flat, out = pending.pop(0)
             work.wait()
-            retire(work)
             flat.shard.grad = out.div(self.world)  # SUM / N: the ranks' mean
-            for t in (out, flat.grad):  # freed now, though the retired handle refers to
-                t.untyped_storage().resize_(0)  # them (NCCL: the allocator orders it)
             flat.grad = None
 
     def reduce_gradients(self) -> None:
@@ -273,7 +271,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         works = [self._all_gather(f) for f in self.flats]
         for work in works:
             work.wait()
-        retire(*works)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=True)  # the gradients live in the shards: freed
@@ -349,7 +346,8 @@ class ZeroDataParallel(nn.Module):
         self._pending = []  # the reduce-scatter in flight
         for f in self.flats if self.stage >= 2 else []:
             for p in f.params:
-                p.register_post_accumulate_grad_hook(weak_hook(self, "_grad_hook", f))
+                hook = functools.partial(self._grad_hook, f)
+                p.register_post_accumulate_grad_hook(hook)
         # The units are [h3, h2, h1, h0, root]; forward runs root, h0 .. h3.
         fwd_order = [module, *units[-2::-1]]
         bwd_order = [module, *units[:-1]]  # root (its head first), h3 .. h0
@@ -357,9 +355,9 @@ class ZeroDataParallel(nn.Module):
         self._after = dict(zip(fwd_order, [*fwd_order[1:], None]))
         self._before = dict(zip(bwd_order, [*bwd_order[1:], None]))
         for u in units if self.stage == 3 else []:
-            gather = weak_hook(self, "_gather", u, self._after[u])
+            gather = functools.partial(self._gather, u, self._after[u])
             u.register_forward_pre_hook(eager(gather))
-            u.register_forward_hook(eager(weak_hook(self, "_post_forward", u)))
+            u.register_forward_hook(eager(functools.partial(self._post_forward, u)))
 
     @contextlib.contextmanager
     def gathered(self):
@@ -384,7 +382,6 @@ class ZeroDataParallel(nn.Module):
         for f in self._unit_flats[unit]:
             if f.work is not None:
                 f.work.wait()
-                retire(f.work)
             f.work = None
             f.gathered = True
 
@@ -431,14 +428,13 @@ class ZeroDataParallel(nn.Module):
                 return
             # One in flight: the previous full gradient is freed.
             self.opt._finish(self._pending)
-            self._pending = [self.opt._reduce_scatter(flat)]
+            self._pending.append(self.opt._reduce_scatter(flat))
             self._next += 1
 
     def _end_backward(self) -> None:
         self._in_backward = False
         self._launch(everything=True)  # the rest (no_sync(): none, and none pending)
         self.opt._finish(self._pending)
-        self._pending = []
         for u in self._unit_flats if self.stage == 3 else []:
             self._free(u)
 

@@ -57,6 +57,7 @@ from support.schedule import LR_SCHEDULES, lr_at  # The LR: warm-up, then a deca
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 ddp_lib = importlib.import_module("03_ddp")
+compression_lib = importlib.import_module("03b_compression")
 tp_lib = importlib.import_module("04_tensor_parallel")
 sp_lib = importlib.import_module("04b_sequence_parallel")
 pp_lib = importlib.import_module("05_pipeline")
@@ -212,11 +213,12 @@ def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device):
         return [zero_lib.ZeroDataParallel(c, opt) for c in chunks], opt, scaled
     if grid.dp_cp > 1:  # The same PowerSGD seed on every rank: 03's default.
         half = {"fp16": torch.half, "bf16": torch.bfloat16}.get(cfg.grad_compression)
-        for i, c in enumerate(chunks):  # --grad-compression picks one of 03's hooks.
-            hook = ddp_lib.HalfPrecision(half) if half else None
+        for i, c in enumerate(chunks):  # --grad-compression picks one of 03b's hooks.
+            hook = compression_lib.HalfPrecision(half) if half else None
             if cfg.grad_compression == "powersgd":
+                rank = cfg.powersgd_rank
                 warmup = cfg.powersgd_warmup_steps
-                hook = ddp_lib.PowerSGD(c.parameters(), cfg.powersgd_rank, warmup)
+                hook = compression_lib.PowerSGD(c.parameters(), rank, warmup)
             chunks[i] = ddp_lib.DataParallel(c, group=grid.dp_cp_group, comm_hook=hook)
     opt = AdamW(groups, **kw)
     return chunks, opt, opt

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 model_lib = importlib.import_module("02_model")
 ddp = importlib.import_module("03_ddp")
+compression = importlib.import_module("03b_compression")
 gpus = importlib.import_module("support.gpus")
 
 METHODS = {m: [] if m == "none" else ["--grad-compression", m] for m in ("none", "fp16", "bf16")}
@@ -71,17 +72,19 @@ def train_run(method: str, dp: int, steps: int, out: Path) -> dict:
     return {"val": val, "comm_bytes": sent, "seconds": seconds}
 
 
+def hook_for(model, method: str):
+    """03b's hook for a METHODS name (None: no compression; PowerSGD without warm-up)."""
+    if method.startswith("powersgd"):
+        r = int(method.split("=")[1].split(",")[0])
+        return compression.PowerSGD(model.parameters(), r, 0)
+    half = {"fp16": torch.half, "bf16": torch.bfloat16}.get(method)
+    return None if half is None else compression.HalfPrecision(half)
+
+
 def formula_bytes(model, method: str) -> int:
     """Bytes all-reduced per rank and step: 4Ψ (fp32), 2Ψ (fp16, bf16), PowerSGD rank r: 4·(Σ over
-    m x n matrices of (m + n)·min(r, m, n) + Σ vectors)."""
-    params = list(model.parameters())
-    if method in ("none", "fp16", "bf16"):
-        return (4 if method == "none" else 2) * sum(p.numel() for p in params)
-    r = int(method.split("=")[1].split(",")[0])
-    sketch = sum(
-        (len(p) + p[0].numel()) * min(r, len(p), p[0].numel()) for p in params if p.dim() >= 2
-    )
-    return 4 * (sketch + sum(p.numel() for p in params if p.dim() < 2))
+    m x n matrices of (m + n)·min(r, m, n) + Σ vectors): 03b's sent_formula."""
+    return compression.sent_formula(list(model.parameters()), hook_for(model, method))[1]
 
 
 def quality(args) -> None:
@@ -106,17 +109,13 @@ def quality(args) -> None:
 
 def codec_seconds(model, method: str, world: int, reps: int) -> float:
     """The median time of one step's compression and decompression of model's gradients (random,
-    already in one bucket), without the communication: 03's hook with an all-reduce that returns
+    already in one bucket), without the communication: 03b's hook with an all-reduce that returns
     at once (fp16: cast, / N and copy back; PowerSGD: matmuls, QR and residuals)."""
     bucket = ddp.make_buckets(list(model.parameters()), None)[0]  # one bucket: every gradient
     for p, view in zip(bucket.params, bucket.views):
         view.copy_(torch.randn_like(p))
     instant = SimpleNamespace(world=world, all_reduce=lambda t: SimpleNamespace(wait=lambda: None))
-    r = int(method.split("=")[1].split(",")[0]) if method.startswith("powersgd") else 4
-    if method.startswith("powersgd"):
-        hook = ddp.PowerSGD(model.parameters(), r, 0)
-    else:  # fp16 or bf16
-        hook = ddp.HalfPrecision(torch.half if method == "fp16" else torch.bfloat16)
+    hook = hook_for(model, method)
     hook(instant, bucket).wait()  # PowerSGD's first call draws Q and fills the residuals
     times = []
     for _ in range(reps):

@@ -88,6 +88,7 @@ demos() {  # every numbered script at world size 1 (03-05 under torchrun: NCCL w
     section demo_01 120 "$PY" 01_data.py --out "$R/data01"
     section demo_02 120 "$PY" 02_model.py
     section demo_03 120 "$PY" 03_ddp.py --ranks 1
+    section demo_03b 120 "$PY" 03b_compression.py --ranks 1
     section demo_04 120 "$PY" 04_tensor_parallel.py --ranks 1
     section demo_04b 120 "$PY" 04b_sequence_parallel.py --ranks 1
     section demo_05 120 "$PY" 05_pipeline.py --ranks 1

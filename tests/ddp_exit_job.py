@@ -1,26 +1,24 @@
 """Many short 2-rank jobs of 03_ddp.py's DataParallel and 07_zero.py's ZeRO-2 and ZeRO-3, in
 turn, each rank ending the way a torchrun script does: destroy the process group, then let the
-interpreter exit. Used by tests/test_ddp.py.
+interpreter exit. Used by tests/test_ddp.py and bench/bench_exit.py.
 
     python tests/ddp_exit_job.py JOBS [KINDS]   -> exit 0 if every rank of every job exited with 0
                                                    (KINDS: default "DP,ZeRO-2,DP,ZeRO-3", in turn)
 
-What it catches: a collective launched inside backward whose last reference a gloo worker thread
-drops while Python is finalising. That thread must take the GIL to free the Python object the
-collective copied from backward's thread-local state (gloo's AsyncWork keeps a ThreadLocalState);
-a finalising interpreter ends the thread instead, in the middle of a C++ destructor, and the
-process aborts with "terminate called without an active exception" (SIGABRT). So 03 and 07 hand
-every handle they wait for to support/handles.py's retire(), which drops it only after many later
-ones (or at the exit, from the main thread): DataParallel's all-reduces, ZeRO's all-gathers and
-reduce-scatters. (Before support/handles.py the wrappers kept them themselves, to the pass after
-next, and had to stay alive to the exit; now the wrapper is freed when rank_main returns.)
+What it would catch: a collective launched inside backward whose last reference a gloo worker
+thread drops while Python is finalising. That thread must take the GIL to free the Python object
+the collective copied from backward's thread-local state (gloo's AsyncWork keeps a
+ThreadLocalState); a finalising interpreter ends the thread instead, in the middle of a C++
+destructor, and the process aborts with "terminate called without an active exception"
+(SIGABRT). Older torch releases did (issue 30: about 6% of jobs). The lessons once kept every
+waited handle alive to dodge it (support/handles.py's retire(), removed in issue 39); on
+torch 2.13 the wrappers drop each handle as soon as it is waited for, and this job is the check
+that no rank aborts: bench/bench_exit.py has the counts.
 Every backward here launches collectives from both places the wrappers launch them: gradient
 hooks (the blocks' and the head's buckets or flats) and the end-of-backward callback (the
 bucket, or the root unit's flat, holding `late`, whose gradient comes from a no_sync() pass).
-tests/test_ddp.py has the counts.
 NaiveDataParallel is not run here: it all-reduces after backward, from the caller's own thread
-state, so its collectives copy no Python object and it keeps no handles (30 naive-only jobs,
-run as the test runs these: 0 aborted).
+state, so its collectives copy no Python object.
 
 Each job forks its two ranks from this interpreter, which imported torch once: a rank costs a
 fraction of a second instead of seconds of imports. The ranks get torchrun's environment and
@@ -51,16 +49,6 @@ SGD(
 ddp = importlib.import_module("03_ddp")
 zero_lib = importlib.import_module("07_zero")
 SWITCH_S = float(os.environ.get("SWITCH_S", 0.5))  # the amplifier: see rank_main
-if (
-    os.environ.get("RETIRE", "1") == "0"
-):  # the workaround off (bench/bench_exit.py's control):
-    import collections  # noqa: E402
-
-    from support import handles  # noqa: E402
-
-    handles._RETIRED = collections.deque(
-        maxlen=0
-    )  # retire() now drops every handle at once
 
 
 class LateLayer(nn.Module):
@@ -93,9 +81,9 @@ def rank_main(rank: int, port: int, kind: str) -> None:
     # the GIL, and a waiting thread only forces a switch after the switch interval. At 5 ms it
     # gets the GIL while this script still runs (harmless); at 0.5 s its turn comes during the
     # interpreter's finalisation (0.3 to 1 s with torch loaded), where the thread is ended: the
-    # abort. Jobs aborted on HEAD before the fix (2 cores, other work running), out of 30: at
-    # 0.3 / 0.6 / 1.0 / 2.0 s: 7 / 7 / 8 / 0 (at 2 s the exit is over first); without it:
-    # 0 of 60, 0 of 24 and 1 of 12 (run as separate interpreters).
+    # abort. Jobs aborted on an older torch without a workaround (2 cores, other work
+    # running), out of 30: at 0.3 / 0.6 / 1.0 / 2.0 s: 7 / 7 / 8 / 0 (at 2 s the exit is
+    # over first); without it: 0 of 60, 0 of 24 and 1 of 12 (run as separate interpreters).
     sys.setswitchinterval(SWITCH_S)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
@@ -118,8 +106,8 @@ def rank_main(rank: int, port: int, kind: str) -> None:
             if opt is not None:
                 opt.step()
                 opt.zero_grad()
-        # The wrapper is freed when this function returns, as 03's and 07's demos free each
-        # wrapper they build: the handles of its last backward must not die with it.
+        # The wrapper is dropped when this function returns, as 03's and 07's demos drop
+        # each wrapper they build, with its last backward's handles.
     finally:
         dist.destroy_process_group()
 

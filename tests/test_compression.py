@@ -1,4 +1,4 @@
-"""03_ddp.py's communication hooks: gradient compression, proven against PyTorch's own.
+"""03b_compression.py's communication hooks: gradient compression, proven against PyTorch's own.
 
 The worked example: 2 ranks train the tiny GPT (2 blocks, C = 32, V = 256; Ψ = 34,688) on
 different rows. fp16 compression is elementwise (cast, / N, a sum of two, cast back), so with
@@ -20,8 +20,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 
 from tests.distributed import case_results, run_cases, run_ranks
 from tests.test_ddp import STEPS, assert_states_close, batch, build, reference, snapshot
+from tests.test_readme import run_output
 
 ddp = importlib.import_module("03_ddp")
+compression = importlib.import_module("03b_compression")
 model_lib = importlib.import_module("02_model")
 SGD = dict(lr=0.1, momentum=0.9)
 
@@ -41,7 +43,8 @@ def matrices(module) -> list:
 def case_fp16_vs_torch(rank, world):
     """The same tiny GPT, ours and torch DDP's, one bucket each: every step's gradients and the
     final weights, and the bytes our wrapper sent per step."""
-    ours = ddp.DataParallel(build("gpt"), bucket_mb=None, comm_hook=ddp.HalfPrecision(torch.half))
+    fp16 = compression.HalfPrecision(torch.half)
+    ours = ddp.DataParallel(build("gpt"), bucket_mb=None, comm_hook=fp16)
     torch_ddp = torch.nn.parallel.DistributedDataParallel(build("gpt"), bucket_cap_mb=1000)
     torch_ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     out = {"grads": [], "bytes": []}
@@ -60,7 +63,7 @@ def case_fp16_vs_torch(rank, world):
 def case_bf16_written_out(rank, world):
     """torch's bf16 hook needs CUDA: ours against its arithmetic written out, from every rank's
     own gradient (a no_sync() backward): Σ_r bf16(g_r) / N, in bf16, in rank order."""
-    model = ddp.DataParallel(build("gpt"), comm_hook=ddp.HalfPrecision(torch.bfloat16))
+    model = ddp.DataParallel(build("gpt"), comm_hook=compression.HalfPrecision(torch.bfloat16))
     x, y = batch("gpt", 0, rank)
     with model.no_sync():
         model(x, y)[1].backward()
@@ -77,7 +80,7 @@ def case_bf16_written_out(rank, world):
 def case_powersgd_full_rank(rank, world):
     """Rank 64 >= min(m, n) of every matrix (32 at most), no warm-up: exact, as one process."""
     gpt = build("gpt")
-    model = ddp.DataParallel(gpt, comm_hook=ddp.PowerSGD(gpt.parameters(), 64, 0))
+    model = ddp.DataParallel(gpt, comm_hook=compression.PowerSGD(gpt.parameters(), 64, 0))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))  # as test_ddp's train
     for s in range(STEPS):
@@ -90,7 +93,7 @@ def case_error_feedback(rank, world):
     """Rank 1 after one exact step. Each step: this rank's own gradient g (a no_sync() pass),
     then the synced pass on the same batch: the update applied, the residuals before and after."""
     gpt = build("gpt")
-    model = ddp.DataParallel(gpt, comm_hook=ddp.PowerSGD(gpt.parameters(), 1, 1))
+    model = ddp.DataParallel(gpt, comm_hook=compression.PowerSGD(gpt.parameters(), 1, 1))
     opt, out = torch.optim.SGD(model.parameters(), **SGD), []
     for s in range(4):
         x, y = batch("gpt", s, rank)
@@ -136,7 +139,7 @@ def case_vs_torch_powersgd(rank, world, steps=30, r=1, warmup=5):
     for name in ("torch", "ours, torch's Q", "ours", "none", "torch, seed 1"):
         if name.startswith("ours"):
             gpt = build("gpt")
-            hook = ddp.PowerSGD(gpt.parameters(), r, warmup)
+            hook = compression.PowerSGD(gpt.parameters(), r, warmup)
             model = ddp.DataParallel(gpt, comm_hook=hook)
         else:
             model = torch.nn.parallel.DistributedDataParallel(build("gpt"), bucket_cap_mb=1000)
@@ -165,7 +168,7 @@ def _powersgd_run(saved=None, steps=6, save=False):
     it also returns the checkpoint after `steps` (model, optimizer, hook, each through
     torch.save as train.py's); with saved, a fresh model, optimizer and hook load it first."""
     gpt = build("gpt")
-    hook = ddp.PowerSGD(gpt.parameters(), 1, 3)
+    hook = compression.PowerSGD(gpt.parameters(), 1, 3)
     opt = torch.optim.SGD(gpt.parameters(), **SGD)
     start = 0
     if saved is not None:
@@ -298,3 +301,33 @@ def test_powersgd_resumes_bit_for_bit_from_any_step():
         assert res[2]["qs"] == 0 and res[4]["qs"] > 0, "step 2 is in the warm-up, 4 after"
         for stop in (2, 4):
             assert res[stop]["curve"] == res["straight"], f"resumed at step {stop}"
+
+
+def test_the_demo_prints_each_hooks_bytes_beside_the_formula():
+    """`python 03b_compression.py` (2 ranks, the small GPT, 1 MB buckets) prints, per hook, the
+    bytes its DataParallel counted in the last of 30 steps and the formula's bytes. Both must
+    equal the formula worked out here from the GPT's shapes, not from the lesson's code: 4Ψ
+    without compression, 2Ψ with fp16 and bf16, and for PowerSGD at rank r, after its 5 exact
+    steps, 4·(Σ(m+n)·r + Σ vectors) (every matrix of this GPT has m, n >= 4 >= r). A hook that
+    sent the bucket in fp32, a sketch that sent the matrices whole, or a PowerSGD still exact
+    in the last step breaks an equality. And it is a compression: r=1 < r=4 < none/10."""
+    out = run_output(("03b_compression.py",))  # the run test_readme checks too, shared
+    assert "03b · gradient compression on 2 ranks" in out, out
+    gpt = model_lib.GPT(model_lib.GPTConfig.from_preset("small", vocab_size=256, block_size=64))
+    params = list(gpt.parameters())
+    psi = sum(p.numel() for p in params)
+    sum_mn = sum(m.shape[0] + m.shape[1] for m in matrices(gpt))
+    vectors = sum(p.numel() for p in params if p.dim() < 2)
+    expected = {"none": 4 * psi, "fp16": 2 * psi, "bf16": 2 * psi}
+    expected.update({f"powersgd r={r}": 4 * (r * sum_mn + vectors) for r in (1, 4)})
+    sent = {}
+    for line in out.splitlines():
+        if "held-out loss" in line:  # "  fp16  1,668,608 bytes  1/2 | 2Ψ  1,668,608  held-out …"
+            measured, formula = line.split("|")
+            name, size = measured.split("bytes")[0].rsplit(None, 1)
+            sent[name.strip()] = int(size.replace(",", ""))
+            printed = int(formula.split("held-out loss")[0].split()[-1].replace(",", ""))
+            assert printed == expected[name.strip()], (line, expected)
+    assert sent == expected, f"bytes sent {sent}, formula {expected}"
+    assert 0 < sent["powersgd r=1"] < sent["powersgd r=4"] < sent["none"] / 10, sent
+    assert f"Ψ = {psi:,}" in out and f"Σ(m+n) = {sum_mn:,}" in out and f"Σv = {vectors:,}" in out

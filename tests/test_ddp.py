@@ -31,6 +31,7 @@ from tests.distributed import RankError, case_results, run_cases, run_ranks
 from tests.test_readme import run_output
 
 ddp = importlib.import_module("03_ddp")
+compression = importlib.import_module("03b_compression")  # hooks in the freed-wrapper test
 zero_lib = importlib.import_module("07_zero")  # ZeroOptimizer over DataParallel, below
 model_lib = importlib.import_module("02_model")
 
@@ -610,9 +611,9 @@ def _freed_wrappers_bucket_bytes(rank, world) -> dict:
     for name in ("default", "fp16", "powersgd"):
         module = build("gpt")
         if name == "fp16":
-            hook = ddp.HalfPrecision(torch.half)
+            hook = compression.HalfPrecision(torch.half)
         elif name == "powersgd":  # one exact step, then two sketched ones
-            hook = ddp.PowerSGD(module.parameters(), rank=1, warmup_steps=1)
+            hook = compression.PowerSGD(module.parameters(), rank=1, warmup_steps=1)
         else:
             hook = None
         model = ddp.DataParallel(module, bucket_mb=0.01, comm_hook=hook)
@@ -627,12 +628,13 @@ def _freed_wrappers_bucket_bytes(rank, world) -> dict:
 
 
 def test_a_freed_wrapper_leaves_no_bucket_memory():
-    """The bug: support/handles.py keeps the last 256 waited handles of every wrapper, and
-    a handle refers to what it sent: the default hook's bucket, fp16's closure holding
-    the whole bucket, PowerSGD's closure holding its Ps and Qs. So a script that built
-    wrappers one after another kept each freed one's 4Ψ bytes of buckets alive. Freed, a
-    wrapper (model and hook gone too) must leave 0 bytes in its buckets' buffers. With the
-    fix undone (no emptying when freed, Then keeping its closure) this test fails."""
+    """The bug: anything that outlives a wrapper and holds what it sent (a waited handle
+    kept, as support/handles.py's retire() once kept 256 of them, or a Then's closure)
+    keeps the buckets alive, so a script that built wrappers one after another kept each
+    freed one's 4Ψ bytes. Freed, a wrapper (model and hook gone too) must leave 0 bytes
+    in its buckets' buffers, with the default hook, fp16 (its closure holds the bucket)
+    and PowerSGD (its closure holds the Ps and Qs). With DataParallel keeping its waited
+    handles in a module-level list this test fails."""
     for held in run_ranks(_freed_wrappers_bucket_bytes, 2, timeout=120):
         assert held == {"default": 0, "fp16": 0, "powersgd": 0}, held
 
@@ -652,8 +654,8 @@ def test_the_demo_runs_as_a_script_and_prints_its_headline():
     headlines with numbers that hold: both wrappers' losses and weights within fp32
     rounding of one process's after 3 AdamW steps (a rank's data missing moves the
     weights by ~lr = 1e-3); the naive wrapper's all-reduces one per gradient tensor, the
-    bucketed one's one per 1 MB bucket, both reducing 4Ψ bytes, as the formula's row; and
-    every hook's bytes: half with fp16 and bf16, a small fraction with PowerSGD."""
+    bucketed one's one per 1 MB bucket, both reducing 4Ψ bytes, as the formula's row.
+    (03b_compression.py's hooks: tests/test_compression.py.)"""
     out = run_output(("03_ddp.py",))  # the run test_readme checks too, shared (stdout, stderr)
     assert "running: torchrun --standalone --nproc_per_node=2" in out, out
     assert "both wrappers == one process" in out, out
@@ -670,13 +672,6 @@ def test_the_demo_runs_as_a_script_and_prints_its_headline():
     assert int(rows[1][1]) == 4, rows  # bucketed: 4 buckets of at most 1 MB
     for r in rows:
         assert int(r[3].replace(",", "")) == 4 * psi, r  # each gradient once, in fp32
-    sent = {}
-    for line in out.splitlines():
-        if "held-out" in line:  # "   fp16     1,668,608 bytes     1/2   held-out ..."
-            name, size = line.split("bytes")[0].rsplit(None, 1)
-            sent[name.strip()] = int(size.replace(",", ""))
-    assert sent["none"] == 4 * psi and sent["fp16"] == sent["bf16"] == 2 * psi, sent
-    assert 0 < sent["powersgd r=1"] < sent["powersgd r=4"] < sent["none"] / 10, sent
 
 
 def test_the_demo_refuses_bad_flags_in_one_line(capsys):
@@ -686,9 +681,9 @@ def test_the_demo_refuses_bad_flags_in_one_line(capsys):
     assert "error: --ranks must be >= 1" in capsys.readouterr().err
 
 
-# DP, ZeRO-2, DP, ZeRO-3: one job of each kind, a few seconds. On this torch the abort no
-# longer reproduces (bench/bench_exit.py's docstring: 0 of 40 with the workaround disabled), so
-# the suite runs a short plumbing check and the long count under load lives in the bench.
+# DP, ZeRO-2, DP, ZeRO-3: one job of each kind, a few seconds. On torch 2.13 the abort does not
+# reproduce (bench/bench_exit.py, docs/results.md), so the suite runs a short plumbing check and
+# the long count under load lives in the bench.
 EXIT_JOBS = 4
 
 
@@ -700,11 +695,10 @@ def test_ranks_exit_cleanly_after_backward():
     DataParallel (a bucket per parameter), ZeRO-2 and ZeRO-3, each ending as a torchrun
     script does, with the GIL switch interval (SWITCH_S=1.0) that made the race likeliest;
     every rank must exit with 0.
-    Honestly: this is a plumbing check (every kind builds, trains, frees its wrapper and exits
-    0 through support/handles.py's retire()), not a proof that can show the abort. Even the
-    old 20-job version, run with two busy processes, could not: with retire() disabled 0 of
-    40 jobs aborted on this torch (2026-11-27). The long version under load, with that
-    control, is `python bench/bench_exit.py`.
+    Honestly: this is a plumbing check (every kind builds, trains, drops its wrapper and its
+    waited handles, and exits 0), not a proof that can show the abort: on older torch it
+    struck about one job in 10 to 20 under load, on torch 2.13 none of 100 (issue 39, with
+    no workaround in 03 and 07). The long version under load is `python bench/bench_exit.py`.
     """
     helper = Path(__file__).with_name("ddp_exit_job.py")
     env = {**os.environ, "SWITCH_S": "1.0"}

@@ -600,13 +600,13 @@ def _kept_handles_hold_no_memory(rank, world):
 
 
 def test_kept_collective_handles_hold_no_memory():
-    """07 retires every waited handle to support/handles.py, which drops it only later
-    (exits abort otherwise, tests/ddp_exit_job.py). A kept handle must not keep its
-    buffers: on gloo a reduce-scatter's handle holds a copy of the whole flat gradient
-    (64 MB here), so 07 all-reduces in place there and empties what it
-    hands over. Then each rank holds its 32 MB gradient shard above the memory before the
-    first backward, and nothing more (16 MB of slack): kept reduce-scatter handles held 64 MB
-    each, two steps' worth (+128 MB), and, rotated in step(), grew 64 MB a skipped step."""
+    """Nothing may keep a waited collective's handle (07 once retired them all to
+    support/handles.py against an exit-time gloo abort that torch 2.13 no longer shows,
+    tests/ddp_exit_job.py): on gloo a reduce-scatter's handle holds a copy of the whole flat
+    gradient (64 MB here). Each rank must hold its 32 MB gradient shard above the memory
+    before the first backward, and nothing more (16 MB of slack): kept reduce-scatter
+    handles held 64 MB each, two steps' worth (+128 MB), and, rotated in step(), grew 64 MB
+    a skipped step."""
     for growth in run_ranks(_kept_handles_hold_no_memory, 2, timeout=120):
         assert max(growth) < 32 + 16, f"MB above the start, 2 full, 4 skipped, 2 full: {growth}"
 
