@@ -47,9 +47,7 @@ from support import checkpoint, config, distributed, recipe, run_log, sharding, 
 from support import export as export_lib
 from support import grid as grid_lib
 from support import run as run_lib
-from support.checkpoint import load_checkpoint, save_checkpoint
 from support.config import ConfigError, TrainConfig, parse_args
-from support.grid import Grid
 from support.prefetch import Prefetcher
 from support.run import Run
 from support.schedule import LR_SCHEDULES, lr_at  # The LR: warm-up, then a decay.
@@ -145,7 +143,7 @@ def pretrained(path: str):
 
 
 # ---------------------------------------------- the process grid (support/grid.py)
-def build_grid(cfg: TrainConfig, rank: int, world: int) -> Grid:
+def build_grid(cfg: TrainConfig, rank: int, world: int) -> grid_lib.Grid:
     """This rank's place in arange(world).view(pp, dp, cp, tp) and its groups, with 05's
     embedding group (the first and last stage, which hold the tied embeddings)."""
     sizes = (cfg.pp, cfg.dp, cfg.tp)
@@ -160,7 +158,7 @@ def all_reduce_sum(t: torch.Tensor, group, size: int) -> torch.Tensor:
 
 
 # ------------ building: model (02) -> TP shards (04) -> pipeline chunks (05) -> DP (03)
-def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device) -> list:
+def build_chunks(cfg: TrainConfig, gpt_config, grid: grid_lib.Grid, device) -> list:
     # The same full model on every rank, before any sharding.
     torch.manual_seed(cfg.seed)
     model = model_lib.GPT(vocab.one_process(gpt_config)).to(device)  # 64 rows padded
@@ -194,7 +192,7 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: Grid, device) -> list:
     return chunks
 
 
-def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device):
+def data_parallel(cfg: TrainConfig, chunks: list, grid: grid_lib.Grid, device):
     """AdamW (decay on matrices only, fused on CUDA) and, with dp > 1, 03's data
     parallelism at --zero's stage. Returns (DP-wrapped chunks, optimizer, what the
     scaler steps)."""
@@ -216,15 +214,14 @@ def data_parallel(cfg: TrainConfig, chunks: list, grid: Grid, device):
         for i, c in enumerate(chunks):  # --grad-compression picks one of 03b's hooks.
             hook = compression_lib.HalfPrecision(half) if half else None
             if cfg.grad_compression == "powersgd":
-                rank = cfg.powersgd_rank
-                warmup = cfg.powersgd_warmup_steps
-                hook = compression_lib.PowerSGD(c.parameters(), rank, warmup)
+                args = (c.parameters(), cfg.powersgd_rank, cfg.powersgd_warmup_steps)
+                hook = compression_lib.PowerSGD(*args)
             chunks[i] = ddp_lib.DataParallel(c, group=grid.dp_cp_group, comm_hook=hook)
     opt = AdamW(groups, **kw)
     return chunks, opt, opt
 
 
-def build_run(cfg: TrainConfig, gpt_config, grid: Grid, device) -> Run:
+def build_run(cfg: TrainConfig, gpt_config, grid: grid_lib.Grid, device) -> Run:
     T = gpt_config.block_size  # The context is --block-size.
     dtype = resolve_dtype(cfg, device)
     chunks = build_chunks(cfg, gpt_config, grid, device)
@@ -405,7 +402,7 @@ def open_log(run: Run, start: int) -> run_log.Logger:
 def save(run: Run, log: run_log.Logger, step: int) -> int:
     """save_checkpoint at `step`, its time left out of tokens/s. Returns the step."""
     with log.paused():
-        save_checkpoint(run, step)
+        checkpoint.save_checkpoint(run, step)
     return step
 
 
@@ -415,7 +412,7 @@ def train(run: Run) -> None:
     signals = checkpoint.Preemption(run.grid.world, run.device, cfg.vote_interval)
     if run.grid.rank == 0:
         checkpoint.remove_partials(cfg.out_dir)
-    start = load_checkpoint(run) if cfg.resume else 0
+    start = checkpoint.load_checkpoint(run) if cfg.resume else 0
     signals.start_at(start)
     log = open_log(run, start)
     stop = cfg.max_steps
