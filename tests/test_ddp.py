@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests import symptoms
 from tests.distributed import RankError, case_results, run_cases, run_ranks
 from tests.test_readme import run_output
 
@@ -422,12 +423,22 @@ def _named(key, message):
     return f"{key}: {message}"
 
 
-def assert_states_close(actual: dict, expected: dict, **tol):
+def assert_states_close(actual: dict, expected: dict, start: dict | None = None, **tol):
+    """Every tensor of two state dicts close. Given the weights both runs `start`ed from, a
+    failure opens with what broke in the reader's words, read off the two runs' updates:
+    `the updates of fc.weight are 2x one process's` (a lost / N: tests/symptoms.py)."""
     assert actual.keys() == expected.keys()
     for k in expected:
-        torch.testing.assert_close(
-            actual[k], expected[k], **(tol or TOL), msg=functools.partial(_named, k)
-        )
+        msg = functools.partial(_named, k)
+        if start is None:
+            torch.testing.assert_close(actual[k], expected[k], **(tol or TOL), msg=msg)
+            continue
+        try:
+            torch.testing.assert_close(actual[k], expected[k], **(tol or TOL), msg=msg)
+        except AssertionError as error:
+            change = symptoms.diagnose(actual[k] - start[k], expected[k] - start[k])
+            words = change.replace("the reference", "one process")
+            raise AssertionError(f"the updates of {k} {words}\n{error}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,10 +451,11 @@ def assert_states_close(actual: dict, expected: dict, **tol):
 )
 def test_every_variant_equals_one_process(world, kind, variant):
     expected = reference(kind, "sgd", world)
+    start = snapshot(build(kind))
     for rank_result in results(world, kind):
         res = rank_result[variant]
         assert "error" not in res, res["error"]
-        assert_states_close(res["state"], expected)  # every parameter, frozen ones, buffers
+        assert_states_close(res["state"], expected, start)  # every parameter and buffer
         # one round of all-reduces per step, each trainable gradient once (the tied one once)
         model = build(kind)
         n_params, n_bytes = len(trainable(model)), sum(ddp.nbytes(p) for p in trainable(model))

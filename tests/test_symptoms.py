@@ -29,6 +29,13 @@ def test_each_breakage_is_named(broken, phrase):
     assert phrase in diagnose(broken, G)
 
 
+def test_a_scale_blurred_by_later_steps_reads_as_about_k():
+    blurred = 1.6 * G + 0.6 * G.abs().mean() * torch.cos(torch.arange(12.0)).reshape(
+        3, 4
+    )
+    assert "are about 1.5x the reference's" in diagnose(blurred, G)
+
+
 def test_noise_reads_as_a_difference_not_a_scale():
     noisy = G + 0.3 * torch.sin(torch.arange(12.0)).reshape(3, 4)
     assert diagnose(noisy, G).startswith("differ")
