@@ -669,6 +669,8 @@ def test_an_older_model_pt_whose_config_holds_recompute_still_samples(tmp_path):
         (["--tp", "3", "--dp", "1"], 3, "--tp 3: cannot split this GPT over tp=3 ranks: n_head=2"),
         (["--pp", "8"], 8, "--pp 8 --virtual-stages 1 --n-layer 4: n_layer=4 blocks cannot fill"),
         (["--micro-batch-size", "3"], 1, "--batch-size 8 is not divisible into microbatches"),
+        (["--dp", "2", "--batch-size", "6", "--micro-batch-size", "2"], 2,
+         "--batch-size 6 is not divisible into microbatches of --micro-batch-size 2 x --dp 2"),
         (["--schedule", "zigzag"], 1, "--schedule zigzag --pp 1 --virtual-stages 1 --n-layer 4: "
          "unknown schedule 'zigzag'"),
         (["--pp", "2", "--virtual-stages", "2"], 2, "--schedule 1f1b --pp 2 --virtual-stages 2 "
@@ -714,7 +716,8 @@ def test_an_older_model_pt_whose_config_holds_recompute_still_samples(tmp_path):
          "--loss chunked with --tp 2: a rank holds V/tp logit columns, whose max and sum need"),
         (["--loss", "fused"], 1, "--loss fused: use one of plain, chunked"),
     ],
-    ids=["world-size", "n_head", "n_layer", "microbatches", "schedule-unknown",
+    ids=["world-size", "n_head", "n_layer", "microbatches", "microbatches-x-dp",
+         "schedule-unknown",
          "virtual-needs-interleaved", "interleaved-microbatches", "data-dir", "dropout",
          "n-layer", "lr", "lr-nan", "grad-clip", "warmup", "eval-interval", "ckpt-interval",
          "steps-this-run", "negative-sizes", "batch-over-data", "out-dir-file", "zero-at-dp1",

@@ -12,6 +12,7 @@ numbered lessons, train.py, support/), never when torch calls it from inside its
 """
 
 import contextlib
+import functools
 import importlib
 import math
 import os
@@ -170,26 +171,37 @@ def _two_ranks(rank, world, data, tmp):
 
 
 def vote_gaps(rank, world):
-    """checkpoint.Preemption under a clock the test moves: rank 0's steps take 4 s, rank
-    1's 0.1 s. Returns, per vote, (the step, what at() said, the next vote's step)."""
+    """checkpoint.Preemption under a clock the test moves. "mixed": rank 0's steps take
+    4 s, rank 1's 0.1 s, --vote-interval 10; "capped": both ranks' take 0.1 s,
+    --vote-interval 3. Returns, per case and vote, (the step, what at() said, the next
+    vote's step)."""
     clock = [0.0]
     real_clock = checkpoint.time
     checkpoint.time = SimpleNamespace(perf_counter=lambda: clock[0])
+    cases = {"mixed": (4.0 if rank == 0 else 0.1, 10), "capped": (0.1, 3)}
     try:
-        votes = checkpoint.Preemption(world, torch.device("cpu"), max_gap=10)
-        votes.start_at(5)  # a resume at step 5
-        said = []
-        for step in range(5, 12):
-            clock[0] += 4.0 if rank == 0 else 0.1
-            if rank == 1 and step == 9:
-                votes.signals.append(signal.SIGTERM)  # (the handler's effect, no signal)
-            before = votes.next_vote
-            stop = votes.at(step)
-            if votes.next_vote != before:  # a vote: what it said, when the next comes
-                said.append((step, stop, votes.next_vote))
-        return said
+        out = {}
+        for case, (step_s, max_gap) in cases.items():
+            votes = checkpoint.Preemption(world, torch.device("cpu"), max_gap=max_gap)
+            votes.start_at(5)  # a resume at step 5
+            said = []
+            for step in range(5, 12):
+                clock[0] += step_s
+                if rank == 1 and step == 9:
+                    votes.signals.append(signal.SIGTERM)  # (the handler's effect)
+                before = votes.next_vote
+                stop = votes.at(step)
+                if votes.next_vote != before:  # a vote: what it said, when the next comes
+                    said.append((step, stop, votes.next_vote))
+            out[case] = said
+        return out
     finally:
         checkpoint.time = real_clock
+
+
+@functools.cache
+def vote_results() -> list:
+    return run_ranks(vote_gaps, 2, timeout=60)
 
 
 def test_a_plain_step_makes_no_sync_at_dp2_tp2_pp2_cp2_zero3(data_dir, tmp_path):  # noqa: F811
@@ -217,9 +229,18 @@ def test_the_ranks_agree_on_each_vote_and_on_when_the_next_one_comes():
     smaller: MIN), and both say True at the first vote after rank 1's signal (9): MAX.
     Votes at rank 1's pace (10 steps) would leave a signal to rank 0 waiting 40 s; ranks
     that each kept their own gap would meet different collectives and hang."""
-    results = run_ranks(vote_gaps, 2, timeout=60)
+    results = [per_rank["mixed"] for per_rank in vote_results()]
     want = [(5, False, 7), (7, False, 9), (9, True, 11), (11, True, 13)]
     assert results == [want, want]
+
+
+def test_votes_come_at_least_every_vote_interval_steps():
+    """Both ranks at 0.1 s a step would vote every 10 s / 0.1 s = 100 steps; --vote-interval
+    3 caps the gap: votes at 5, 8 and 11, and rank 1's signal at step 9 stops both at 11.
+    Without the cap the first vote's next would be step 105, and the signal would wait."""
+    results = [per_rank["capped"] for per_rank in vote_results()]
+    want = [(5, False, 8), (8, False, 11), (11, True, 14)]
+    assert results == [want, want], "the gap to the next vote is not --vote-interval"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,3 +430,16 @@ def test_timeout_minutes_reaches_the_process_group(data_dir, tmp_path, monkeypat
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_keep_checkpoints_keeps_the_newest_k(tmp_path):
+    """--keep-checkpoints 2 over five saves leaves steps 4 and 3: the newest two, whole
+    (each with its shard and meta.json). Keeping one too many, or the oldest, fails."""
+    for step in range(5):
+        shard = {"step": torch.tensor(step)}
+        meta = lambda: {"note": "test"}  # noqa: E731 - meta.json's contents, on rank 0
+        checkpoint.save(tmp_path, step, 0, 1, torch.device("cpu"), shard, meta, keep=2)
+    kept = checkpoint.complete_checkpoints(tmp_path)
+    assert [c.name for c in kept] == ["step_0000004", "step_0000003"], kept
+    for folder in kept:
+        assert (folder / checkpoint.shard_name(0)).is_file() and (folder / "meta.json").is_file()
