@@ -74,20 +74,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from support import cp_demo, sharding
+from support import ring, sharding
 from support.activations import saved_activation_bytes
 from support.distributed import print0, run_on_ranks
-from support.ring import (
-    Transfer,
-    attention_kept_bytes,
-    attention_on_ranks,
-    count_p2p,
-    gather,
-    sdpa_reference,
-)
 
 model_lib = importlib.import_module("02_model")
-mp_lib = importlib.import_module("06_mixed_precision")  # count_tokens
+mp_lib = importlib.import_module("06_mixed_precision")  # global_token_count
 
 SPLITS = ("zigzag", "contiguous")
 SEQ_DIM = 2  # q, k, v: (B, nh, T/cp, hs); the sequence is dim 2 here, dim 1 in (B, T)
@@ -202,7 +194,7 @@ class AllGatherAttention(torch.autograd.Function):
         rank = dist.get_rank(group)
         cp = dist.get_world_size(group)
         kv = torch.stack([k, v])  # (2, B, nh, T/cp, hs)
-        parts = gather(kv, group)  # dist.all_gather: every rank's, cp-1 parts sent
+        parts = ring.gather(kv, group)  # dist.all_gather: every rank's, cp-1 parts sent
         kv_all = merge_sequence(parts, cp, split, dim=1 + SEQ_DIM)  # (2, B, nh, T, hs)
         T = kv_all.size(1 + SEQ_DIM)
         mine = split_sequence(torch.arange(T, device=q.device), rank, cp, split, 0)
@@ -246,7 +238,7 @@ def ring_block(rank: int, src: int, n: int, split: str):
     return slice(n // 2, None), slice(None), False  # only our late chunk sees src's
 
 
-def ring_pass(t, group) -> Transfer:
+def ring_pass(t, group) -> ring.Transfer:
     """Send t to the next rank and receive the previous rank's, as ONE batch_isend_irecv
     group. NCCL's rule (a send completes only when its receive is posted): every rank
     posts the same symmetric pair in the same order, so every send meets its receive."""
@@ -258,7 +250,7 @@ def ring_pass(t, group) -> Transfer:
     received = torch.empty_like(sent)
     ops = [dist.P2POp(dist.isend, sent, nxt, group)]
     ops.append(dist.P2POp(dist.irecv, received, prev, group))
-    return Transfer(dist.batch_isend_irecv(ops), sent, received)
+    return ring.Transfer(dist.batch_isend_irecv(ops), sent, received)
 
 
 def ring_forward(q, k, v, rank, cp, split, pass_on, work=None):
@@ -452,14 +444,12 @@ def apply_context_parallel(model, group, split="zigzag"):
 
 
 def cp_token_count(targets, group) -> torch.Tensor:
-    """N: the targets that count (not -1) on every rank of `group` (CP, or DP x CP), a
-    0-dim tensor on the targets' device, never read on the host (no sync). Each rank's
-    loss is the SUM over its own tokens / N: a rank whose targets are all -1 adds 0 to
-    N and 0 to the loss (no 0/0, no NaN). At least 1, as 06's global_token_count: a
-    group whose targets are all -1 gives loss 0 and zero gradients."""
-    n = mp_lib.count_tokens(targets)  # 0-dim int64
-    dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
-    return n.clamp(min=1)
+    """N: the targets that count (not -1) on every rank of `group` (CP, or DP x CP): 06's
+    global_token_count of this rank's tokens, a 0-dim tensor never read on the host (no
+    sync). Each rank's loss is the SUM over its own tokens / N: a rank whose targets are
+    all -1 adds 0 to N and 0 to the loss (no 0/0, no NaN). N is at least 1: a group
+    whose targets are all -1 gives loss 0 and zero gradients."""
+    return mp_lib.global_token_count([(None, targets)], group)  # one (x, y): ours
 
 
 def average_gradients(model, group):
@@ -494,14 +484,14 @@ def demo_attention(args, group, device):
     T = args.seq_len
     shape = (B, args.heads, T, args.head_size)
     q, k, v, dout = (torch.randn(shape, device=device) for _ in range(4))
-    want = sdpa_reference(q, k, v, dout)  # [out, dq, dk, dv] of the whole sequence
+    want = ring.sdpa_reference(q, k, v, dout)  # [out, dq, dk, dv] of the whole sequence
     C = args.heads * args.head_size
     print0(f"attention, (B, nh, T, hs) = {shape}, fp32, cp = {cp}:")
     versions = {"all-gather": (allgather_attention, allgather_bytes_per_layer)}
     versions["ring"] = (ring_attention, ring_bytes_per_layer)
     costs = {}
     for name, (fn, bytes_formula) in versions.items():
-        parts = attention_kept_bytes(B, T, args.heads, args.head_size, cp, name)
+        parts = ring.attention_kept_bytes(B, T, args.heads, args.head_size, cp, name)
         formula = (*bytes_formula(B, T, C, cp, 4), sum(parts.values()))
         costs[name] = (formula, parts)
         for split in SPLITS:
@@ -509,12 +499,19 @@ def demo_attention(args, group, device):
             cut = functools.partial(split_sequence, cp_rank=rank, cp_size=cp, **at)
             join = functools.partial(merge_sequence, cp_size=cp, **at)
             run = functools.partial(fn, group=group, split=split)
-            got, measured = attention_on_ranks(run, (q, k, v), dout, group, cut, join)
+            got, used = ring.attention_on_ranks(run, (q, k, v), dout, group, cut, join)
             diffs = {n: (a - b).abs().max() for n, a, b in zip(NAMES, got, want)}
             worst = sharding.equal_over_ranks(diffs, group, f"{name} attention")
             print0(f"  {name:<10} {split:<10} == SDPA(is_causal=True): max |Δ| {worst}")
-            assert measured == formula, f"{name} {split}: {measured} != {formula}"
-    cp_demo.print_costs(costs, B * (T // cp) * C)  # E: one of K, V of T/cp tokens
+            assert used == formula, f"{name} {split}: measured {used} != {formula}"
+    E = B * (T // cp) * C  # one of K or V of T/cp tokens
+    print0(f"per rank, measured = formula: E = B·T/cp·C = {E:,}, b = a = 4 (fp32)")
+    terms = {"all-gather": "(cp-1)·2E·b + (cp-1)·2E·a"}
+    terms["ring"] = "(cp-1)·2E·b + (cp-1)·2E·b + cp·2E·a"
+    for name, ((forward, backward, kept), parts) in costs.items():
+        print0(f"  {name:<10} sends {forward:,} + {backward:,} = {terms[name]}")
+        held = " + ".join(f"{part} {n:,}" for part, n in parts.items())
+        print0(f"  {'':<10} keeps {kept:,} for the backward = {held}")
 
 
 def demo_balance(args, group, device):
@@ -530,7 +527,7 @@ def demo_balance(args, group, device):
         pass_on = functools.partial(ring_pass, group=group)
         ring_forward(q, k, v, rank, cp, split, pass_on, work)
         mine = torch.tensor([sum(work) / n**2], device=device)
-        measured = [b.item() for b in gather(mine, group)]
+        measured = [b.item() for b in ring.gather(mine, group)]
         formula = blocks_per_rank(cp, split)
         assert measured == formula, f"{split}: measured {measured}, formula {formula}"
         cells = " ".join(f"{m:g}|{f:g}" for m, f in zip(measured, formula))
@@ -562,11 +559,11 @@ def demo_gpt(args, group, device):
         loss_full.backward()
         mine = [zigzag_split(t, rank, cp) for t in (x, y)]  # (B, T/cp) each
         step = functools.partial(cp_step, model, *mine, group)
-        with count_p2p() as sent:  # (the backward saves nothing: kept is the forward's)
+        with ring.count_p2p() as sent:  # backward saves nothing: kept is forward's
             (logits, loss), kept_mine = saved_activation_bytes(step)
         total = loss.detach().clone()
         dist.all_reduce(total, group=group)  # the ranks' shares add up to the mean
-        whole = zigzag_merge(gather(logits, group), cp)
+        whole = zigzag_merge(ring.gather(logits, group), cp)
         diffs = {"logits": (whole - logits_full).abs().max()}
         diffs["loss"] = (total - loss_full).abs()
         want = dict(full.named_parameters())
@@ -593,7 +590,7 @@ def demo(args, rank, world_size, device):
 
 
 def main(argv=None):
-    run_on_ranks(demo, argv, __file__, __doc__, *cp_demo.ARGS)
+    run_on_ranks(demo, argv, __file__, __doc__, ring.add_arguments, ring.check_args)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Plumbing for 08's ring: its transfers, counting its messages, a ring of threads.
+"""Plumbing for 08's ring: its transfers, counting its messages, a ring of threads, and
+its demo's flags.
 
 Transfer is a posted ring step (08's ring_pass returns one). count_p2p() records the
 bytes of every send posted through dist.batch_isend_irecv, the call 08's ring makes, so
@@ -13,6 +14,9 @@ ranks to start. Unlike NCCL, its sends are buffered: a send returns at once, bef
 receive is posted, so an order that deadlocks on GPUs passes here. Only the pairing is
 NCCL's: the k-th send on a link meets the k-th receive. NCCL's rule itself is checked on
 gloo ranks, under tests/distributed.nccl_p2p_rules.
+
+add_arguments() and check_args() are 08's flags and the check run_on_ranks makes before
+any rank starts; 08's demo measures and prints everything itself.
 """
 
 import contextlib
@@ -26,6 +30,20 @@ import torch.nn.functional as F
 
 from support import sharding
 from support.activations import saved_activation_bytes
+
+
+def add_arguments(parser):
+    add = parser.add_argument
+    add("--seq-len", type=int, default=64, help="T, divisible by 2cp")
+    add("--batch-size", type=int, default=2, help="B")
+    add("--heads", type=int, default=4, help="nh of the attention demo")
+    add("--head-size", type=int, default=8, help="hs of the attention demo")
+    add("--seed", type=int, default=1337, help="the same data on every rank")
+
+
+def check_args(args, cp: int):
+    """Before any rank starts: T must split into 2cp chunks (08's zigzag split)."""
+    assert args.seq_len % (2 * cp) == 0, f"--seq-len {args.seq_len}: 2cp={2 * cp} ∤ T"
 
 
 @contextlib.contextmanager
