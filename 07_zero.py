@@ -31,11 +31,11 @@ Launch:  python 07_zero.py [--ranks N]                         (runs torchrun fo
 It checks every stage against one process and prints the bytes per rank beside the
 formula. Step times against FSDP2, GPT-2's sizes: bench/bench_ddp.py.
 
-What changed from 06_mixed_precision.py: the same step's bytes, now divided among the DP
-ranks; 03's DataParallel stays stage 0. Simple first: SimpleZero1, ZeRO-1 in one flat
-buffer (reduce-scatter, step the slice, all-gather), then ZeroOptimizer, the same at
-stage 1 for any units, param groups and dtypes, then ZeroDataParallel, which adds the
-hooks of stages 2 and 3.
+What changed from 06b_recompute.py: 06b kept fewer activations; here the model states
+(06's 16Ψ bytes) are divided among the DP ranks; 03's DataParallel stays stage 0. Simple
+first: SimpleZero1, ZeRO-1 in one flat buffer (reduce-scatter, step the slice,
+all-gather), then ZeroOptimizer, the same at stage 1 for any units, param groups and
+dtypes, then ZeroDataParallel, which adds the hooks of stages 2 and 3.
 
 Left out on purpose: CPU and NVMe offload (ZeRO-Offload, ZeRO-Infinity), ZeRO++'s
 quantised collectives, FSDP2's DTensor shards and bf16 gathers (under autocast, ZeRO-3
@@ -52,7 +52,6 @@ import torch.nn as nn
 
 from support import distributed
 from support.distributed import print0
-from support.zero_layout import check_layout
 
 model_lib = importlib.import_module("02_model")
 ddp = importlib.import_module("03_ddp")
@@ -305,6 +304,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.local.load_state_dict(state_dict["local"])
         if gather:
             self.gather_weights()
+
+
+def check_layout(saved: dict | None, here: dict) -> None:
+    """A ZeRO shard fits only the layout it was saved under (stage, dp rank and size, the
+    flats' sizes): raise a ValueError naming every key whose saved value differs."""
+    saved = saved or {}
+    diff = [k for k, v in here.items() if saved.get(k) != v]
+    if diff:
+        pairs = [f"{k} {saved.get(k)!s:.24}, here {here[k]!s:.24}" for k in diff]
+        raise ValueError(f"this ZeroOptimizer shard was saved with {'; '.join(pairs)}")
 
 
 def zero_units(module: nn.Module) -> list:
