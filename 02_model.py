@@ -49,10 +49,10 @@ arXiv 2204.02311, Appendix B): flops_per_token. bench/bench_model.py times the s
 Run it:  python 02_model.py   (seconds on a CPU; --help for flags). It prints the
 presets' sizes and FLOPs per token, overfits a tiny model on one batch, and samples.
 
-What changed from 01_data.py: its ids become logits and a loss here. The demo's tokens
-are raw bytes (V = 256, from byte_batches, which later demos reuse). Names match nanoGPT
-and Hugging Face (transformer.h.0.attn.c_attn, ...), so GPT-2's weights load exactly;
-LoRA, at the end of the file, fine-tunes them.
+What changed from 01b_cleaning.py: the ids that 01 and 01b prepare become logits and a
+loss here. The demo's tokens are raw bytes (V = 256, from byte_batches, which later
+demos reuse). Names match nanoGPT and Hugging Face (transformer.h.0.attn.c_attn, ...),
+so GPT-2's weights load exactly; LoRA, at the end of the file, fine-tunes them.
 
 Left out on purpose: techniques that change how the model runs are applied from their
 own lessons (parallelism, mixed precision, activation recomputation); so are the

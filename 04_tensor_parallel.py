@@ -29,10 +29,11 @@ mask on every rank, so it draws from the default generator, seeded alike; a shar
 Run it:  python 04_tensor_parallel.py [--ranks 4]   (relaunches itself under torchrun)
     or:  torchrun --standalone --nproc_per_node=2 04_tensor_parallel.py
 
-What changed from 03_ddp.py: DP copies the model and splits the batch, sending gradients
-once per step; TP splits every matrix, keeps the whole batch and sends activations in
-every layer. Left out on purpose: sequence parallelism (next, 04b_sequence_parallel.py);
-overlap of the backward all-reduce with the weight gradient's matmul; 2D TP.
+What changed from 03b_compression.py: DP (03, 03b) copies the model and splits the
+batch, sending gradients (fewer bytes of them in 03b) once per step; TP splits every
+matrix, keeps the whole batch and sends activations in every layer. Left out on purpose:
+sequence parallelism (next, 04b_sequence_parallel.py); overlap of the backward
+all-reduce with the weight gradient's matmul; 2D TP.
 """
 
 import contextlib

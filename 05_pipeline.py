@@ -35,12 +35,13 @@ send completes only once its receive is posted (`blocking_p2p`).
 Launch:  python 05_pipeline.py [--ranks N] [--microbatches M]   (relaunches in torchrun)
          torchrun --standalone --nproc_per_node=4 05_pipeline.py   (gloo or NCCL)
 
-What changed from 04: 03 copied the whole model and 04 split every matrix; here a rank
-holds whole layers and talks only to its two neighbours, so PP can stretch across nodes.
-Left out on purpose, for 05b_schedules.py: schedules as tables (interleaved 1F1B), the
-check that no plan hangs under NCCL, the simulator, and the step train.py runs (mixed
-precision, a loss scale, 03's DP around each stage). Left out of both: DualPipe,
-unbalanced stages, freeing sent outputs early, overlapping messages with compute.
+What changed from 04b: 03 copied the whole model, 04 split every matrix and 04b the
+tokens between the matrices; here a rank holds whole layers and talks only to its two
+neighbours, so PP can stretch across nodes. Left out on purpose, for 05b_schedules.py:
+schedules as tables (interleaved 1F1B), the check that no plan hangs under NCCL, the
+simulator, and the step train.py runs (mixed precision, a loss scale, 03's DP around
+each stage). Left out of both: DualPipe, unbalanced stages, freeing sent outputs early,
+overlapping messages with compute.
 """
 
 import importlib

@@ -45,11 +45,13 @@ Bits, sign|exponent|mantissa: fp32 1|8|23; bf16 1|8|7 (fp32's range, 2-3 digits)
 
 Launch:  python 06_mixed_precision.py   (seconds on a CPU; --help): the five in order.
 
-What changed from 05_pipeline.py: its microbatches come back as accumulation steps, and
-training gets a dtype; the new collective is the scaler's inf check, a 4-byte MAX over
-all ranks (DP, TP and PP ranks must skip the same step). Left out on purpose: fp8,
-stochastic rounding, 16-bit optimizer states; keeping fewer activations (recomputation,
-the chunked loss) is 06b_recompute.py. Paper: Micikevicius et al., 1710.03740.
+What changed from 05c_zero_bubble.py, the last pipeline lesson: 05's microbatches come
+back as accumulation steps, and training gets a dtype and a loss scale (05b's
+Microbatches takes them as given); the new collective is the scaler's inf check, a
+4-byte MAX over all ranks (DP, TP and PP ranks must skip the same step). Left out on
+purpose: fp8, stochastic rounding, 16-bit optimizer states; keeping fewer activations
+(recomputation, the chunked loss) is 06b_recompute.py. Paper: Micikevicius et al.,
+1710.03740.
 """
 
 import argparse
