@@ -2,13 +2,15 @@
 
 05's two loops each hard-code one order. Here a schedule is a table: for each rank, its
 steps, each a forward or backward (or, interleaved, one of each) of a microbatch on one
-of its chunks. Three tables, one executor (`pipeline_step`):
+of its chunks. Four tables, one executor (`pipeline_step`):
 
     gpipe         warm-up m forwards (all), then the backwards
     1f1b          warm-up p-r-1 forwards, then F, B in turn, then the backwards left
     interleaved   rank r holds stages r, r+p, ... (v chunks, Megatron-LM 2104.04473):
                   forwards go round the ring p microbatches at a time per chunk,
                   warm-up 2(p-r-1) + (v-1)p, each steady step a forward AND a backward
+    zb1           1F1B's, each backward split into B (input gradient) and W (weights'),
+                  the W's moved into the cool-down's idle slots (ZB-H1: 05c teaches it)
 
     bubble = (p - 1) / (v·m + p - 1)        fill and drain shrink v times, for v
                                             times the messages (05's, at v·m)
@@ -36,10 +38,10 @@ one executor runs them all and a checker proves each safe before any GPU runs it
 a lower precision with messages in it, backward from a scaled loss, and a token count
 made elsewhere without a host sync (06 comes later: its choices are passed in).
 To add a schedule: name it in SCHEDULES, give `warmup_forwards` and `schedule_steps` its
-order, and teach any new kind of action (zero-bubble's W: a weight gradient, sent
-nowhere) to `input_message`, `SENDS_TO`, `nccl_timeline`'s durations and `run_plan`.
-Left out on purpose: zero-bubble schedules (2401.10241), DualPipe, unbalanced stages,
-overlapping messages with compute.
+order, and teach any new kind of action to `input_message`, `SENDS_TO`, `nccl_timeline`'s
+durations and `run_plan`, as zb1's W (a weight gradient, sent nowhere) is taught.
+Left out on purpose: the B/W split itself (05c_zero_bubble.py, whose demo runs zb1),
+ZB-H2 and ZB-V, DualPipe, unbalanced stages, overlapping messages with compute.
 """
 
 import argparse
@@ -47,6 +49,7 @@ import contextlib
 import functools
 import importlib
 import os
+import time
 from collections import defaultdict, namedtuple
 from pathlib import Path
 
@@ -60,9 +63,9 @@ from support.gantt import plot_timelines
 pipe = importlib.import_module("05_pipeline")  # split_model, Microbatches, the loops
 model_lib = importlib.import_module("02_model")  # GPT, GPTConfig, byte_batches
 
-Action = namedtuple("Action", "op mb chunk")  # "F" or "B" of microbatch mb on a chunk
+Action = namedtuple("Action", "op mb chunk")  # "F", "B" or "W" of mb on a chunk
 Tick = namedtuple("Tick", "actions sends recvs")  # run actions, then ONE p2p group
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1")
 Event = pipe.Event  # an Action as it ran (or was simulated): op mb chunk start end
 
 
@@ -82,7 +85,7 @@ def warmup_forwards(schedule: str, p: int, m: int, v: int, rank: int) -> int:
     exchange its forward's and backward's messages in one group."""
     if schedule == "gpipe":
         warmup = m
-    elif schedule == "1f1b":
+    elif schedule in ("1f1b", "zb1"):
         warmup = p - rank - 1
     else:
         warmup = 2 * (p - rank - 1) + (v - 1) * p
@@ -106,7 +109,24 @@ def schedule_steps(schedule, p: int, m: int, v: int, rank: int, forward_only=Fal
     steps = [(f,) for f in fwd[:warmup]]
     for f, b in zip(fwd[warmup:], bwd):  # the steady phase: one forward, one backward
         steps += [(f, b)] if schedule == "interleaved" else [(f,), (b,)]
-    return steps + [(b,) for b in bwd[len(fwd) - warmup :]]  # the cool-down
+    steps += [(b,) for b in bwd[len(fwd) - warmup :]]  # the cool-down
+    return zero_bubble_order(steps, rank) if schedule == "zb1" else steps
+
+
+def zero_bubble_order(steps, rank: int):
+    """ZB-H1 (2401.10241) from 1F1B's steps: each B is followed by the W of the oldest
+    B still waiting for one, except the first `rank` B's, whose W's wait: the last
+    stage, which holds one microbatch, puts off p-1 W's and the first none, so each
+    stage has at most p microbatches forwarded and not yet through W, as 1F1B's first
+    stage. The put-off W's run at the end, where 1F1B's cool-down idles."""
+    waiting = []  # backwards done, their W's not yet run
+    order = []
+    for step in steps:
+        order.append(step)
+        waiting += [Action("W", a.mb, a.chunk) for a in step if a.op == "B"]
+        if step[0].op == "B" and len(waiting) > rank:
+            order.append((waiting.pop(0),))
+    return order + [(w,) for w in waiting]
 
 
 # An action's output travels one stage on: a forward's to s+1, a backward's to s-1.
@@ -126,6 +146,8 @@ def input_message(a: Action, s: int, n_stages: int):
     """The message (op, microbatch, stage) whose tensor action a, at stage s, consumes."""
     if a.op == "F":
         return ("F", a.mb, s - 1) if s > 0 else None  # the previous stage's activation
+    if a.op == "W":
+        return ("B", a.mb, s)  # this stage's own backward: W reads what B queued
     if s < n_stages - 1:
         return ("B", a.mb, s + 1)  # the next stage's gradient
     return ("F", a.mb, s)  # the last stage's backward starts from its own loss
@@ -202,12 +224,16 @@ def completes_at(g, partners, posted):
     return max(posted[h] for h in [g, *partners])
 
 
-def nccl_timeline(plan, v: int, t_f=1.0, t_b=2.0) -> list[list[Event]]:
+def nccl_timeline(plan, v: int, t_f=1.0, t_b=2.0, t_w=None) -> list[list[Event]]:
     """Run a plan on paper as run_plan would under NCCL, or raise naming the groups that
-    hang: a forward takes t_f per stage, a backward t_b, and a chunk 1/v of that. A rank
-    runs its tick's actions, posts its group, and waits until the group completes."""
+    hang: a forward takes t_f per stage, a backward t_b, and a chunk 1/v of that; in a
+    plan with W's, a backward is split: B takes t_b - t_w, W t_w (t_b/2 by default). A
+    rank runs its tick's actions, posts its group, and waits until the group completes."""
     p = len(plan)
-    durations = {"F": t_f / v, "B": t_b / v}  # a chunk is 1/v of a stage
+    split = any(a.op == "W" for ticks in plan for tick in ticks for a in tick.actions)
+    t_w = t_b / 2 if t_w is None else t_w
+    t_input = t_b - t_w if split else t_b  # B alone: the input gradient
+    durations = {"F": t_f / v, "B": t_input / v, "W": t_w / v}  # a chunk: 1/v
     partners = defaultdict(list)  # group -> the groups holding its partners
     for g, h in send_recv_pairs(plan):
         partners[g].append(h)
@@ -245,11 +271,11 @@ def nccl_timeline(plan, v: int, t_f=1.0, t_b=2.0) -> list[list[Event]]:
     return timeline
 
 
-def simulate(schedule: str, p: int, m: int, v: int = 1, t_f=1.0, t_b=2.0):
+def simulate(schedule: str, p: int, m: int, v: int = 1, t_f=1.0, t_b=2.0, t_w=None):
     """-> (each rank's actions, their Events as the executor's plan runs under NCCL)."""
     plan = comm_plan([schedule_steps(schedule, p, m, v, r) for r in range(p)], p, v)
     orders = [[a for tick in ticks for a in tick.actions] for ticks in plan]
-    return orders, nccl_timeline(plan, v, t_f, t_b)
+    return orders, nccl_timeline(plan, v, t_f, t_b, t_w)
 
 
 def bubble_formula(p: int, m: int, v: int = 1) -> float:
@@ -293,6 +319,7 @@ class Microbatches(pipe.Microbatches):
         device_type = self.device.type
         self.autocast = functools.partial(torch.autocast, device_type, dtype, cast)
         self.scale = 1.0
+        self.deferred = set()  # (mb, chunk)s through B whose W has not run
 
     def count_tokens(self, y):
         """05's count of this batch's real targets, or the caller's n_tokens (a tensor
@@ -316,26 +343,57 @@ class Microbatches(pipe.Microbatches):
         """05's share times `scale`, for backward only: self.loss stays unscaled."""
         return super().loss_share(logits, mb) * self.scale
 
-    def forward(self, mb: int, inp, chunk: int = 0):
-        """05's forward, from a message cast from the wire's dtype to the parameters'."""
-        inp = None if inp is None else inp.to(self.param_dtype)
-        return super().forward(mb, inp, chunk)
-
     def backward(self, mb: int, grad, chunk: int = 0, sync: bool = True):
-        """05's backward; DP all-reduces only when sync (the chunk's last backward)."""
-        wrapped = self.chunks[chunk]
-        quiet = not sync and hasattr(wrapped, "no_sync")
+        """05's backward; DP all-reduces only when sync (the chunk's last backward).
+        On a chunk split by 05c, only the input gradient: the weights' wait for W."""
         out = self.stash[(mb, chunk)][1]
         grad = None if grad is None else grad.to(out.dtype)  # from the wire's dtype
-        with wrapped.no_sync() if quiet else contextlib.nullcontext():
+        if getattr(self.stages[chunk], "weight_grads", None) is not None:
+            self.deferred.add((mb, chunk))  # alive until its W
+        with self.quiet(chunk, sync):
             return super().backward(mb, grad, chunk)
+
+    def quiet(self, chunk: int, sync: bool):
+        """03's no_sync() around a pass that is not the chunk's last (no DP: nothing)."""
+        wrapped = self.chunks[chunk]
+        quiet = not sync and hasattr(wrapped, "no_sync")
+        return wrapped.no_sync() if quiet else contextlib.nullcontext()
+
+    def weight(self, mb: int, chunk: int = 0, sync: bool = True):
+        """W (zero-bubble): the weight gradients B(mb) queued on a chunk split by 05c,
+        added into .grad; DP all-reduces when sync (the chunk's last W)."""
+        queue = getattr(self.stages[chunk], "weight_grads", None)
+        assert queue is not None, "a W needs 05c_zero_bubble.split_weight_grads(chunk)"
+        start = time.perf_counter() - self.t0
+        with self.quiet(chunk, sync):
+            queue.run(mb)
+        self.deferred.remove((mb, chunk))
+        self.events.append(Event("W", mb, chunk, start, time.perf_counter() - self.t0))
+
+    def forward(self, mb: int, inp, chunk: int = 0):
+        """05's forward, from a message cast from the wire's dtype to the parameters'.
+        The peak counts (mb, chunk)s forwarded and not yet through B, or W if split."""
+        inp = None if inp is None else inp.to(self.param_dtype)
+        queue = getattr(self.stages[chunk], "weight_grads", None)
+        if queue is not None:  # 05c's split: what B will queue is microbatch mb's
+            queue.mb = mb
+        out = super().forward(mb, inp, chunk)
+        if torch.is_grad_enabled():
+            self.peak = max(self.peak, len(self.stash) + len(self.deferred))
+        return out
+
+    def result(self) -> pipe.StepResult:
+        stuck = f"(mb, chunk)s {sorted(self.deferred)} ran B but never W"
+        assert not self.deferred, stuck
+        return super().result()
 
 
 def run_plan(step: Microbatches, ticks: list[Tick]) -> None:
     """The executor: run one rank's ticks, each its actions and then ONE p2p group."""
     p = step.p
     v = len(step.chunks)
-    last_backward = {a.chunk: a for tick in ticks for a in tick.actions if a.op == "B"}
+    # DP all-reduces in a chunk's last pass that adds to .grad: its last B, or W.
+    last = {a.chunk: a for tick in ticks for a in tick.actions if a.op in "BW"}
     inbox = {}  # message -> its tensor, received or made here for the next chunk
     for tick in ticks:
         for a in tick.actions:
@@ -343,10 +401,11 @@ def run_plan(step: Microbatches, ticks: list[Tick]) -> None:
             msg = input_message(a, s, p * v)
             if a.op == "F":
                 out = step.forward(a.mb, inbox.pop(msg) if msg else None, a.chunk)
+            elif a.op == "W":  # zero-bubble: from what B queued; sends nothing
+                step.weight(a.mb, a.chunk, a == last[a.chunk])
             else:
                 grad = inbox.pop(msg) if msg[0] == "B" else None  # last: from the loss
-                sync = a == last_backward[a.chunk]  # DP: all-reduce on the last one
-                out = step.backward(a.mb, grad, a.chunk, sync)
+                out = step.backward(a.mb, grad, a.chunk, a == last[a.chunk])
             if consumer_rank(a, step.rank, p, v) is not None:  # sent below, or p = 1
                 inbox[(a.op, a.mb, s)] = out.detach().to(step.wire)
         for _, msg in tick.recvs:
@@ -440,7 +499,7 @@ def demo(args, rank: int, p: int, device) -> None:
     print0(f"{'':15}{'loss':>8}{'vs 1 proc':>10}{'vs loop':>9}{'bubble':>8}", end="")
     print0(f"{'simulated':>10}{'formula':>8}  peak alive (mb, chunk) per stage")
     measured = {}
-    for schedule in SCHEDULES:
+    for schedule in SCHEDULES[:3]:  # zb1 needs 05c's split: python 05c_zero_bubble.py
         v = args.virtual_stages if schedule == "interleaved" else 1
         chunks = pipe.split_model(model, rank, p, v)
         loop = ref  # interleaved has no loop in 05: compared with one process twice

@@ -1,6 +1,6 @@
 """Gantt charts and Chrome traces of pipeline timelines (05b_schedules.py, bench/).
 
-A timeline is one list of Events per rank; an Event has .op ("F" or "B"), .mb (the
+A timeline is one list of Events per rank; an Event has .op ("F", "B" or "W"), .mb (the
 microbatch), .chunk (which of a rank's v chunks), .start and .end. Plotting teaches
 nothing about pipelines, so it lives here.
 """
@@ -30,19 +30,19 @@ def plot_timelines(
         ax.set(yticks=range(p), ylim=(p - 0.5, -0.5))
         ax.set_yticklabels([f"rank {r}" for r in range(p)])
         ax.set_title(title, fontsize=9, loc="left")
-    axes[-1].set_xlabel(f"{xlabel}; forwards blue, backwards orange")
+    axes[-1].set_xlabel(f"{xlabel}; forwards blue, backwards orange, W green")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
 
 
 def draw_box(ax, r: int, e, unit: float, chunked: bool) -> None:
-    """One forward (blue) or backward (orange) on rank r's row, labelled 3 or 3a."""
+    """One forward (blue), backward (orange) or W (green) on rank r's row: 3 or 3a."""
     from matplotlib import colormaps
 
     x = e.start * unit
     width = (e.end - e.start) * unit
     shade = 0.3 + 0.2 * (e.mb % 4)  # four shades tell neighbouring microbatches apart
-    colour = colormaps["Blues" if e.op == "F" else "Oranges"](shade)
+    colour = colormaps[{"F": "Blues", "B": "Oranges", "W": "Greens"}[e.op]](shade)
     ax.broken_barh([(x, width)], (r - 0.4, 0.8), color=colour, ec="k", lw=0.3)
     label = f"{e.mb}{'abcdefgh'[e.chunk]}" if chunked else f"{e.mb}"  # 0a: chunk 0
     ink = "w" if shade > 0.6 else "k"  # white text on the darker shades
@@ -59,7 +59,7 @@ def write_chrome_trace(timelines: dict, path) -> None:
             rank = {"name": f"rank {r}"}
             trace.append(dict(ph="M", name="thread_name", pid=pid, tid=r, args=rank))
             for e in events:
-                kind = "forward" if e.op == "F" else "backward"
+                kind = {"F": "forward", "B": "backward", "W": "weight gradient"}[e.op]
                 slice_ = dict(ph="X", name=f"{e.op}{e.mb} chunk {e.chunk}", cat=kind)
                 slice_.update(pid=pid, tid=r, ts=e.start * 1e6)
                 trace.append({**slice_, "dur": (e.end - e.start) * 1e6})
