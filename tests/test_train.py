@@ -461,10 +461,10 @@ def test_resume_loads_shards_to_the_cpu_whatever_the_run_device(data_dir, tmp_pa
     argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "2"]
     run_main(argv)
     cfg, _ = train.parse_args(argv + ["--resume"])
-    run = train.build_run(cfg, train.validate(cfg, 1), train.Grid(), torch.device("cpu"))
+    run = train.build_run(cfg, train.validate(cfg, 1), train.grid_lib.Grid(), torch.device("cpu"))
     run = dataclasses.replace(run, device=torch.device("meta"))
     torch.manual_seed(0)  # somewhere else: the restore must bring back the saved state
-    assert train.load_checkpoint(run) == 2
+    assert train.checkpoint.load_checkpoint(run) == 2
     shard = torch.load(checkpoint.complete_checkpoints(tmp_path)[0] / checkpoint.shard_name(0),
                        weights_only=True)  # fmt: skip
     params = run.modules()[0].state_dict()
@@ -512,7 +512,7 @@ def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
     cfg, _ = train.parse_args(argv + ["--resume"])
     grid = train.build_grid(cfg, rank, world)
     run = train.build_run(cfg, train.validate(cfg, world), grid, torch.device("cpu"))
-    resumed = train.load_checkpoint(run)
+    resumed = train.checkpoint.load_checkpoint(run)
 
     real_write = checkpoint.atomic_write
 
@@ -596,7 +596,7 @@ def _sharded_logits(rank, world, data_dir, tmp):
     cfg, _ = train.parse_args(argv + ["--resume"])  # rebuild it, from its checkpoint
     gpt_config = train.validate(cfg, world)
     run = train.build_run(cfg, gpt_config, train.build_grid(cfg, rank, world), torch.device("cpu"))
-    train.load_checkpoint(run)
+    train.checkpoint.load_checkpoint(run)
     x = torch.arange(2 * 32).view(2, 32) % 200  # (B, T) ids
     chunk, grid = run.modules()[0], run.grid
     with torch.no_grad():

@@ -325,7 +325,8 @@ def test_tokens_per_s_leaves_out_evaluation_and_checkpoints(data_dir, tmp_path, 
 
     monkeypatch.setattr(train, "train_step", taking(1.0, train.train_step))
     monkeypatch.setattr(train, "evaluate", taking(50.0, train.evaluate))
-    monkeypatch.setattr(train, "save_checkpoint", taking(30.0, train.save_checkpoint))
+    save = train.checkpoint.save_checkpoint  # train.py calls it through the module
+    monkeypatch.setattr(train.checkpoint, "save_checkpoint", taking(30.0, save))
     argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "6"]
     train.main(argv + ["--log-interval", "2", "--eval-interval", "2", "--ckpt-interval", "2"])
     rows = metrics(tmp_path)
