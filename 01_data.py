@@ -531,6 +531,7 @@ def run(args, cleaner=None, prog="01_data.py") -> None:
     """main's work on parsed flags; 01b_cleaning.py runs it with its `cleaner`."""
     bpe = args.tokenizer == "bpe"
     label = f"bpe{args.vocab_size}" if bpe else Path(args.tokenizer).stem
+    label += "-clean" if cleaner else ""  # 01b's shards never overwrite 01's.
     out = Path(args.out or f"data/{Path(args.source).stem}-{label}")
     try:  # Bad input fails here with one line, and no traceback.
         if bpe:

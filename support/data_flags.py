@@ -31,7 +31,8 @@ def parse_args(argv, description: str, shard_tokens: int, cleaning=None):
     arg("--bpe-sample-mb", type=float, default=16, help="train text the BPE learns on")
     if cleaning is not None:
         add_cleaning_flags(arg, *cleaning)
-    arg("--out", help="output folder; data/SOURCE-TOKENIZER when not given")
+    where = "data/SOURCE-TOKENIZER when not given (01b: ...-clean)"
+    arg("--out", help=f"output folder; {where}")
     args = parser.parse_args(argv)
     # A BPE needs the 256 bytes and <|endoftext|>; a window never crosses a shard.
     small_vocab = args.tokenizer == "bpe" and args.vocab_size < 257
