@@ -1,0 +1,414 @@
+"""05c · Zero bubble: split each backward in two and fill 1F1B's bubble with the half
+that nobody waits for (ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism",
+arXiv 2401.10241).
+
+A linear layer y = x Wᵀ + b has a backward of two matmuls of different urgency:
+
+    B:  dX = dY W        the stage before this one waits for it
+    W:  dW = dYᵀ X       nobody needs it until the optimizer step (and db = Σ dY)
+
+So B runs at once and sends dX upstream, while (X, dY) wait in a queue that a later W
+drains into .grad, in the idle slots where 1F1B waits for gradients to come back. With
+t_f = t_B = t_W (B and W each half of 05's backward), stage r of ZB-H1 at p=4, m=8
+(the simulator's timeline; Fi, Bi, Wi: microbatch i; . idle):
+
+    r0 F0F1F2F3 . . .B0W0F4B1W1F5B2W2F6B3W3F7B4W4B5W5B6W6B7W7
+    r1  .F0F1F2 . .B0F3B1W0F4B2W1F5B3W2F6B4W3F7B5W4B6W5B7W6W7
+    r2  . .F0F1 .B0F2B1F3B2W0F4B3W1F5B4W2F6B5W3F7B6W4B7W5W6W7
+    r3  . . .F0B0F1B1F2B2F3B3W0F4B4W1F5B5W2F6B6W3F7B7W4W5W6W7
+
+1F1B's order and warm-up; after each B, the W of the oldest B still waiting, except
+that stage r puts off its first r W's to the end, where 1F1B's cool-down idles. A
+stage then holds at most p microbatches forwarded and not yet through W, like 1F1B's
+first stage. The bubble, as a share of the ideal (busy) time, for m >= p:
+
+    1F1B  (p-1)(t_f + t_B + t_W) / (m (t_f + t_B + t_W))  = (p-1)/m
+    ZB-H1 (p-1)(t_f + t_B - t_W) / (m (t_f + t_B + t_W))  = (p-1)/(3m)   equal times
+
+The cost: what W reads, each linear's X and dY (and the embeddings' ids and dY), lives
+from B to W: `w_bytes_formula` beside the queue's measured bytes.
+
+Launch:  python 05c_zero_bubble.py [--ranks 4] [--plot]    (relaunches in torchrun)
+         torchrun --standalone --nproc_per_node=4 05c_zero_bubble.py
+
+What changed from 05b: a third action, W, in its tables ("zb1"); its executor calls
+the W runner of a chunk split here (`split_weight_grads`), which trains train.py's
+--schedule zb1. Left out on purpose: ZB-H2 (more warm-up forwards, up to 2p-1
+microbatches alive on the first stage: about twice 1F1B's activations, for no bubble
+at all) and ZB-V (two chunks a rank in a V, p microbatches of activations, like
+ZB-H1's, and no bubble, at interleaving's extra messages), the paper's optimizer
+post-validation, and DualPipe.
+"""
+
+import argparse
+import functools
+import importlib
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from support import distributed
+from support.distributed import print0
+from support.gantt import plot_timelines
+
+model_lib = importlib.import_module("02_model")  # GPT, GPTConfig, byte_batches
+pipe = importlib.import_module("05_pipeline")  # split_model, bubble_fraction
+sched = importlib.import_module("05b_schedules")  # pipeline_step, simulate
+
+
+# ------------------------------------------------ W's three gradients, written out
+def linear_weight_grad(x, dy):
+    """dW = dYᵀ X over every token: (out, b·T) @ (b·T, in) -> (out, in)."""
+    return dy.reshape(-1, dy.size(-1)).T @ x.reshape(-1, x.size(-1))
+
+
+def bias_grad(dy):
+    """db = Σ dY over every token: (out,)."""
+    return dy.reshape(-1, dy.size(-1)).sum(0)
+
+
+def embedding_weight_grad(ids, dy, rows: int):
+    """dW[id] += dY at each token's id: (rows, C). A table has no input gradient."""
+    grad = dy.new_zeros(rows, dy.size(-1))
+    return grad.index_add_(0, ids.reshape(-1), dy.reshape(-1, dy.size(-1)))
+
+
+class WeightGradQueue:
+    """A stage's deferred weight gradients: B(mb) queues them, W(mb) runs them."""
+
+    def __init__(self):
+        self.pending = defaultdict(list)  # mb -> [(parameter, its dW function, inputs)]
+        self.mb = None  # the microbatch whose forward runs: 05b's forward sets it
+        self.peak_bytes = 0
+
+    def add(self, mb, param, grad_fn, *tensors) -> None:
+        """From B: param's gradient is grad_fn(*tensors), computed later, in W."""
+        self.pending[mb].append((param, grad_fn, tensors))
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())
+
+    def nbytes(self) -> int:
+        """Bytes the queue keeps alive: every distinct storage it holds, once."""
+        storages = {}
+        for work in self.pending.values():
+            for _, _, tensors in work:
+                for t in tensors:
+                    storages[t.untyped_storage().data_ptr()] = t.nbytes
+        return sum(storages.values())
+
+    def run(self, mb) -> None:
+        """W: microbatch mb's weight gradients, added into .grad by ONE autograd call,
+        so 03's and 07's gradient hooks fire (and DP syncs) as in a backward."""
+        assert mb in self.pending, f"W of microbatch {mb} before its B, or run twice"
+        work = self.pending.pop(mb)
+        params = [param for param, _, _ in work]
+        grads = [fn(*tensors).to(param.dtype) for param, fn, tensors in work]
+        torch.autograd.backward(params, grads)  # a leaf's backward: into its .grad
+
+
+def autocast_casts(x, weight, bias):
+    """Autocast's casts of F.linear's inputs (none when it is off), made here, so that
+    B and W use the very tensors autograd's own linear would have saved."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return x, weight, bias
+    dtype = torch.get_autocast_dtype(kind)
+    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+class SplitLinear(torch.autograd.Function):
+    """y = x Wᵀ + b; backward: dX = dY W now, dW = dYᵀ X and db = Σ dY queued for W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, queue):
+        x, cast_weight, cast_bias = autocast_casts(x, weight, bias)
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x, cast_weight, cast_bias)  # (b, T, in) -> (b, T, out)
+        ctx.save_for_backward(x, cast_weight)
+        ctx.params = (weight, bias)  # the Parameters whose .grad W adds to
+        ctx.queue = queue
+        ctx.mb = queue.mb
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # dy: (b, T, out)
+        x, weight = ctx.saved_tensors
+        param, bias = ctx.params
+        if param.requires_grad:
+            ctx.queue.add(ctx.mb, param, linear_weight_grad, x, dy)
+        if bias is not None and bias.requires_grad:
+            ctx.queue.add(ctx.mb, bias, bias_grad, dy)
+        return dy @ weight, None, None, None  # dX: (b, T, out) @ (out, in)
+
+
+class SplitEmbedding(torch.autograd.Function):
+    """Rows of W by id; backward: nothing now (ids have no gradient), dW queued for W."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, queue):
+        ctx.save_for_backward(ids)
+        ctx.param = weight
+        ctx.queue = queue
+        ctx.mb = queue.mb
+        return F.embedding(ids, weight)  # (b, T) -> (b, T, C)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (ids,) = ctx.saved_tensors
+        rows = ctx.param.size(0)
+        grad_fn = functools.partial(embedding_weight_grad, rows=rows)
+        ctx.queue.add(ctx.mb, ctx.param, grad_fn, ids, dy)
+        return None, None, None
+
+
+# Which weights wait for W: every F.linear and F.embedding weight of the stage, so 02's
+# blocks (c_attn, c_proj, c_fc, c_proj), wte, wpe and lm_head, and 04's shards of them.
+# LayerNorm's γ and β stay in B: their gradients are sums over tokens of dY·x̂ and dY,
+# as cheap as the input gradient's pass that computes x̂ anyway, and deferring them
+# would keep x̂ and dY (2·b·T·C numbers each) alive to save next to no time.
+class DeferWeightGrads(TorchFunctionMode):
+    """Inside: F.linear and F.embedding on one of `weights` run split (B now, W later).
+    A torch function mode sees every call of theirs, so 02's nn.Linear, 04's sharded
+    layers and the tied lm_head all split without a line of theirs changed."""
+
+    def __init__(self, queue: WeightGradQueue, weights):
+        super().__init__()
+        self.queue = queue
+        self.ids = {id(w) for w in weights if w.requires_grad}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        grad = torch.is_grad_enabled()  # evaluation's forwards: no backward to split
+        if grad and func is F.linear and id(args[1]) in self.ids:
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return SplitLinear.apply(args[0], args[1], bias, self.queue)
+        if grad and func is F.embedding and id(args[1]) in self.ids:
+            extras = ("padding_idx", "max_norm", "scale_grad_by_freq", "sparse")
+            plain = all(kwargs.get(k) in (None, False) for k in extras)  # 02's, 04's
+            assert plain, "SplitEmbedding has no padding_idx, max_norm or sparse"
+            return SplitEmbedding.apply(args[0], args[1], self.queue)
+        return func(*args, **kwargs)
+
+
+def split_weight_grads(chunk):
+    """Split a pipeline chunk's backward in place: its forward runs under
+    DeferWeightGrads, and chunk.weight_grads is the queue 05b's W actions drain."""
+    assert not hasattr(chunk, "weight_grads"), "this chunk is split already"
+    queue = WeightGradQueue()
+    forward = chunk.forward
+
+    def split_forward(*args, **kwargs):
+        with DeferWeightGrads(queue, chunk.parameters()):
+            return forward(*args, **kwargs)
+
+    chunk.weight_grads = queue
+    chunk.forward = split_forward  # parameter names, and checkpoints, unchanged
+    return chunk
+
+
+def split_for_schedule(chunks: list, schedule: str) -> list:
+    """train.py's chunks, each split if the schedule has W's (zb1), else unchanged."""
+    if schedule == "zb1":
+        for chunk in chunks:
+            split_weight_grads(chunk)
+    return chunks
+
+
+def w_bytes_formula(config, b: int, T: int, layers: int, first: bool, last: bool):
+    """Bytes one microbatch leaves in a stage's queue from its B to its W, fp32: per
+    block, X of c_attn, c_proj, c_fc, c_proj (C, C, C, 4C) and their dY (3C, C, 4C,
+    C), 16C numbers a token; the head's X and dY, C + V; the embeddings' ids (int64)
+    and dY, for the b·T tokens (wte) and the T positions (wpe)."""
+    C = config.n_embd
+    V = config.padded_vocab_size
+    floats = b * T * 16 * C * layers
+    floats += b * T * (C + V) if last else 0
+    floats += (b * T + T) * C if first else 0
+    ids = (b * T + T) * 8 if first else 0
+    return 4 * floats + ids
+
+
+def peak_w_bytes(config, b: int, T: int, p: int, m: int, r: int) -> int:
+    """Stage r's most bytes kept for W under ZB-H1: it puts off r W's, so while a B
+    queues, min(r+1, m) microbatches wait, each w_bytes_formula's bytes."""
+    n = config.n_layer
+    layers = (r + 1) * n // p - r * n // p  # split_model's balanced cut
+    per_mb = w_bytes_formula(config, b, T, layers, r == 0, r == p - 1)
+    return min(r + 1, m) * per_mb
+
+
+# ------------------------------------------------------------------------ the demo
+def one_linear_check() -> None:
+    """ONE linear: dX at B, dW and db at W, bit for bit autograd's (fp32)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    x = torch.randn(4, 16, 64, requires_grad=True)  # (b, T, in)
+    dy = torch.randn(4, 16, 96)  # (b, T, out): what the next layer sends back
+    linear(x).backward(dy)
+    ref = [x.grad, linear.weight.grad, linear.bias.grad]
+    linear.zero_grad(set_to_none=True)
+    x.grad = None
+    queue = WeightGradQueue()
+    queue.mb = 0
+    with DeferWeightGrads(queue, linear.parameters()):
+        y = linear(x)
+    y.backward(dy)  # B: dX only
+    assert linear.weight.grad is None, "B must leave the weight gradient to W"
+    queue.run(0)  # W
+    got = [x.grad, linear.weight.grad, linear.bias.grad]
+    assert all(map(torch.equal, got, ref)), "the split differs from autograd"
+    print("one linear (4, 16, 64) -> 96: B gives dX, W gives dW and db later,")
+    print("  each bit for bit autograd's (fp32): torch.equal")
+
+
+def stage_check(config, batch) -> None:
+    """One whole stage (p = 1: embeddings, every block, head): B leaves only
+    LayerNorm's gradients, W adds the rest, all bit for bit autograd's (fp32)."""
+    torch.manual_seed(0)
+    model = model_lib.GPT(config)
+    _, loss = model(*batch)
+    loss.backward()
+    ref = {n: q.grad.clone() for n, q in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    (chunk,) = pipe.split_model(model, 0, 1)
+    split_weight_grads(chunk)
+    chunk.weight_grads.mb = 0
+    chunk.loss_fn(chunk(batch[0]), batch[1]).backward()  # B
+    in_b = [n for n, q in chunk.named_parameters() if q.grad is not None]
+    kept = chunk.weight_grads.nbytes()
+    chunk.weight_grads.run(0)  # W
+    same = all(torch.equal(q.grad, ref[n]) for n, q in chunk.named_parameters())
+    assert same, "a deferred weight gradient differs from autograd's"
+    kinds = ", ".join(sorted({name.split(".")[-2] for name in in_b}))
+    print(f"\nthe GPT as one stage, {len(ref)} weights: {len(in_b)} in B ({kinds}),")
+    print(
+        f"  {len(ref) - len(in_b)} in W: every gradient bit for bit autograd's (fp32)"
+    )
+    b, T = batch[0].shape
+    formula = w_bytes_formula(config, b, T, config.n_layer, True, True)
+    print(f"  kept from B to W: {kept:,} bytes measured, {formula:,} by the formula")
+    assert kept == formula, "the queue's bytes differ from w_bytes_formula"
+
+
+def bubble_rate(timeline) -> float:
+    """Idle time over busy time, the paper's bubble rate (bubble / ideal)."""
+    events = [e for rank_events in timeline for e in rank_events]
+    busy = sum(e.end - e.start for e in events) / len(timeline)
+    return (span(timeline) - busy) / busy
+
+
+def span(timeline) -> float:
+    """First start to last end of a step, over every rank."""
+    events = [e for rank_events in timeline for e in rank_events]
+    return max(e.end for e in events) - min(e.start for e in events)
+
+
+def bubble_formula(schedule: str, p: int, m: int) -> float:
+    """Bubble over ideal time, t_f = t_B = t_W, m >= p: (p-1)/m, or (p-1)/(3m)."""
+    return (p - 1) / (3 * m if schedule == "zb1" else m)
+
+
+def measure(schedule: str, model, rank: int, p: int, m: int, batch, embed_group):
+    """Two steps of `schedule` on this rank's stage (a warm-up, then the measured one).
+    -> (its loss, this rank's gradients, every rank's (Events, peak alive, W bytes))."""
+    (chunk,) = pipe.split_model(model, rank, p)
+    if schedule == "zb1":
+        split_weight_grads(chunk)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        kwargs = dict(embed_group=embed_group)
+        result = sched.pipeline_step([chunk], batch, m, schedule, **kwargs)
+    grads = {n: q.grad.clone() for n, q in chunk.named_parameters()}
+    queue = getattr(chunk, "weight_grads", None)
+    mine = (result.events, result.peak_in_flight, queue.peak_bytes if queue else 0)
+    gathered = [None] * p
+    dist.all_gather_object(gathered, mine)
+    loss = result.loss.clone()
+    dist.all_reduce(loss)  # SUM: only the last stage's share is not 0
+    return loss, grads, gathered
+
+
+def compare(rank: int, p: int, m: int, device, embed_group, where: str) -> dict:
+    """1F1B and ZB-H1 on one batch of m microbatches, each checked against one
+    process, each row printed. -> {title: measured timeline}."""
+    torch.manual_seed(0)  # the same model on every rank, cut afterwards
+    config = dict(n_layer=8, n_head=4, n_embd=256, block_size=64, vocab_size=256)
+    model = model_lib.GPT(model_lib.GPTConfig(**config)).to(device)  # 05b's
+    (batch,) = model_lib.byte_batches(64, 4 * m, device=device)  # (4m, 64)
+    _, ref_loss = model(*batch)  # one process on the whole batch
+    ref_loss.backward()
+    named = model.named_parameters(remove_duplicate=False)  # lm_head: the tied copy
+    ref = {n: q.grad.clone() for n, q in named}
+    print0(f"\np={p} stages on {where}; m={m} microbatches of (b, T) = (4, 64), C=256")
+    print0(f"{'':6}{'step':>8}{'bubble':>8}{'simulated':>10}{'formula':>8}", end="")
+    print0("  peak alive per stage  W MiB kept per stage")
+    timelines = {}
+    for schedule in ("1f1b", "zb1"):
+        loss, grads, gathered = measure(schedule, model, rank, p, m, batch, embed_group)
+        diff = pipe.max_difference(grads, ref)
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        assert abs(loss - ref_loss) < 1e-5, f"{schedule}: the loss differs"
+        assert diff < 1e-5, f"{schedule}: gradients differ from one process"
+        timeline = [events for events, _, _ in gathered]
+        simulated = bubble_rate(sched.simulate(schedule, p, m)[1])  # t_w = t_b / 2
+        text = (
+            f"{schedule:<6}{span(timeline) * 1e3:>6.0f}ms{bubble_rate(timeline):>8.0%}"
+        )
+        text += f"{simulated:>10.1%}{bubble_formula(schedule, p, m):>8.1%}"
+        w_bytes = [w for _, _, w in gathered]
+        mib = " ".join(f"{w / 2**20:.2f}" for w in w_bytes)
+        print0(f"{text}  {[peak for _, peak, _ in gathered]}{'':10}{mib}")
+        b = batch[0].size(0) // m
+        want = [peak_w_bytes(model.config, b, 64, p, m, r) for r in range(p)]
+        zb = schedule == "zb1"
+        assert w_bytes == (want if zb else [0] * p), "W bytes differ from the formula"
+        timelines[f"{schedule}, m={m}: measured on {where}"] = timeline
+    return timelines
+
+
+def demo(args, rank: int, p: int, device) -> None:
+    """The split on one linear, on a whole stage, then 1F1B against ZB-H1."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // p))  # a fair share of cores
+    if rank == 0:
+        one_linear_check()
+        config = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=256)
+        stage_check(model_lib.GPTConfig(**config), *model_lib.byte_batches(32, 4))
+    embed_group = pipe.embedding_group([list(range(p))])
+    where = f"{os.cpu_count()} CPU cores" if device.type == "cpu" else "a GPU each"
+    measured = {}
+    for m in args.microbatches:
+        measured[m] = compare(rank, p, m, device, embed_group, where)
+    print0("\nBoth equal one process (loss and every gradient < 1e-5).")
+    print0("bubble: idle over busy time of the step as it ran (bubble/ideal);")
+    print0("simulated: the plan under NCCL's rule, t_f = t_B = t_W; formula: (p-1)/m")
+    print0("for 1F1B, (p-1)/(3m) for ZB-H1. W MiB: the queue's peak, equal to")
+    print0("min(r+1, m) microbatches of w_bytes_formula on stage r.")
+    if p > (os.cpu_count() or p):  # More ranks than cores: they time-share them.
+        print0(f"{p} ranks time-share {os.cpu_count()} cores: measured != simulated.")
+    if args.plot and rank == 0:
+        path = Path("docs") / f"pipeline_zb1_p{p}.png"
+        plot_timelines(measured[max(measured)], path)
+        print0(f"wrote {path}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(ranks=4)  # p: one stage each
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8], help="m")
+    parser.add_argument("--plot", action="store_true", help="draw the measured Gantt")
+
+
+def check(args, p: int) -> None:  # 8 blocks must fill p stages
+    for m in args.microbatches:
+        sched.check_config("zb1", p, m, n_layer=8)
+
+
+def main(argv=None) -> None:
+    distributed.run_on_ranks(demo, argv, __file__, __doc__, add_arguments, check)
+
+
+if __name__ == "__main__":
+    main()
