@@ -13,7 +13,8 @@ or --dedup lines drops each line seen twice in the corpus (CCNet, Wenzek et al. 
              A∩B, so P = J; 112 hashes: J ≈ the share of equal minima, with sd
              sqrt(J(1-J)/112)
     LSH:     14 bands of 8 hashes, a key a band; a shared key makes a candidate pair:
-             P = 1 - (1 - J^8)^14: 92% at J = 0.8, 5% at 0.5, 50% at (1/14)^(1/8) = 0.72
+             P = 1 - (1 - J^8)^14: 92% at J = 0.8, 5% at 0.5, 50% at J ≈ 0.685 (the
+             usual estimate of the 50% point, (1/14)^(1/8) = 0.72, gives 65%)
              a candidate is a duplicate only when its share of equal hashes is >=
              --dedup-threshold (0.8); the first of a cluster stays
     lines:   pass 1 counts each line's hash over the corpus; pass 2 keeps the lines seen

@@ -33,8 +33,9 @@ Who holds what, N = 2, one m×n gradient matrix, PowerSGD at rank r:
 Launch:  python 03b_compression.py [--ranks N]                     (runs torchrun for you)
          torchrun --standalone --nproc_per_node=2 03b_compression.py    (or 4)
 It trains 02's small GPT for 30 steps with each hook and prints the bytes all-reduced in
-a step beside the formula, and the loss on held-out rows. Over the main job (train.py
---grad-compression), and the link bandwidth below which each pays: bench/bench_compression.py.
+a step beside the formula, and the loss on held-out rows. Each hook on the main job
+(train.py --grad-compression) and the link bandwidth below which each pays are measured
+by bench/bench_compression.py, its numbers in docs/results.md.
 
 What changed from 03_ddp.py: nothing in DataParallel; a hook is passed as comm_hook=.
 Simple first: HalfPrecision, a cast around 03's all-reduce; then PowerSGD, two rounds of
@@ -241,7 +242,7 @@ def run_demo(args, rank: int, world: int, device) -> None:
     psi = sum(p.numel() for p in params)
     print0(f"   Ψ = {psi:,}: {len(matrices)} matrices m×n, Σ(m+n) = {sum_mn:,}, and")
     print0(f"   {len(params) - len(matrices)} vectors, sent whole, Σv = {sum_v:,}")
-    verdict = "no verdict on the loss; the main job's: bench/bench_compression.py"
+    verdict = "no verdict on the loss; the main job's: docs/results.md"
     print0(f"   ({STEPS} steps: {verdict})")
 
 

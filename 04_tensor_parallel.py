@@ -26,6 +26,12 @@ Dropout: a replicated activation (the residual stream, g's output) must get the 
 mask on every rank, so it draws from the default generator, seeded alike; a sharded one
 (a rank's heads) gets its own, from a per-rank stream (RNGStateTracker.fork).
 
+LoRA's factors (02's apply_lora trains x A^T B^T beside a frozen W): ColumnParallelLoRA
+splits B by rows with W, RowParallelLoRA splits A by columns, and the factor each keeps
+whole gets its gradient summed by f. They live here because apply_tensor_parallel must
+shard any GPT train.py builds, one wrapped by apply_lora too, and 04 imports no later
+file.
+
 Run it:  python 04_tensor_parallel.py [--ranks 4]   (relaunches itself under torchrun)
     or:  torchrun --standalone --nproc_per_node=2 04_tensor_parallel.py
 

@@ -5,13 +5,18 @@ dropout and residual add on the whole (B, T, C). Give each rank T/tp of the toke
 instead: that work, and what it keeps for the backward, shrinks tp times.
 
 The math (Korthikanti et al. 2022, arXiv 2205.05198, section 4.2): an all-reduce is a
-reduce-scatter then an all-gather, so
-    g = all-reduce    becomes  g-bar: reduce-scatter along T   (B, T, C) -> (B, T/tp, C)
-    f = identity      becomes  g:     all-gather along T       (B, T/tp, C) -> (B, T, C)
-and each one's backward is the other. Per layer and step, with E = B*T*C: 4 all-gathers
-and 4 reduce-scatters each sending (tp-1)/tp * E per rank on a ring, where 04 had 4
-all-reduces of 2(tp-1)/tp * E: the same bytes. What SP buys is memory: each LayerNorm
-keeps its input and two statistics per token for the backward, now for T/tp tokens:
+reduce-scatter then an all-gather, so 04's two operators become
+    g (all-reduce forward, identity backward)  ->  reduce-scatter along T forward,
+                                   all-gather backward:  (B, T, C) -> (B, T/tp, C)
+    f (identity forward, all-reduce backward)  ->  all-gather along T forward,
+                                   reduce-scatter backward:  (B, T/tp, C) -> (B, T, C)
+each one's backward the other's forward. The SP paper names the all-gather g and the
+reduce-scatter ḡ; here they keep 04's places: the all-gather (where f stood) and the
+reduce-scatter (where g stood), as g and f keep 04's meaning.
+Per layer and step, with E = B*T*C: 4 all-gathers and 4 reduce-scatters each sending
+(tp-1)/tp * E per rank on a ring, where 04 had 4 all-reduces of 2(tp-1)/tp * E: the
+same bytes. What SP buys is memory: each LayerNorm keeps its input and two statistics
+per token for the backward, now for T/tp tokens:
     saved per rank = (2 L + 1) LayerNorms * B * T * (C + 2) * 4 bytes * (tp - 1)/tp
 A copy that meets only this rank's tokens (LayerNorm's weight and bias, wpe's rows, a
 row-parallel bias) gets a gradient from T/tp tokens: f sums it over the ranks, or the
@@ -53,7 +58,7 @@ SEQ_DIM = 1
 
 
 class GatherFromSequenceParallel(torch.autograd.Function):
-    """SP's g, where f stood: all-gather along T forward, reduce-scatter backward."""
+    """The all-gather, where f stood: along T forward, reduce-scatter backward."""
 
     @staticmethod
     def forward(ctx, x, group):  # (B, T/tp, C): this rank's tokens -> (B, T, C)
@@ -68,7 +73,7 @@ class GatherFromSequenceParallel(torch.autograd.Function):
 
 
 class ReduceScatterToSequenceParallel(torch.autograd.Function):
-    """SP's g-bar, where g stood: reduce-scatter along T forward, all-gather backward."""
+    """The reduce-scatter, where g stood: along T forward, all-gather backward."""
 
     @staticmethod
     def forward(ctx, x, group):  # (B, T, C) partial sums -> (B, T/tp, C), own tokens

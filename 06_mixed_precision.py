@@ -322,8 +322,8 @@ def underflow_demo(config, batches, args):
     and every parameter's, rounded to 16 bits without and with S: how many are 0?
     subtle: the claim is about rounding given values to 16 bits, so the values come
     from fp64 (weights, training, loss), then fp32 as a run would hold them. In fp32
-    the 50 AdamW steps amplify the sums' rounding, which the CPU's vector width
-    (ATEN_CPU_CAPABILITY) and threads order: 1.20% became 1.22% or 1.24% elsewhere."""
+    the 50 AdamW steps would amplify the sums' rounding, which the CPU's vector width
+    (ATEN_CPU_CAPABILITY) and threads order, so the shares would differ by CPU."""
     assert config.padded_vocab_size == config.vocab_size, "02's loss masks padding"
     torch.manual_seed(args.seed)
     model = model_lib.GPT(config).to(args.device, torch.float64)

@@ -168,8 +168,9 @@ def activation_formula(
 
 # ------------------------------------------------ the loss without the whole logits
 # The simple version is 02's: lm_head's (B, T, V) logits, an fp32 copy, its log-softmax
-# (kept for the backward), then dL/dlogits, (B, T, V) again. The chunked one ("Cut Your
-# Losses in Large-Vocabulary Language Models") never holds more than (chunk, V).
+# (kept for the backward), then dL/dlogits, (B, T, V) again. The chunked one
+# (Liger-Kernel's fused linear cross-entropy, Hsu et al. 2024: each chunk's gradients
+# formed in the forward) never holds more than (chunk, V).
 def loss_formula(config, B: int, T: int, mode: str, loss="plain", bias=False) -> int:
     """Bytes lm_head and the loss keep for the backward, from ln_f's output on. plain:
     lm_head's input (C numbers of a bytes), the fp32 log-softmax (V_padded) and the

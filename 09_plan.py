@@ -79,7 +79,7 @@ cp_lib = importlib.import_module("08_context_parallel")
 GIB = 2**30
 FIT = 0.9  # A plan fits in 90% of the memory: the CUDA context and fragmentation.
 BYTES = {"fp32": 4, "bf16": 2}  # A 16-bit activation or message under autocast.
-ACTIVATION_MODE = {"fp32": "fp32", "bf16": "bf16 autocast"}  # 06's mode names.
+ACTIVATION_MODE = {"fp32": "fp32", "bf16": "bf16 autocast"}  # 06b's mode names.
 CHUNK_TOKENS = 1024  # train.py's chunk of 06b's chunked loss.
 
 
@@ -250,7 +250,7 @@ def activation_bytes(
     config, layout: Layout, b, m, T, dtype, pp_rank: int = 0, loss="plain"
 ) -> tuple[int, int]:
     """(bytes kept for backward at this rank's peak, microbatches alive then); CP's
-    rank keeps T/cp tokens of each sequence (08's ring keeps 06's tensors of them)."""
+    rank keeps T/cp tokens of each sequence (08's ring keeps 06b's tensors of them)."""
     lay = layout
     args = (_items(config), b, T // lay.cp, dtype, lay.recompute, loss)
     parts = _split_formula(*args)
@@ -277,7 +277,7 @@ def activation_bytes(
 
 @functools.lru_cache(maxsize=4096)
 def _peak(schedule, p, m, v, rank, chunk_bytes) -> tuple[int, int]:
-    """The most bytes alive as the rank runs 05's schedule_steps (a forward stashes a
+    """The most bytes alive as the rank runs 05b's schedule_steps (a forward stashes a
     microbatch's activations, its backward frees them), and the microbatches then."""
     alive = 0
     count = 0

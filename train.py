@@ -2,7 +2,7 @@
 
 The idea: build the same GPT on every rank, cut it with tensor parallelism (04) inside
 a node and pipeline parallelism (05) across nodes, replicate that with data parallelism
-(03, or 07's ZeRO stages 1-3), and train it in mixed precision with recomputation (06).
+(03, or 07's ZeRO stages 1-3), and train it in mixed precision (06), recomputing (06b).
 Long sequences are cut over --cp ranks, K and V passed around a ring in attention (08).
 Checkpoint (resumable bit for bit), evaluate, log and measure every step. Or fine-tune
 GPT-2's weights (--init-from): all of them, or LoRA's factors only (--lora-rank, 02).
@@ -77,7 +77,7 @@ def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def check_flags(cfg: TrainConfig, world_size: int) -> None:
-    """support/config's checks that need no file, given the lessons' choices and 05's
+    """support/config's checks that need no file, given the lessons' choices and 05b's
     pipeline check (a known schedule, virtual stages only interleaved, ...)."""
     choices = {
         "dtype": ("auto", *mp_lib.DTYPES),
@@ -209,7 +209,7 @@ def data_parallel(cfg: TrainConfig, chunks: list, grid: grid_lib.Grid, device):
         shards = [f.shard for f in opt.flats]  # Their .grad: this rank's gradients.
         scaled = SimpleNamespace(param_groups=[{"params": shards}], step=opt.step)
         return [zero_lib.ZeroDataParallel(c, opt) for c in chunks], opt, scaled
-    if grid.dp_cp > 1:  # The same PowerSGD seed on every rank: 03's default.
+    if grid.dp_cp > 1:  # The same PowerSGD seed on every rank: 03b's default.
         half = {"fp16": torch.half, "bf16": torch.bfloat16}.get(cfg.grad_compression)
         for i, c in enumerate(chunks):  # --grad-compression picks one of 03b's hooks.
             hook = compression_lib.HalfPrecision(half) if half else None

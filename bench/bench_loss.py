@@ -42,7 +42,7 @@ GB = 1e9
 
 
 def mode_of(dtype: str) -> str:
-    """06's name for the precision: its formulas take it."""
+    """06b's name for the precision: its formulas take it."""
     return "fp32" if dtype == "fp32" else f"{dtype} autocast"
 
 
@@ -50,7 +50,7 @@ def print_formulas(config, T: int, batch_sizes, mode: str):
     """Bytes lm_head + loss keep for the backward, and the (B, T, V) tensors besides."""
     V = config.padded_vocab_size
     a = 4 if mode == "fp32" else 2
-    print(f"GPT-2 124M's head, T = {T:,}, V = {V:,}, {mode}: 06's formulas, GB")
+    print(f"GPT-2 124M's head, T = {T:,}, V = {V:,}, {mode}: 06b's formulas, GB")
     print(f"{'B':>4} {'loss':<8} {'kept':>8} {'+ logits, dlogits':>18} {'all':>8}")
     for B in batch_sizes:
         for loss in LOSSES:

@@ -238,8 +238,8 @@ class StepPeak(TorchDispatchMode):
 
 
 def recompute_rows(config, args, device, mode: str) -> list:
-    """Each recompute mode of 02 on `config` in 06's `mode`: ms per training step (median of
-    --steps at --batch-size), and the activation bytes held for the backward (06's
+    """Each recompute mode of 02 on `config` in 06b's `mode`: ms per training step (median of
+    --steps at --batch-size), and the activation bytes held for the backward (06b's
     saved_activation_bytes) at B = 1 and 2: their difference is one sequence's, the rest is per
     batch (autocast's weight copies), with activation_formula's; and the step's peak memory."""
     rows, dtype = [], mp.DTYPES[mode[:4]] if "autocast" in mode else torch.float32
@@ -305,7 +305,7 @@ def print_recompute(config, args, device, mode: str):
     N, T, MB = model_lib.count_params(config), config.block_size, 1e6
     free = args.budget_gb * 1e9 - 16 * N
     print(f"\nrecomputation, {mode}, B = {args.batch_size}, T = {T}: activation bytes held for the "
-          f"backward, measured (06's formula); max B = ({args.budget_gb:g} GB - 16 x {N:,} "
+          f"backward, measured (06b's formula); max B = ({args.budget_gb:g} GB - 16 x {N:,} "
           "parameters - per batch) / per sequence")  # fmt: skip
     print(f"{'recompute':<10} {'ms/step':>9} {'x none':>7} {'MB per sequence':>22} "
           f"{'MB per batch':>20} {'max B':>8} {'peak MB':>9}")  # fmt: skip
@@ -403,7 +403,7 @@ def main(argv=None):
         ("fp32", "bf16 autocast", ""),
     )
     parser.add_argument("--recompute-precision", default=precision, choices=choices,
-                        help="06's mode the recomputation table runs in (every recompute mode: "
+                        help="06b's mode the recomputation table runs in (every recompute mode: "
                         "time, bytes held, max batch, peak); '' skips the table")  # fmt: skip
     parser.add_argument(
         "--budget-gb", type=float, default=80.0, help="memory for the max batch"

@@ -5,7 +5,7 @@ tp ranks:
 - communication: every collective of one training step (forward + backward), counted by
   wrapping torch.distributed's all_reduce, all_gather and reduce_scatter, next to
   comm_formula (derived in 04's docstring) and the bytes a ring algorithm sends per rank;
-- memory: parameters and activations saved for backward (06's saved_activation_bytes)
+- memory: parameters and activations saved for backward (06b's saved_activation_bytes)
   per rank, as a share of the whole model's;
 - time: the median forward + backward step of the whole model (rank 0 alone), of TP, and
   of TP + SP.

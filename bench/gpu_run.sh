@@ -84,7 +84,7 @@ sys.exit(0 if same else 1)
     section sample 120 "$PY" train.py --sample "$R/split/model.pt" --sample-tokens 40
 }
 
-demos() {  # every numbered script at world size 1 (03-05 under torchrun: NCCL with one rank)
+demos() {  # every numbered script at world size 1 (03-05b under torchrun: NCCL with one rank)
     section demo_01 120 "$PY" 01_data.py --out "$R/data01"
     section demo_02 120 "$PY" 02_model.py
     section demo_03 120 "$PY" 03_ddp.py --ranks 1
@@ -92,7 +92,9 @@ demos() {  # every numbered script at world size 1 (03-05 under torchrun: NCCL w
     section demo_04 120 "$PY" 04_tensor_parallel.py --ranks 1
     section demo_04b 120 "$PY" 04b_sequence_parallel.py --ranks 1
     section demo_05 120 "$PY" 05_pipeline.py --ranks 1
+    section demo_05b 120 "$PY" 05b_schedules.py --ranks 1
     section demo_06 120 "$PY" 06_mixed_precision.py
+    section demo_06b 120 "$PY" 06b_recompute.py  # --device: cuda when there is one
 }
 
 section env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton, tiktoken, numpy; \

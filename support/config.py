@@ -317,7 +317,7 @@ def check_combinations(cfg: TrainConfig) -> None:
     if powersgd and cfg.dtype == "fp16":
         why = "an overflowed step's inf would stay in its residuals: use bf16 or fp32"
         raise ConfigError(f"--grad-compression powersgd with --dtype fp16: {why}")
-    if cfg.loss == "chunked" and cfg.tp > 1:  # 06 refuses 04's vocab-parallel loss.
+    if cfg.loss == "chunked" and cfg.tp > 1:  # 06b refuses 04's vocab-parallel loss.
         why = "a rank holds V/tp logit columns, whose max and sum need an all-reduce"
         raise ConfigError(f"--loss chunked with --tp {cfg.tp}: {why}")
     if cfg.cp > 1 and cfg.dropout:  # 08's ring computes no attention dropout.
@@ -362,9 +362,9 @@ def check_flags(cfg, world_size: int, choices: dict, presets: dict, check_pipeli
     """Every check that needs no file, in order, each failure one ConfigError line.
 
     The lessons' own lists come in: `choices` (flag name -> allowed values), 02's
-    `presets` (for the preset's n_layer) and 05's `check_pipeline(schedule, pp, m, v,
-    n_layer)`, whose asserts fail for a bad schedule, virtual stages without
-    interleaving, fewer blocks than stages, and so on.
+    `presets` (for the preset's n_layer) and, as `check_pipeline`, 05b's
+    `check_config(schedule, pp, m, v, n_layer)`, whose asserts fail for a bad
+    schedule, virtual stages without interleaving, fewer blocks than stages, and so on.
     """
     check_numbers(cfg)
     check_world(cfg, world_size)

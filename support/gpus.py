@@ -59,7 +59,7 @@ def recompute_flops_per_token(config, seq_len: int, mode: str) -> int:
     attention (02 keeps no output that drew random numbers); its elementwise ops are left out,
     as in 02's count."""
     C, L, attention = config.n_embd, config.n_layer, 4 * config.n_head * config.head_dim * seq_len
-    if mode == "full":  # mode: "none" | "selective" | "full", as 06's recomputation
+    if mode == "full":  # mode: "none" | "selective" | "full", as 06b's recomputation
         return L * (2 * 12 * C * C + attention)
     return L * attention if mode == "selective" and config.dropout > 0 else 0
 

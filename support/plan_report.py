@@ -13,7 +13,7 @@ from support.gpu_specs import GPUS
 GIB = 2**30
 MIB = 2**20
 KNOBS = ("tp", "pp", "cp", "zero", "recompute", "micro_batch", "schedule")
-RECOMPUTE = ("none", "selective", "full")  # 06's modes, least recomputation first
+RECOMPUTE = ("none", "selective", "full")  # 06b's modes, least recomputation first
 
 
 @dataclass(frozen=True)

@@ -180,14 +180,17 @@ def test_unknown_cleaning_is_refused_by_the_command_line(flag, value, capsys):
 def test_bands_times_rows_is_the_signature_and_the_s_curve_sits_where_01_says():
     """112 hashes = 14 bands x 8 rows. A pair is a candidate iff, in some band, all 8 hashes
     agree: P = 1 - (1 - J^8)^14. Worked: at J = 0.8, 0.8^8 = 0.16777, (1 - 0.16777)^14 =
-    0.0765, so P = 0.9235; the S-curve's midpoint (1/b)^(1/r) = (1/14)^(1/8) = e^(-ln 14 / 8)
-    = e^(-0.3299) = 0.719 (01's docstring says 92% and 0.72). On planted signatures: equal on
+    0.0765, so P = 0.9235; the usual estimate of the S-curve's midpoint, (1/b)^(1/r) =
+    (1/14)^(1/8) = e^(-ln 14 / 8) = e^(-0.3299) = 0.719, gives P = 0.65: P = 0.50 at J =
+    0.685 (01b's docstring says 92%, 0.685 and 65%). On planted signatures: equal on
     hashes 0..7 (band 0) is a candidate; equal on 0..6 only, or on all but one hash of every
     band, is not. (16 bands of 7 would make 0..6 a whole band: a candidate.)"""
     d = clean.Deduplicator("minhash")
     assert (d.bands, d.rows, len(d.a)) == (14, 8, 112)
     assert (1 / d.bands) ** (1 / d.rows) == pytest.approx(0.719, abs=5e-4)
     assert 1 - (1 - 0.8**d.rows) ** d.bands == pytest.approx(0.9235, abs=5e-4)
+    assert 1 - (1 - 0.72**d.rows) ** d.bands == pytest.approx(0.65, abs=5e-3)
+    assert 1 - (1 - 0.685**d.rows) ** d.bands == pytest.approx(0.50, abs=5e-3)
     base = np.arange(112, dtype=np.uint32)
     d.store.add(base, d.band_keys(base))
     band0 = base.copy()

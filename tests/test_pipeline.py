@@ -8,6 +8,7 @@ Starting a rank costs 1-2 s, so each world size is spawned ONCE (`_world`) and r
 every case; the tests below only read its results. Models are tiny: 8 blocks (so
 p·v = 4·2 works), C = 16."""
 
+import argparse
 import contextlib
 import functools
 import importlib
@@ -500,3 +501,27 @@ def test_demo_refuses_a_bad_configuration_before_launching(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         pp.main(["--ranks", "16"])
     assert exit_info.value.code == 2 and "cannot fill" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, command",
+    [
+        (["--virtual-stages", "2"], "python 05b_schedules.py --virtual-stages 2"),
+        (["--plot", "--ranks", "2"], "python 05b_schedules.py --plot --ranks 2"),
+        (["--schedule", "gpipe", "--ranks", "2"], "python 05b_schedules.py --ranks 2"),
+    ],
+)
+def test_schedule_flags_name_05b_in_one_line(argv, command, monkeypatch):
+    """The flags that left with the schedules (issue 39) are one line naming 05b's
+    command, before any torchrun starts; 05b parses it (it runs every schedule, so a
+    --schedule is dropped)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        pp.main(argv)
+    msg = str(exit_info.value.code)
+    assert msg.startswith(f"05_pipeline.py: error: {argv[0]} moved to 05b_schedules.py")
+    assert f"run `{command}`" in msg and "\n" not in msg, msg
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int)  # run_on_ranks' own
+    importlib.import_module("05b_schedules").add_arguments(parser)
+    parser.parse_args(command.split()[2:])  # 05b takes every flag it was handed

@@ -11,7 +11,7 @@ and one step runs. Then, per rank:
 - the payload bytes handed to each collective during the step (the dist functions
   wrapped, as support/sharding.count_comm does) equal plan's exactly, 08's ring's sends
   among them;
-- the bytes kept for backward at the pipeline's peak, counted as 06 counts them
+- the bytes kept for backward at the pipeline's peak, counted as 06b counts them
   (support/activations.saved_activation_bytes per chunk, replayed in the order the
   step's Events ran), are within 10% of plan's, and the microbatches alive then equal
   05's count.
@@ -201,7 +201,7 @@ def step(layout, chunks, batch, grid):
 
 
 def chunk_bytes(chunk, batch, layout) -> int:
-    """Bytes one microbatch keeps for backward in one pipeline chunk (06's count)."""
+    """Bytes one microbatch keeps for backward in one pipeline chunk (06b's count)."""
     x, y = (t[:B] for t in batch)
     rows = rows_sent(layout)
     inp = x if chunk.is_first else torch.zeros(B, rows, C, requires_grad=True)
@@ -289,7 +289,7 @@ def test_plan_equals_the_bytes_of_real_steps(world):
                 expected["all_reduce"] += expected.pop("reduce_scatter")
                 expected["reduce_scatter"] = 0
             assert measured["collectives"] == expected, f"{where}: collectives"
-            # 10%: 06's formula is exact for a whole GPT; a TP rank's loss keeps a few
+            # 10%: 06b's formula is exact for a whole GPT; a TP rank's loss keeps a few
             # (B, T)-sized tensors it does not list (the vocab-parallel max and sums).
             predicted = want["memory"]["activations"]
             kept = measured["activations"]
@@ -386,7 +386,7 @@ def test_ring_bytes_and_memory_of_cp_follow_08():
 
 
 def test_chunked_loss_keeps_no_logits():
-    """--loss chunked: 06's loss_formula(..., loss="chunked") replaces the plain one."""
+    """--loss chunked: 06b's loss_formula(loss="chunked") replaces the plain one."""
     config = plan_lib.model_config("gpt2")
     args = (config, Layout(micro_batch=8), 8, "h100", 1)
     plain = plan_lib.plan(*args)

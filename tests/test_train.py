@@ -91,7 +91,7 @@ def test_accumulation_x4_equals_one_batch(data_dir, tmp_path, reference):
 
 def test_the_chunked_loss_trains_evaluates_and_samples_as_the_plain_one(data_dir, tmp_path,
                                                                          monkeypatch, capsys):  # fmt: skip
-    """--loss chunked (06's lm_head + loss by chunks of tokens) over 4 accumulated microbatches:
+    """--loss chunked (06b's lm_head + loss by chunks of tokens) over 4 accumulated microbatches:
     the train and validation curves of --loss plain (fp32; the tolerance: assert_same_curve's,
     the chunked sum runs in another order), the chunked loss really called, and model.pt rebuilt
     plain: its logits real, its sample printed."""
@@ -799,7 +799,7 @@ def test_a_bad_flag_exits_at_once_with_its_message(data_dir):
 
 def test_help_lists_the_presets_and_every_recompute_mode(capsys):
     """--model's help lists 02's PRESETS (no hard-coded list to go stale) and --recompute's
-    all of 06's RECOMPUTE, "none" included."""
+    all of 06b's RECOMPUTE, "none" included."""
     with pytest.raises(SystemExit):
         train.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())

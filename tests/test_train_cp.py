@@ -78,9 +78,9 @@ def members(group, rank: int) -> list[int]:
 
 def _layouts(rank, world, data_dir, tmp, configs, resume_extra):
     """Each config's train.main under the fake clock, recording the grid it built and
-    counting 06's chunked-loss calls. Every rank returns, per config, the members of the
-    DP x CP and CP groups that run used and the size of its DP x CP group; rank 0 also
-    its train and val rows. Then, if given, 3 + 3 resumed steps against 6."""
+    counting 06b's chunked-loss calls. Every rank returns, per config, the members of
+    the DP x CP and CP groups that run used and the size of its DP x CP group; rank 0
+    also its train and val rows. Then, if given, 3 + 3 resumed steps against 6."""
     real_time = run_log.time
     real_grid = train.build_grid
     real_chunked = train.recompute_lib.chunked_cross_entropy
@@ -168,8 +168,8 @@ def test_cp2_alone_trains_evaluates_resumes_and_exports_as_one_process(
 ):
     """cp 2 with 1 and 4 microbatches, with ZeRO-1 and ZeRO-3 sharding over the 2 CP
     ranks (dp 1: the DP x CP group is the CP ranks), with selective and full
-    recomputation (the ring run again in the backward), with 06's chunked loss
-    (lm_head + loss by chunks of each rank's T/cp tokens), and with 03's fp16 and
+    recomputation (the ring run again in the backward), with 06b's chunked loss
+    (lm_head + loss by chunks of each rank's T/cp tokens), and with 03b's fp16 and
     PowerSGD hooks over the CP ranks (test_train's bytes and tolerances); the group
     the runs used holds both CP ranks; model.pt equals one process's; 3 steps, --resume,
     3 more: bit for bit."""
@@ -189,14 +189,14 @@ def test_cp2_alone_trains_evaluates_resumes_and_exports_as_one_process(
     out, resumed = ranks[0]
     for i, (name, _) in enumerate(configs):
         (got, val), _ = out[i]
-        if name in dict(CP_COMPRESSED):  # 03's hooks: their bytes, near one process
+        if name in dict(CP_COMPRESSED):  # 03b's hooks: their bytes, near one process
             check_compressed(name, got, metrics(one_process), out[0][0][0], data_dir)
         else:
             check_layout(name, got, val, one_process)
         check_groups(name, [r[0][i][1] for r in ranks], CP2)
         # Once a microbatch: 4 steps of 2, then the final evaluation's batch in 2.
         chunked = 4 * 2 + 2 if name == "cp2-chunked" else 0
-        assert out[i][1]["chunked_calls"] == chunked, f"{name}: 06's chunked loss"
+        assert out[i][1]["chunked_calls"] == chunked, f"{name}: 06b's chunked loss"
     ref = torch.load(one_process / "model.pt", weights_only=True)
     for name in ("cp2", "cp2-zero3"):
         got = torch.load(tmp_path / name / "model.pt", weights_only=True)
