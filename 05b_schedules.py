@@ -278,10 +278,11 @@ def simulate(schedule: str, p: int, m: int, v: int = 1, t_f=1.0, t_b=2.0, t_w=No
     return orders, nccl_timeline(plan, v, t_f, t_b, t_w)
 
 
-def bubble_formula(p: int, m: int, v: int = 1) -> float:
+def bubble_formula(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> float:
     """(p-1)/(v·m + p-1): 05's bubble with v·m microbatches, as the fill and drain of
-    a chunk take 1/v of a stage's time."""
-    return pipe.bubble_formula(p, v * m)
+    a chunk take 1/v of a stage's time. zb1, m >= p, t_f = t_B = t_W: (p-1)/(3m + p-1),
+    an idle t_f where 1F1B idles t_f + t_B + t_W (05c)."""
+    return pipe.bubble_formula(p, 3 * m if schedule == "zb1" else v * m)
 
 
 class Microbatches(pipe.Microbatches):

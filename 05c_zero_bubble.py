@@ -81,15 +81,19 @@ def embedding_weight_grad(ids, dy, rows: int):
 class WeightGradQueue:
     """A stage's deferred weight gradients: B(mb) queues them, W(mb) runs them."""
 
-    def __init__(self):
+    def __init__(self, device="cpu"):
         self.pending = defaultdict(list)  # mb -> [(parameter, its dW function, inputs)]
         self.mb = None  # the microbatch whose forward runs: 05b's forward sets it
         self.peak_bytes = 0
+        # subtle: the split Functions take their weights out of autograd's sight (in a
+        # tuple), or B would run each weight's gradient hook, with no gradient: 03's and
+        # 07's hooks would fire too early. This 0-element leaf is an input autograd does
+        # see, so it records them even where nothing else needs a gradient (wte's ids).
+        self.anchor = torch.zeros(0, device=device, requires_grad=True)
 
     def add(self, mb, param, grad_fn, *tensors) -> None:
         """From B: param's gradient is grad_fn(*tensors), computed later, in W."""
         self.pending[mb].append((param, grad_fn, tensors))
-        self.peak_bytes = max(self.peak_bytes, self.nbytes())
 
     def nbytes(self) -> int:
         """Bytes the queue keeps alive: every distinct storage it holds, once."""
@@ -104,6 +108,7 @@ class WeightGradQueue:
         """W: microbatch mb's weight gradients, added into .grad by ONE autograd call,
         so 03's and 07's gradient hooks fire (and DP syncs) as in a backward."""
         assert mb in self.pending, f"W of microbatch {mb} before its B, or run twice"
+        self.peak_bytes = max(self.peak_bytes, self.nbytes())  # B's only add to it
         work = self.pending.pop(mb)
         params = [param for param, _, _ in work]
         grads = [fn(*tensors).to(param.dtype) for param, fn, tensors in work]
@@ -124,12 +129,13 @@ class SplitLinear(torch.autograd.Function):
     """y = x Wᵀ + b; backward: dX = dY W now, dW = dYᵀ X and db = Σ dY queued for W."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, queue):
+    def forward(ctx, x, anchor, params, queue):
+        weight, bias = params  # hidden from autograd: see WeightGradQueue's anchor
         x, cast_weight, cast_bias = autocast_casts(x, weight, bias)
         with torch.autocast(x.device.type, enabled=False):
             y = F.linear(x, cast_weight, cast_bias)  # (b, T, in) -> (b, T, out)
         ctx.save_for_backward(x, cast_weight)
-        ctx.params = (weight, bias)  # the Parameters whose .grad W adds to
+        ctx.params = params  # the Parameters whose .grad W adds to
         ctx.queue = queue
         ctx.mb = queue.mb
         return y
@@ -149,7 +155,8 @@ class SplitEmbedding(torch.autograd.Function):
     """Rows of W by id; backward: nothing now (ids have no gradient), dW queued for W."""
 
     @staticmethod
-    def forward(ctx, ids, weight, queue):
+    def forward(ctx, ids, anchor, weight, queue):
+        (weight,) = weight  # hidden from autograd: see WeightGradQueue's anchor
         ctx.save_for_backward(ids)
         ctx.param = weight
         ctx.queue = queue
@@ -162,7 +169,7 @@ class SplitEmbedding(torch.autograd.Function):
         rows = ctx.param.size(0)
         grad_fn = functools.partial(embedding_weight_grad, rows=rows)
         ctx.queue.add(ctx.mb, ctx.param, grad_fn, ids, dy)
-        return None, None, None
+        return None, None, None, None
 
 
 # Which weights wait for W: every F.linear and F.embedding weight of the stage, so 02's
@@ -185,12 +192,14 @@ class DeferWeightGrads(TorchFunctionMode):
         grad = torch.is_grad_enabled()  # evaluation's forwards: no backward to split
         if grad and func is F.linear and id(args[1]) in self.ids:
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return SplitLinear.apply(args[0], args[1], bias, self.queue)
+            params = (args[1], bias)
+            return SplitLinear.apply(args[0], self.queue.anchor, params, self.queue)
         if grad and func is F.embedding and id(args[1]) in self.ids:
             extras = ("padding_idx", "max_norm", "scale_grad_by_freq", "sparse")
             plain = all(kwargs.get(k) in (None, False) for k in extras)  # 02's, 04's
             assert plain, "SplitEmbedding has no padding_idx, max_norm or sparse"
-            return SplitEmbedding.apply(args[0], args[1], self.queue)
+            anchor = self.queue.anchor
+            return SplitEmbedding.apply(args[0], anchor, (args[1],), self.queue)
         return func(*args, **kwargs)
 
 
@@ -198,7 +207,7 @@ def split_weight_grads(chunk):
     """Split a pipeline chunk's backward in place: its forward runs under
     DeferWeightGrads, and chunk.weight_grads is the queue 05b's W actions drain."""
     assert not hasattr(chunk, "weight_grads"), "this chunk is split already"
-    queue = WeightGradQueue()
+    queue = WeightGradQueue(next(chunk.parameters()).device)
     forward = chunk.forward
 
     def split_forward(*args, **kwargs):

@@ -60,6 +60,7 @@ tp_lib = importlib.import_module("04_tensor_parallel")
 sp_lib = importlib.import_module("04b_sequence_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 sched_lib = importlib.import_module("05b_schedules")
+zb_lib = importlib.import_module("05c_zero_bubble")  # --schedule zb1's B/W split
 mp_lib = importlib.import_module("06_mixed_precision")
 recompute_lib = importlib.import_module("06b_recompute")
 zero_lib = importlib.import_module("07_zero")
@@ -159,8 +160,7 @@ def all_reduce_sum(t: torch.Tensor, group, size: int) -> torch.Tensor:
 
 # ------------ building: model (02) -> TP shards (04) -> pipeline chunks (05) -> DP (03)
 def build_chunks(cfg: TrainConfig, gpt_config, grid: grid_lib.Grid, device) -> list:
-    # The same full model on every rank, before any sharding.
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # The same full model on every rank, before sharding.
     model = model_lib.GPT(vocab.one_process(gpt_config)).to(device)  # 64 rows padded
     if cfg.init_from:  # GPT-2's weights (wpe: its first T rows; vocab padding: init).
         weights = pretrained(cfg.init_from).state_dict()
@@ -179,6 +179,7 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: grid_lib.Grid, device) -> l
     chunks = [model]
     if grid.pp > 1:
         chunks = pp_lib.split_model(model, grid.pp_rank, grid.pp, cfg.virtual_stages)
+        chunks = zb_lib.split_for_schedule(chunks, cfg.schedule)  # zb1: B now, W later
     for chunk in chunks:
         if cfg.loss == "chunked":  # 06b: lm_head + loss, 1,024 tokens at a time.
             recompute_lib.apply_chunked_loss(chunk, chunk_tokens=1024)

@@ -47,7 +47,7 @@ class TrainConfig:
         "for long --block-size: 2·cp must divide it; needs --dropout 0",
     )
     # 1F1B keeps at most pp microbatches' activations alive, GPipe all of them.
-    schedule: str = flag("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved (05)")
+    schedule: str = flag("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved or zb1")
     virtual_stages: int = flag(1, "model chunks per pipeline rank (> 1: interleaved)")
     sequence_parallel: bool = flag(False, "with --tp: shard LayerNorm by tokens (04b)")
     zero: int = flag(0, "ZeRO (07): 0 off, 1 AdamW's state, 2 + gradients, 3 + weights")
@@ -294,6 +294,13 @@ def check_combinations(cfg: TrainConfig) -> None:
             cfg.pp,
             "cuts pipeline ranks",
         ),
+        (
+            "--schedule zb1",
+            cfg.schedule == "zb1",
+            "--pp",
+            cfg.pp,
+            "splits PP's backward",
+        ),
     )
     for name, on, dim, size, what in needs:
         if on and size == 1:
@@ -328,6 +335,40 @@ def check_combinations(cfg: TrainConfig) -> None:
     if cfg.zero == 3 and cfg.pp > 1:  # 03 refuses several chunks on one rank.
         why = "a stage re-gathers every block for every microbatch"
         raise ConfigError(f"--zero 3 with --pp: {why}")
+    if cfg.schedule == "zb1":
+        check_zero_bubble(cfg)
+
+
+def check_zero_bubble(cfg: TrainConfig) -> None:
+    """--schedule zb1 (05c's B/W split): the flags its split does not support, and why.
+    Its W's run from a queue that B fills through F.linear and F.embedding."""
+    refused = (
+        (
+            "--dtype fp16",
+            cfg.dtype == "fp16",
+            "06's loss scale is not proven with W yet",
+        ),
+        (
+            "--recompute",
+            cfg.recompute != "none",
+            "a block's recomputed forward runs in B",
+        ),
+        ("--cp", cfg.cp > 1, "08's ring attention is not proven with the split yet"),
+        (
+            "--lora-rank",
+            cfg.lora_rank > 0,
+            "LoRA's factors are no F.linear: W is empty",
+        ),
+        (
+            "--loss chunked",
+            cfg.loss == "chunked",
+            "06b's loss takes dW in its own pass",
+        ),
+        ("--compile", cfg.compile, "torch.compile does not trace 05c's function mode"),
+    )
+    for name, on, why in refused:
+        if on:
+            raise ConfigError(f"{name} with --schedule zb1: {why}")
 
 
 def check_world(cfg: TrainConfig, world_size: int) -> None:
