@@ -19,7 +19,7 @@ The model of one step, per GPU (Ψ parameters, N = dp·cp ranks sharing ZeRO's s
               / (GPUs · peak FLOP/s · e) + m · L/pp · c     (x 1.36: selective, measured)
               e: the matmuls' share of the peak, c: a layer's fixed time per microbatch,
               both fitted to two measured micro-batches (support/gpu_specs.CALIBRATION)
-    bubble  = (p - 1)/(v·m + p - 1)                                  (05)
+    bubble  = (p - 1)/(v·m + p - 1); zb1: (p - 1)/(3m + p - 1)       (05, 05c)
     TP      = each block's f and g, the embedding's g (first stage), the head's f and
               the loss (last), on the critical path                  (04)
     PP      = sends of (b, T/cp, C), SP's (b, T/cp/tp, C), + the tied gradient  (05)
@@ -282,9 +282,10 @@ def _peak(schedule, p, m, v, rank, chunk_bytes) -> tuple[int, int]:
     alive = 0
     count = 0
     peak = (0, 0)
+    freed = "W" if schedule == "zb1" else "B"  # zb1: at most, all alive until its W
     for step in sched_lib.schedule_steps(schedule, p, m, v, rank):
         for a in step:
-            sign = 1 if a.op == "F" else -1
+            sign = 1 if a.op == "F" else -(a.op == freed)
             alive += sign * chunk_bytes[a.chunk]
             count += sign
             peak = max(peak, (alive, count))
@@ -434,7 +435,7 @@ def plan(
     slowdown = SELECTIVE_SLOWDOWN if lay.recompute == "selective" else 1.0
     fixed = m * config.n_layer / lay.pp * c  # each microbatch, each layer of a stage
     t = dict(compute=matmuls * slowdown + fixed)
-    bubble = sched_lib.bubble_formula(lay.pp, m, lay.virtual_stages)  # of the step
+    bubble = sched_lib.bubble_formula(lay.pp, m, lay.virtual_stages, lay.schedule)
     t["bubble"] = t["compute"] * bubble / (1 - bubble)
     # 08's zigzag: every CP rank computes (cp+1)/2 blocks, so the FLOPs split evenly;
     # the ring hides behind the attention FLOPs (02's 12·L·C·T a token) it overlaps.
