@@ -341,3 +341,23 @@ def test_dp_times_pp_syncs_once_in_the_last_w():
     for pipeline in ((0, 2), (1, 3)):
         stages = [per_rank[i] for i in pipeline]
         assert_matches_reference(stages, ref_loss, ref_grads, f"dp x pp zb1 {pipeline}")
+
+
+def test_the_planner_knows_zb1s_bubble():
+    """09_plan's bubble time for zb1 is 05b's (p-1)/(3m+p-1) of the step: for m >= p,
+    a third of 1F1B's idle time (p-1)/m of the compute, the same compute; its memory
+    counts a microbatch alive until W, never below 1F1B's."""
+    plan_lib = importlib.import_module("09_plan")
+    from support.plan_report import Layout
+
+    config = plan_lib.model_config("gpt2-medium")
+    plans = {}
+    for schedule in ("1f1b", "zb1"):
+        layout = Layout(pp=4, micro_batch=4, schedule=schedule)
+        plans[schedule] = plan_lib.plan(config, layout, 64, "h200", 4)
+    one_f = plans["1f1b"].time
+    zb1 = plans["zb1"].time
+    assert zb1["compute"] == one_f["compute"]
+    assert one_f["bubble"] == pytest.approx(one_f["compute"] * 3 / 16)  # (p-1)/m
+    assert zb1["bubble"] == pytest.approx(one_f["bubble"] / 3)
+    assert plans["zb1"].memory["total"] >= plans["1f1b"].memory["total"]
