@@ -43,7 +43,6 @@ keeps autocast's 16-bit weight copies to backward), gradient compression under Z
 """
 
 import contextlib
-import functools
 import importlib
 
 import torch
@@ -52,13 +51,13 @@ import torch.nn as nn
 
 from support import distributed
 from support.distributed import print0
+from support.gloo_exit import Collectives
 
 model_lib = importlib.import_module("02_model")
 ddp = importlib.import_module("03_ddp")
 
 SUM = dist.ReduceOp.SUM  # never AVG: gloo does not have it
 nbytes = ddp.nbytes
-eager = torch.compiler.disable  # torch.compile cannot trace resize_(): ZeRO-3's hooks
 
 
 # ------------- simple first: ZeRO-1 with one flat buffer
@@ -156,6 +155,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stage = stage
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        # Every collective goes through comm, for one workaround: gloo's worker thread
+        # can hold the last reference to a finished collective, and freeing it at
+        # interpreter exit aborted 1 in ~15 ZeRO-2 exits on torch 2.13.0 in our CI
+        # (commits 898a44c, 58afab9). comm keeps handles a while (support/gloo_exit.py).
+        self.comm = Collectives(self, self.group)
         groups = [
             [p for p in g["params"] if p.requires_grad] for g in self.param_groups
         ]
@@ -199,10 +203,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Start gathering the shards into flat.full (ZeRO-3: its memory first)."""
         full = flat.full
         full.untyped_storage().resize_(nbytes(full))
-        shard = flat.shard.detach()
-        work = distributed.all_gather_tensor(
-            full, shard, group=self.group, async_op=True
-        )
+        work = self.comm.all_gather(full, flat.shard.detach())
         self.stats["all_gather_calls"] += 1
         self.stats["all_gather_bytes"] += nbytes(full)  # each rank sends (N-1)/N of it
         return work
@@ -215,12 +216,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if flat.grad is None:  # no gradient here: zeros, as every rank must take part
             flat.grad = flat.full.new_zeros(flat.full.shape)
         out = flat.grad.new_empty(flat.S)  # (S,): rank r's slice of the sum
-        work = distributed.reduce_scatter_tensor(
-            out, flat.grad, op=SUM, group=self.group, async_op=True
-        )
         self.stats["reduce_scatter_calls"] += 1
         self.stats["reduce_scatter_bytes"] += nbytes(flat.grad)
-        return work, flat, out
+        return self.comm.reduce_scatter(out, flat.grad), flat, out
 
     def _finish(self, pending: list) -> None:
         """Wait for the reduce-scatters in pending, emptying it: each full gradient (and
@@ -353,10 +351,12 @@ class ZeroDataParallel(nn.Module):
         self._in_backward = False
         self._next = 0  # the next flat to reduce-scatter in this backward
         self._pending = []  # the reduce-scatter in flight
+        # The hooks hold the wrapper weakly and are removed when it is freed, as 03's: a
+        # dropped wrapper stops sending. (eager: torch.compile cannot trace resize_().)
+        hooks = Collectives(self, optimizer.group)
         for f in self.flats if self.stage >= 2 else []:
             for p in f.params:
-                hook = functools.partial(self._grad_hook, f)
-                p.register_post_accumulate_grad_hook(hook)
+                hooks.hook(p.register_post_accumulate_grad_hook, "_grad_hook", f)
         # The units are [h3, h2, h1, h0, root]; forward runs root, h0 .. h3.
         fwd_order = [module, *units[-2::-1]]
         bwd_order = [module, *units[:-1]]  # root (its head first), h3 .. h0
@@ -364,9 +364,9 @@ class ZeroDataParallel(nn.Module):
         self._after = dict(zip(fwd_order, [*fwd_order[1:], None]))
         self._before = dict(zip(bwd_order, [*bwd_order[1:], None]))
         for u in units if self.stage == 3 else []:
-            gather = functools.partial(self._gather, u, self._after[u])
-            u.register_forward_pre_hook(eager(gather))
-            u.register_forward_hook(eager(functools.partial(self._post_forward, u)))
+            after = self._after[u]
+            hooks.hook(u.register_forward_pre_hook, "_gather", u, after, eager=True)
+            hooks.hook(u.register_forward_hook, "_post_forward", u, eager=True)
 
     @contextlib.contextmanager
     def gathered(self):

@@ -20,11 +20,13 @@ import importlib
 import io
 import math
 import os
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from support import gloo_exit
 from tests.distributed import case_results, run_cases, run_ranks
 from tests.test_readme import run_output
 
@@ -162,9 +164,10 @@ def case_stages(rank, world):
     for stage in STAGES:
         res = {"loss": [], "pieces": [], "log_backward": [], "log_step": []}
         model, wrapper, opt = make(stage)
-        # the collectives NCCL gets: on gloo 07 all-reduces in place instead of reduce-scattering
-        # (it says why; train.py's tests prove that path equal to one process)
-        opt.backend = "nccl"
+        # the collectives NCCL gets: on gloo 07's comm all-reduces in place instead of
+        # reduce-scattering (support/gloo_exit.py says why; every other case runs that path)
+        if stage > 0:
+            opt.comm.gloo = False
         for step in range(STEPS):
             with CollectiveLog() as log:
                 opt.zero_grad(set_to_none=True)
@@ -600,15 +603,77 @@ def _kept_handles_hold_no_memory(rank, world):
 
 
 def test_kept_collective_handles_hold_no_memory():
-    """Nothing may keep a waited collective's handle (07 once retired them all to
-    support/handles.py against an exit-time gloo abort that torch 2.13 no longer shows,
-    tests/ddp_exit_job.py): on gloo a reduce-scatter's handle holds a copy of the whole flat
-    gradient (64 MB here). Each rank must hold its 32 MB gradient shard above the memory
-    before the first backward, and nothing more (16 MB of slack): kept reduce-scatter
-    handles held 64 MB each, two steps' worth (+128 MB), and, rotated in step(), grew 64 MB
-    a skipped step."""
+    """On gloo 07 keeps every waited handle a while (support/gloo_exit.py: an exit-time
+    abort on torch 2.13.0, tests/ddp_exit_job.py), and a kept handle must not keep its
+    buffers: gloo's reduce-scatter handle holds a copy of the whole flat gradient (64 MB
+    here), so there 07's comm all-reduces in place and empties what it hands over. Each
+    rank must hold its 32 MB gradient shard above the memory before the first backward,
+    and nothing more (16 MB of slack): kept reduce-scatter handles held 64 MB each, two
+    steps' worth (+128 MB), and, rotated in step(), grew 64 MB a skipped step."""
     for growth in run_ranks(_kept_handles_hold_no_memory, 2, timeout=120):
         assert max(growth) < 32 + 16, f"MB above the start, 2 full, 4 skipped, 2 full: {growth}"
+
+
+def _dropped_wrappers(rank, world) -> dict:
+    """stage -> what is left after one ZeRO step, `del wrapper, opt` and gc.collect(): whether
+    wrapper and optimizer were freed, the collectives a forward + backward of the bare module
+    issue, the names of the parameters left without .grad, and how far those gradients are
+    from plain autograd's on a copy. ZeRO-3's weights are copied out of its buffers first
+    (gathered()): a freed ZeRO-3 wrapper leaves its module's buffers empty."""
+    out = {}
+    for stage in (2, 3):
+        model, wrapper, opt = make(stage)
+        x, y = batch(0, rank)
+        wrapper(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+        with wrapper.gathered():
+            for p in model.parameters():
+                p.data = p.data.clone()  # the module's own weights, outside the flat buffers
+        refs = [weakref.ref(wrapper), weakref.ref(opt)]
+        del wrapper, opt
+        gc.collect()
+        kept = len(gloo_exit._KEPT)  # its last waited handles outlive it: the exit workaround
+        copied = build()  # the same weights, no hooks (a deepcopy would copy leftover ones)
+        copied.load_state_dict(model.state_dict())
+        with CollectiveLog() as log:
+            with torch.no_grad():
+                model(x, y)  # ZeRO-3's forward pre-hooks gathered here
+            model(x, y)[1].backward()
+        copied(x, y)[1].backward()
+        grads = dict(copied.named_parameters())
+        errors = [
+            (p.grad - grads[n].grad).abs().max().item()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        ]
+        out[stage] = {
+            "freed": [r() is None for r in refs],
+            "collectives": [op for op, _ in log.log],
+            "no_grad": [n for n, p in model.named_parameters() if p.grad is None],
+            "max_error": max(errors, default=None),
+            "kept": kept,
+        }
+    return out
+
+
+def test_a_dropped_zero_wrapper_is_freed_and_silent():
+    """The bug (as test_ddp's for DataParallel): the gradient hooks and ZeRO-3's forward hooks
+    held the wrapper (plain partials of its methods), so after `del wrapper, opt` a backward
+    on the bare module still reduce-scattered every flat on every rank and left each p.grad
+    None (moved into a flat gradient no optimizer reads), and a ZeRO-3 forward still
+    all-gathered. Dropped (and gc.collect()), ZeRO-2's and ZeRO-3's wrapper and optimizer must
+    be freed, their hooks removed: no collective, and every p.grad plain autograd's. Their
+    last waited handles must outlive them (support/gloo_exit.py keeps them against an abort
+    at exit on gloo): with the workaround gone that check fails."""
+    for res in run_ranks(_dropped_wrappers, 2, timeout=120):
+        for stage in (2, 3):
+            r = res[stage]
+            assert r["freed"] == [True, True], f"ZeRO-{stage} wrapper, optimizer alive: {r}"
+            assert r["collectives"] == [], f"ZeRO-{stage}'s dropped hooks sent: {r}"
+            assert r["no_grad"] == [], f"ZeRO-{stage}: gradients taken away: {r}"
+            assert r["max_error"] == 0.0, r
+            assert r["kept"] > 0, f"ZeRO-{stage}: no waited handle kept (the exit workaround)"
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
