@@ -114,11 +114,12 @@ def schedule_steps(schedule, p: int, m: int, v: int, rank: int, forward_only=Fal
 
 
 def zero_bubble_order(steps, rank: int):
-    """ZB-H1 (2401.10241) from 1F1B's steps: each B is followed by the W of the oldest
-    B still waiting for one, except the first `rank` B's, whose W's wait: the last
-    stage, which holds one microbatch, puts off p-1 W's and the first none, so each
-    stage has at most p microbatches forwarded and not yet through W, as 1F1B's first
-    stage. The put-off W's run at the end, where 1F1B's cool-down idles."""
+    """ZB-H1 (2401.10241) from 1F1B's steps: stage `rank` lets its first `rank` B's go
+    without a W, then follows each B with the W of the oldest B still waiting (W_i
+    after B_{i+rank}), and runs its last `rank` W's at the end, where 1F1B's cool-down
+    idles. The last stage, which holds one microbatch, lags p-1 W's and the first
+    none, so each stage has at most p microbatches forwarded and not yet through W,
+    as 1F1B's first stage."""
     waiting = []  # backwards done, their W's not yet run
     order = []
     for step in steps:

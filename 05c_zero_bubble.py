@@ -17,10 +17,12 @@ t_f = t_B = t_W (B and W each half of 05's backward), stage r of ZB-H1 at p=4, m
     r2  . .F0F1 .B0F2B1F3B2W0F4B3W1F5B4W2F6B5W3F7B6W4B7W5W6W7
     r3  . . .F0B0F1B1F2B2F3B3W0F4B4W1F5B5W2F6B6W3F7B7W4W5W6W7
 
-1F1B's order and warm-up; after each B, the W of the oldest B still waiting, except
-that stage r puts off its first r W's to the end, where 1F1B's cool-down idles. A
-stage then holds at most p microbatches forwarded and not yet through W, like 1F1B's
-first stage. The bubble, as a share of the ideal (busy) time, for m >= p:
+1F1B's order and warm-up; stage r lets its first r B's go without a W, then runs
+after each B the W of the oldest B still waiting (W_i after B_{i+r}), and its last r
+W's in the cool-down, where 1F1B idles. A stage then holds at most p microbatches
+forwarded and not yet through W, like 1F1B's first stage (05b's peak counts those;
+the waiting ones keep only what W reads). The bubble as a share of the ideal (busy)
+time, for m >= p (b of the ideal is b/(1+b) of the step, 05b's convention):
 
     1F1B  (p-1)(t_f + t_B + t_W) / (m (t_f + t_B + t_W))  = (p-1)/m
     ZB-H1 (p-1)(t_f + t_B - t_W) / (m (t_f + t_B + t_W))  = (p-1)/(3m)   equal times
@@ -395,7 +397,10 @@ def demo(args, rank: int, p: int, device) -> None:
     print0("bubble: idle over busy time of the step as it ran (bubble/ideal);")
     print0("simulated: the plan under NCCL's rule, t_f = t_B = t_W; formula: (p-1)/m")
     print0("for 1F1B, (p-1)/(3m) for ZB-H1. W MiB: the queue's peak, equal to")
-    print0("min(r+1, m) microbatches of w_bytes_formula on stage r.")
+    print0("min(r+1, m) microbatches of w_bytes_formula on stage r. peak alive:")
+    print0("microbatches forwarded and not yet through W (1F1B: through B); one that")
+    print0("waits for its W keeps only what W reads. b of the ideal is b/(1+b) of the")
+    print0("step: 05b's 42.9% for 1F1B at p = 4, m = 4 is this 75.0%.")
     if p > (os.cpu_count() or p):  # More ranks than cores: they time-share them.
         print0(f"{p} ranks time-share {os.cpu_count()} cores: measured != simulated.")
     if args.plot and rank == 0:

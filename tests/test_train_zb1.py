@@ -72,8 +72,18 @@ def test_zb1_with_zero_and_tp_on_4_ranks(data_dir, tmp_path, reference):  # noqa
         (PP2 + ["--loss", "chunked"], 2, "--loss chunked with --schedule zb1: 06b's"),
         (PP2 + ["--compile"], 2, "--compile with --schedule zb1: torch.compile"),
         (PP2 + ["--virtual-stages", "2"], 2, "needs schedule='interleaved'"),
+        (
+            PP2 + ["--tp", "2", "--sequence-parallel"],
+            4,
+            "--sequence-parallel with --schedule zb1: W would keep",
+        ),
+        (
+            PP2 + ["--dp", "2", "--micro-batch-size", "1", "--grad-compression", "fp16"],
+            4,
+            "--grad-compression with --schedule zb1: 03b's hooks",
+        ),
     ],
-    ids=["pp1", "fp16", "recompute", "lora", "chunked", "compile", "virtual"],
+    ids=["pp1", "fp16", "recompute", "lora", "chunked", "compile", "virtual", "sp", "compression"],
 )
 def test_unsupported_flags_fail_with_one_line(data_dir, argv, world, message):  # noqa: F811
     cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir] + argv)
