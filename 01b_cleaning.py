@@ -310,7 +310,7 @@ def shingles(text: str, n=5) -> set:
 def demo_documents():
     """The simple version, then the rules, then MinHash and LSH on near copies: 400
     words of the frozen demo corpus, every k-th word changed."""
-    corpus = Path(data.__file__).parent / "support" / "demo_corpus.txt"
+    corpus = Path(data.__file__).parent / "support" / "frozen_corpus.txt"
     text = corpus.read_text()
     prose = " ".join(WORD.findall(text)[:400])
     copy = "  ".join(prose.upper().split())

@@ -73,7 +73,7 @@ import torch.nn.functional as F
 
 from support.meta import shapes_only
 
-DEMO_CORPUS = Path(__file__).resolve().parent / "support" / "demo_corpus.txt"
+DEMO_CORPUS = Path(__file__).resolve().parent / "support" / "frozen_corpus.txt"
 
 
 # ------------------------------------------------------------ config
@@ -422,7 +422,7 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
 def byte_batches(
     block_size: int, batch_size: int, steps: int = 1, seed: int = 0, device="cpu"
 ):
-    """A list of `steps` batches (x, y) of random windows of support/demo_corpus.txt.
+    """A list of `steps` batches (x, y) of random windows of support/frozen_corpus.txt.
 
     Each is (B, T) int64 byte values (V = 256: no tokenizer needed), y is x moved on by
     one byte, and every tensor has its own storage. Every demo trains on these: the

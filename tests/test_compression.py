@@ -273,7 +273,7 @@ def test_powersgd_follows_torch_powersgd_hook():
     (no error feedback, no / N, a cold Q) moves them by 1e-2 or more. From our own first Q
     (a random start) the sketches span other directions, so its curve is compared with
     the nearest of two PowerSGD curves, torch's hook from seeds 0 and 1, against its
-    distance from no compression. Measured on support/demo_corpus.txt (deterministic:
+    distance from no compression. Measured on support/frozen_corpus.txt (deterministic:
     gloo on CPU, fixed seeds), per rank: nearest PowerSGD 0.056 and 0.014, no compression
     0.140 and 0.069; torch's seeds 0 and 1 differ by 0.052 and 0.030 from each other,
     more than no compression differs from seed 0 (0.032 and 0.025), which is why the old

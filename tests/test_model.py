@@ -211,7 +211,7 @@ def test_peak_flops_and_mfu():
 
 def test_byte_batches_are_shifted_windows_of_the_frozen_corpus():
     """byte_batches(T=16, B=3, steps=2): two (x, y) pairs of (3, 16) int64 byte values, y = x
-    moved one byte on (so x[:, 1:] == y[:, :-1]), each row a window of support/demo_corpus.txt,
+    moved one byte on (so x[:, 1:] == y[:, :-1]), each row a window of support/frozen_corpus.txt,
     a frozen text: editing a lesson (02 itself included) never changes the demos' batches.
     Every tensor has its own storage of exactly B*T*8 bytes, even at B = 1 (where a slice of
     the rows would have been contiguous already); the same seed gives the same batches."""

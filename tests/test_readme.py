@@ -6,7 +6,7 @@ the README says) and finds the span there. A docstring quotes its demo the same 
 backticked span right after the word "prints". A **Try** item that quotes a variant's output
 says "prints `...`" after its command (its first backticked span: `python 0N_x.py ARGS`, or
 just `--flags` for the section's lesson), and that command is run too. The demos train on
-support/demo_corpus.txt, a frozen text, so a lesson's numbers change only when what it
+support/frozen_corpus.txt, a frozen text, so a lesson's numbers change only when what it
 computes changes. Every run happens in a temporary folder, so `data/` and `out/` stay clean.
 
 Matching is exact, whitespace aside, except `…`, which stands for anything on one line: a
