@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from support import distributed
 from support.distributed import print0
+from support.grid import new_groups
 
 model_lib = importlib.import_module("02_model")  # GPT, GPTConfig, byte_batches
 
@@ -131,14 +132,12 @@ def tied_parameter(chunk):
 
 
 def embedding_group(pp_groups_ranks):
-    """Megatron's embedding group: {first, last} rank of this rank's pipeline. subtle:
-    new_group is a world collective, so EVERY rank passes EVERY pipeline's ranks."""
-    mine = None
-    for ranks in pp_groups_ranks:
-        pair = sorted({ranks[0], ranks[-1]})
-        group = dist.new_group(pair) if len(pair) > 1 else None  # p = 1: one copy
-        mine = group if dist.get_rank() in pair else mine
-    return mine
+    """Megatron's embedding group: {first, last} rank of this rank's pipeline, or None
+    (a middle stage; p = 1: one copy). subtle: making groups is a world collective (on
+    NCCL a split of the world's communicator), so EVERY rank passes EVERY pipeline's
+    ranks, and all the pairs are made in one call (support/grid.py says why)."""
+    pairs = [sorted({ranks[0], ranks[-1]}) for ranks in pp_groups_ranks]
+    return new_groups(pairs) if len(pairs[0]) > 1 else None
 
 
 def allreduce_tied_grads(chunks, embed_group) -> None:

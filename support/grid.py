@@ -6,6 +6,17 @@ rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank. CP ranks hold t
 weights and different tokens of the same sequences, so gradients are averaged, and
 ZeRO shards, over the DP x CP ranks: dp_cp_group (dp_group itself when cp = 1, and
 cp_group itself when dp = 1).
+
+A few world-wide calls: each dimension's groups come from ONE call (new_groups), so
+startup makes O(dimensions) world-wide collectives, not O(world). On NCCL bound to a
+GPU (init_process_group's device_id, as support/distributed binds it) every new_group
+is a world-wide ncclCommSplit, non-members included: one per group made 448 of them at
+1,024 GPUs (tp 8, pp 8, dp 16); dist.split_group cuts a whole dimension in one, every
+rank calling it in the same order with the same lists (NCCL's rule), as torch's
+DeviceMesh does. Unbound (gloo on CPU) split_group refuses, and a new_group is no
+collective: a non-member returns at once, members meet through the store alone.
+(new_subgroups_by_enumeration is a loop of new_group; use_local_synchronization=True
+hangs a bound NCCL, whose members split the world's communicator without the rest.)
 """
 
 from dataclasses import dataclass
@@ -74,35 +85,47 @@ class Grid:
 def build_grid(
     pp: int, dp: int, tp: int, rank: int, world: int, embedding_group, cp: int = 1
 ) -> Grid:
-    """Every rank creates every group, in order (new_group is a collective), and keeps
-    the ones it belongs to. `embedding_group(pp_rank_lists)` is 05's: it makes the
-    {first, last} stage group of every pipeline and returns this rank's (or None)."""
+    """Every rank makes every dimension's groups in the same order (see the top), one
+    call a dimension, and keeps its own. `embedding_group(pp_rank_lists)` is 05's: it
+    makes the {first, last} stage group of every pipeline and returns this rank's (or
+    None)."""
     grid = Grid(rank=rank, world=world, dp=dp, tp=tp, pp=pp, cp=cp)
     if world == 1:
         return grid
     ranks = torch.arange(world).view(pp, dp, cp, tp)  # ranks[pp_r, dp_r, cp_r, tp_r]
     where = (ranks == rank).nonzero()[0].tolist()
     grid.pp_rank, grid.dp_rank, grid.cp_rank, grid.tp_rank = where
-
-    def mine(rank_lists):
-        groups = [dist.new_group(members) for members in rank_lists]
-        return next(g for g, members in zip(groups, rank_lists) if rank in members)
-
-    grid.tp_group = mine(ranks.reshape(-1, tp).tolist())  # ranks[p, d, c, :]
+    grid.tp_group = new_groups(ranks.reshape(-1, tp).tolist())  # ranks[p, d, c, :]
     dp_lists = ranks.permute(0, 2, 3, 1).reshape(-1, dp).tolist()  # ranks[p, :, c, t]
-    grid.dp_group = mine(dp_lists)
+    grid.dp_group = new_groups(dp_lists)
     pp_lists = ranks.permute(1, 2, 3, 0).reshape(-1, pp).tolist()  # ranks[:, d, c, t]
-    grid.pp_group = mine(pp_lists)
+    grid.pp_group = new_groups(pp_lists)
     grid.embed_group = embedding_group(pp_lists)  # None at pp = 1: no second copy.
     grid.dp_cp_group = grid.dp_group
     if cp > 1:  # Created after the others, so cp = 1 makes the groups it always made.
         cp_lists = ranks.permute(0, 1, 3, 2).reshape(-1, cp).tolist()  # [p, d, :, t]
-        grid.cp_group = mine(cp_lists)
+        grid.cp_group = new_groups(cp_lists)
         grid.dp_cp_group = grid.cp_group  # dp = 1: the same ranks: no second group.
     if cp > 1 and dp > 1:  # dp and cp alike on every rank: every rank makes these.
         dp_cp_lists = ranks.permute(0, 3, 1, 2).reshape(-1, dp * cp).tolist()
-        grid.dp_cp_group = mine(dp_cp_lists)  # ranks[p, :, :, t]
+        grid.dp_cp_group = new_groups(dp_cp_lists)  # ranks[p, :, :, t]
     return grid
+
+
+def bound_to_device() -> bool:
+    """The world's communicator is bound to a GPU (NCCL's eager init): groups split it."""
+    return dist.group.WORLD.bound_device_id is not None
+
+
+def new_groups(rank_lists: list):
+    """Groups of the ranks in each list (disjoint lists), made in one world-wide call
+    when bound (see the top): -> this rank's group, or None if it is in none. Every rank
+    passes the same lists."""
+    if bound_to_device():
+        return dist.split_group(split_ranks=rank_lists)  # one ncclCommSplit
+    rank = dist.get_rank()
+    groups = [dist.new_group(members) for members in rank_lists]  # no collective here
+    return next((g for g, m in zip(groups, rank_lists) if rank in m), None)
 
 
 class CPChunks:
