@@ -418,6 +418,20 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
     return 6 * N + 12 * config.n_layer * config.n_head * config.head_dim * T
 
 
+def recompute_flops_per_token(config: GPTConfig, seq_len: int, mode: str) -> int:
+    """The FLOPs per token that recomputation (06b's mode: "none" | "selective" |
+    "full") adds: HFU counts them, MFU does not. Full redoes each block's forward: 2
+    FLOPs per matmul weight (12C² a block) and attention's q k^T and att @ v, 4·nh·hs·T.
+    Selective redoes no weight's matmul, but with dropout on it redoes attention (02
+    keeps no output that drew random numbers); elementwise ops are left out, as above."""
+    C = config.n_embd
+    L = config.n_layer
+    attention = 4 * config.n_head * config.head_dim * seq_len
+    if mode == "full":
+        return L * (2 * 12 * C * C + attention)
+    return L * attention if mode == "selective" and config.dropout > 0 else 0
+
+
 # ------------------------------------------------------------ demo data
 def byte_batches(
     block_size: int, batch_size: int, steps: int = 1, seed: int = 0, device="cpu"

@@ -15,10 +15,10 @@ The model of one step, per GPU (Ψ parameters, N = dp·cp ranks sharing ZeRO's s
            + ZeRO-3's gathered weights             (07: the root and two blocks whole)
     time = compute / (1 - bubble) + the wire that compute does not hide, a ring's bytes
            ((n-1)/n of a gather's or scatter's, twice an all-reduce's) / link:
-    compute = tokens · (6Ψ + 12·L·C·T, 02's flops_per_token; + 2Ψ: full recompute)
-              / (GPUs · peak FLOP/s · e) + m · L/pp · c     (x 1.36: selective, measured)
-              e: the matmuls' share of the peak, c: a layer's fixed time per microbatch,
-              both fitted to two measured micro-batches (support/gpu_specs.CALIBRATION)
+    compute = a roofline, each part at the GPU's limit (support/gpus): matmuls (6Ψ
+              a token, 02) / (peak · e(C/tp), rising with width), attention (12·L·C·T)
+              / (peak · its share), memory-bound bytes (a·L·C + b·V a token, AdamW's
+              per Ψ) / HBM; + train.py's loop, m x 7.5 ms; x 1.36: selective, measured
     bubble  = (p - 1)/(v·m + p - 1); zb1: (p - 1)/(3m + p - 1)       (05, 05c)
     TP      = each block's f and g, the embedding's g (first stage), the head's f and
               the loss (last), on the critical path                  (04)
@@ -30,8 +30,7 @@ The model of one step, per GPU (Ψ parameters, N = dp·cp ranks sharing ZeRO's s
     links: NVLink if a group's size·stride fits a node, else the network (the grid
     arange(world).view(pp, dp, cp, tp): TP's stride 1, CP's tp, PP's tp·cp·dp). CP's
     zigzag gives every rank (cp+1)/2 blocks of attention (08's blocks_per_rank).
-Then tokens/s = B·T / time, MFU, hours to a token budget, GPU-hours, energy (at the
-datasheet's board power, TDP) and cost at the price per GPU-hour you give.
+Then tokens/s = B·T / time, MFU, hours, GPU-hours, energy (at TDP) and cost.
 
     dp 2, tp 2, pp 2 on 8 GPUs of one node (tp fastest: its pairs are neighbours):
     GPU 0 1 | 2 3 | 4 5 | 6 7     pp 0: dp 0 (tp 0, 1), dp 1 (tp 0, 1); pp 1: same
@@ -39,7 +38,7 @@ datasheet's board power, TDP) and cost at the price per GPU-hour you give.
 Checked (tests/test_plan.py): 21 layouts built with the lessons' wrappers on CPU ranks
 (cp, tp x pp among them) hold plan's model-state bytes and send its collective and ring
 bytes exactly, and keep its activations within 10%; each time term equals its formula
-by hand; the H200 runs that calibrate nothing (gpt2-medium, -large) within 10%.
+by hand; the H200 runs fitted on nothing within 10%; published runs in docs/planning.md.
 
 Run it:  python 09_plan.py    (a worked example by hand, a search)
          python 09_plan.py --model gpt2-xl --gpus 16 --gpus-per-node 8 --gpu h100 \\
@@ -48,10 +47,8 @@ Run it:  python 09_plan.py    (a worked example by hand, a search)
 What changed from 08_context_parallel.py: nothing runs; the lessons' formulas, 08's
 ring among them, are summed. Left out on purpose: TP and PP messages overlapping
 compute, offload, fp8, fragmentation (a plan fits in 90% of the memory), eager mode's
-temporaries (the calibrating runs were compiled), selective recomputation under
-torch.compile (charged eager's 1.36x), and micro-batches other than 32 and 64 of GPT-2
-124M measured: below 32, c's fixed cost per microbatch is assumed, not measured, and
-on a tie the ranking takes the larger micro-batch; latency (8-byte all-reduces: free).
+temporaries (the fitted runs were compiled), selective recomputation compiled (eager's
+1.36x), TP's replicated LayerNorms (no SP), latency (8-byte all-reduces: free).
 """
 
 import argparse
@@ -60,9 +57,8 @@ import functools
 import importlib
 import sys
 
-from support import plan_report
-from support.gpu_specs import CALIBRATION, GPUS, SELECTIVE_SLOWDOWN, get_gpu
-from support.gpus import recompute_flops_per_token
+from support import gpus, plan_report
+from support.gpus import get_gpu
 from support.meta import shapes_only
 from support.plan_report import Layout, Plan, layouts
 from support.run import adamw_groups
@@ -108,19 +104,33 @@ def _flops(config_items: tuple, T: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def calibrate(dtype: str, gpu: str) -> tuple[float, float]:
-    """(e, c) of CALIBRATION: a step of b sequences takes b·k + L·c seconds, the line
-    through its runs (one run: c = 0); e = the peak's share k leaves the matmuls."""
-    row = CALIBRATION["cpu" if gpu == "cpu" else dtype]
-    config = model_config(row["model"], vocab_size=row.get("vocab_size", 50257))
-    T = row["seq_len"]
-    flops = _flops(_items(config), T)
-    seconds = [(b, b * T / tokens_per_s) for b, tokens_per_s in row["runs"]]
-    b1, t1 = seconds[0]
-    b2, t2 = seconds[-1]
-    k = (t2 - t1) / (b2 - b1) if b2 > b1 else t1 / b1  # seconds per sequence
-    c = (t1 - b1 * k) / config.n_layer
-    return T * flops / k / GPUS[row["gpu"]].flops[dtype], c
+def calibrate(dtype: str, gpu: str) -> dict:
+    """The roofline's constants (support/gpus.fit_roofline), fitted on the measured runs
+    of gpus.CALIBRATION: bf16 on any GPU on the H200's, fp32 and the CPU on one each."""
+    row = gpus.CALIBRATION["cpu" if gpu == "cpu" else dtype]
+    runs = []
+    for preset, b, tokens_per_s, shape in row["runs"]:
+        config = model_config(preset, **shape)
+        T = config.block_size
+        lay = Layout(micro_batch=b)
+        counts = roofline_counts(config, T, b * T, lay, model_state_bytes(config, lay))
+        runs.append((b * T / tokens_per_s, counts))
+    return gpus.fit_roofline(row["gpu"], dtype, runs)
+
+
+def roofline_counts(config, T, tokens, layout: Layout, memory: dict) -> tuple:
+    """A GPU's work for `tokens` tokens, as support/gpus.roofline_seconds times it:
+    matmul FLOPs (02's count a token, + recomputation's), attention's, the width C/tp,
+    the memory-bound kernels' L·C and V a token times tokens, the parameters stepped
+    (AdamW's 8 bytes each in this rank's `memory`)."""
+    L = config.n_layer
+    C = config.n_embd
+    attention = tokens * 12 * L * C * T
+    extra = model_lib.recompute_flops_per_token(config, T, layout.recompute)
+    matmuls = tokens * (_flops(_items(config), T) + extra) - attention
+    vocab = tokens * config.padded_vocab_size
+    stepped = memory["optimizer"] / 8
+    return matmuls, attention, C / layout.tp, tokens * L * C, vocab, stepped
 
 
 # ------------------------------------------------------------ model states per rank
@@ -399,9 +409,10 @@ def plan(
     dtype: str = "bf16",
     lora_rank: int = 0,
     loss: str = "plain",
+    trainer: bool = True,
 ) -> Plan:
     """The memory (its fullest GPU) and time of a step of `batch` sequences of T;
-    loss: "plain" (02's) or "chunked" (06b's, no (b, T, V) logits)."""
+    loss: "plain" (02's) or "chunked" (06b's); trainer=False: the lean step alone."""
     spec = get_gpu(gpu)
     T = seq_len or config.block_size
     lay = layout
@@ -428,28 +439,25 @@ def plan(
         ranks.append(dict(rank, dtype=dtype))
     fullest = max(ranks, key=lambda x: x["memory"]["total"])
     fpt = _flops(_items(config), T)
-    extra = recompute_flops_per_token(config, T, lay.recompute)
     tokens = batch * T
-    e, c = calibrate(dtype, gpu.lower())
-    matmuls = tokens * (fpt + extra) / n_gpus / (spec.flops[dtype] * e)
-    slowdown = SELECTIVE_SLOWDOWN if lay.recompute == "selective" else 1.0
-    fixed = m * config.n_layer / lay.pp * c  # each microbatch, each layer of a stage
-    t = dict(compute=matmuls * slowdown + fixed)
+    counts = roofline_counts(config, T, tokens / n_gpus, lay, fullest["memory"])
+    fit = calibrate(dtype, gpu.lower())
+    kernels, attention = gpus.roofline_seconds(spec, fit, dtype, *counts)
+    kernels *= gpus.SELECTIVE_SLOWDOWN if lay.recompute == "selective" else 1.0
+    loop = m * gpus.TRAINER_OVERHEAD if trainer and gpu.lower() != "cpu" else 0.0
+    t = dict(compute=kernels + loop)
     bubble = sched_lib.bubble_formula(lay.pp, m, lay.virtual_stages, lay.schedule)
     t["bubble"] = t["compute"] * bubble / (1 - bubble)
     # 08's zigzag: every CP rank computes (cp+1)/2 blocks, so the FLOPs split evenly;
     # the ring hides behind the attention FLOPs (02's 12·L·C·T a token) it overlaps.
     assert len(set(cp_lib.blocks_per_rank(lay.cp, "zigzag"))) == 1
-    attention = matmuls * 12 * config.n_layer * config.n_embd * T / (fpt + extra)
-    step = (t["compute"], attention, m)
+    step = (kernels, attention, m)
     waits = [wire_seconds(spec, gpus_per_node, lay, r["groups"], *step) for r in ranks]
     for part in ("tp", "pp", "cp", "dp"):  # the slowest pipeline rank's
         t[part] = max(w[part] for w in waits)
     t["total"] = sum(t.values())
-    capacity = FIT * spec.memory
-    return Plan(
-        layout, gpu.lower(), n_gpus, tokens, fullest["memory"], t, ranks, fpt, capacity
-    )
+    sizes = (layout, gpu.lower(), n_gpus, tokens, fullest["memory"], t, ranks, fpt)
+    return Plan(*sizes, FIT * spec.memory)
 
 
 def wire_seconds(spec, gpus_per_node, lay, groups, compute, attention, m) -> dict:
@@ -543,26 +551,21 @@ def worked_example() -> None:
     copies = 2 * 12 * 12 * 768**2 + 2 * 50_304 * 768  # autocast's bf16 weights
     act = 32 * 1024 * (12 * layer + rest + head) + 8 * 1024 + 4 + copies
     print(f"  a layer, a token: 2(C+2)4 + 14C·2 + 4nh = {layer:,} B (06b's none)")
-    print(
-        f"  activations: 32·1,024·(12 layers·{layer:,} + ln_f {rest:,} + head {head:,})"
-    )
+    print(f"  activations: 32·1,024·(12·{layer:,} + ln_f {rest:,} + head {head:,})")
     print(f"    + positions 8·1,024 + the token count 4 + autocast's copies {copies:,}")
     print(f"    = {act:,} B; plan {p.memory['activations']:,}")
     logits = 2 * 32 * 1024 * 50_304
     print(f"  logits: 2·32·1,024·50,304 = {logits:,} B; plan {p.memory['logits']:,}")
     print(f"  peak {plan_report.gib(p.memory['total'])} GiB; measured 21.3 GiB")
-    e, c = calibrate("bf16", "h200")
-    fpt = model_lib.flops_per_token(config, 1024)
-    step = 32 * 1024 * fpt / (989.5e12 * e) + 12 * c
-    calc = f"32,768 x {fpt:,} / (989.5e12 x e {e:.3f}) + 12 x c {1e3 * c:.3f} ms"
-    print(f"  time: {calc} = {1e3 * step:.1f} ms; plan {1e3 * p.time['total']:.1f} ms")
-    print(f"    = {p.tokens_per_s:,.0f} tokens/s: a calibrating run, measured 515,639")
-    medium = plan(model_config("gpt2-medium"), Layout(micro_batch=32), 32, "h200", 1)
-    rate = medium.tokens_per_s
-    gib = medium.memory["total"] / GIB
-    print(f"gpt2-medium, B = 32, calibrated nothing: plan {rate:,.0f} tokens/s,")
-    print(f"  {gib:.1f} GiB; measured 194,643 tokens/s, 41.2 GiB (docs/results.md):")
-    print(f"  {rate / 194_643 - 1:+.1%}, {gib / 41.2 - 1:+.1%}")
+    f = calibrate("bf16", "h200")
+    e = f["e_max"] * 768 / (768 + f["knee"])
+    lean = plan(config, Layout(micro_batch=32), 32, "h200", 1, trainer=False)
+    print(f"  time: matmuls at {e:.3f} of the peak, attention {f['attention']:.3f}:")
+    print(f"    {lean.tokens_per_s:,.0f} tokens/s fitted, train.py {p.tokens_per_s:,.0f}")
+    large = (model_config("gpt2-large"), Layout(micro_batch=16), 16)
+    rate = [plan(*large, g, 1, trainer=False).tokens_per_s for g in ("h200", "h100")]
+    print(f"gpt2-large, B = 16, fitted on nothing: H200 {rate[0]:,.0f} tokens/s")
+    print(f"  (measured 89,074), H100 {rate[1]:,.0f} (its HBM 3.35 TB/s, not 4.8)")
 
 
 def main(argv=None) -> None:

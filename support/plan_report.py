@@ -8,7 +8,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from support.gpu_specs import GPUS
+from support.gpus import GPUS, plannable
 
 GIB = 2**30
 MIB = 2**20
@@ -118,7 +118,7 @@ def add_arguments(parser, presets, dtypes) -> None:
     add("--model", default="gpt2-xl", help=models)
     add("--gpus", type=int, default=16, help="GPUs in all (default: %(default)s)")
     add("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default: 8)")
-    add("--gpu", default="h100", help=f"{', '.join(GPUS)} (default: %(default)s)")
+    add("--gpu", default="h100", help=f"{', '.join(plannable())} (default: h100)")
     add("--tokens", type=float, default=10e9, help="the run's tokens (default: 10e9)")
     add("--batch-size", type=int, default=512, help="sequences a step, all GPUs (512)")
     add("--seq-len", type=int, default=None, help="T, wpe's rows too (default: preset)")

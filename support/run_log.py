@@ -16,7 +16,6 @@ too, as does --plan's (plan_text).
 import contextlib
 import json
 import os
-import re
 import resource
 import time
 from pathlib import Path
@@ -28,23 +27,22 @@ from support import gpus, plan_report
 from support.config import ConfigError
 from support.distributed import print0
 from support.files import atomic_write
-from support.gpu_specs import GPUS
+from support.gpus import GPUS, plannable
 
 GIB = 2**30
 
 
 def gpu_key(device: torch.device | None = None) -> str:
-    """support/gpu_specs' key of `device` (None: this machine's; "cpu" on a CPU), or the
-    GPU's own name when 09 does not know the card (a PCIe, NVL or 40 GB part has other
-    memory or links)."""
+    """support/gpus' key of `device` (None: this machine's; "cpu" on a CPU), or the
+    GPU's own name when 09 cannot plan for it (a card the table lacks, or has only the
+    peaks of): gpus.match, the one name matcher, as MFU's peak_flops."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda":
         return "cpu"
     name = torch.cuda.get_device_name(device)
-    words = set(re.findall(r"[a-z0-9]+", name.lower()))
-    known = [k for k in GPUS if k in words and not words & {"pcie", "nvl", "40gb"}]
-    return known[0] if known else name
+    key = gpus.match(name)
+    return key if key in plannable() else name
 
 
 def plan_of(plan_run, cfg, gpt_config, gpu: str, gpus_per_node: int):
@@ -265,10 +263,10 @@ def plot_losses(out_dir) -> Path:
     return path
 
 
-def open_log(run, start, flops, n_params, dtype_name, plan_run=None) -> Logger:
+def open_log(run, start, flops, n_params, dtype_name, plan_run=None, redo=0) -> Logger:
     """A train.Run's Logger from step `start` on. `flops`: 02's FLOPs per token (6N +
     attention); with LoRA, less the frozen weights' gradients (`n_params`: 02's N, the
-    non-embedding parameters); HFU adds what --recompute redoes (support/gpus.py).
+    non-embedding parameters); HFU adds `redo`, what --recompute redoes (02's count).
     `plan_run` is 09's: rank 0 plans the run on this GPU, with the ranks of a node; a
     plan that fails, however, is printed as one line and the run goes on without it."""
     cfg = run.cfg
@@ -284,7 +282,7 @@ def open_log(run, start, flops, n_params, dtype_name, plan_run=None) -> Logger:
             plan = f"failed: {why}"
     if cfg.lora_rank:  # No gradients of the frozen weights; the factors' instead.
         flops = lora_flops_per_token(flops, n_params, run.gpt_config, cfg.lora_rank)
-    hfu = flops + gpus.recompute_flops_per_token(run.gpt_config, run.T, cfg.recompute)
+    hfu = flops + redo
     tokens = cfg.batch_size * run.T  # Per step.
     args = (tokens, cfg.max_steps, flops, hfu, dtype_name, run.grid, run.device, plan)
     return Logger(cfg.out_dir, start, *args)

@@ -173,16 +173,16 @@ def test_flops_per_token_hand_count():
 
 
 def test_recomputed_flops_hand_count():
-    """HFU's extra FLOPs (support/gpus.py, for train.py's log). Full recomputation redoes each
+    """HFU's extra FLOPs (02's recompute_flops_per_token, for train.py's log). Full recomputation redoes each
     block's forward: its matmuls, 2 FLOPs per weight, 12 C^2 weights a block, and attention's
     q k^T and att @ v, 2·T·hs each per head. tiny: C = 32, L = 2, nh = 2, hs = 16, T = 32:
         2 (2 * 12 * 32^2 + 4 * 2 * 16 * 32) = 2 (24,576 + 4,096) = 57,344 FLOPs per token,
     about a third of the blocks' 6N; selective redoes no weight's matmul: 0; none: 0."""
-    gpus = importlib.import_module("support.gpus")
+    redo = model_lib.recompute_flops_per_token
     for mode, extra in (("none", 0), ("selective", 0), ("full", 57_344)):
-        assert gpus.recompute_flops_per_token(tiny(), 32, mode) == extra, mode
+        assert redo(tiny(), 32, mode) == extra, mode
     # with dropout, selective redoes attention (no kept output may skip a random draw): 2 x 4,096
-    assert gpus.recompute_flops_per_token(tiny(dropout=0.1), 32, "selective") == 8_192
+    assert redo(tiny(dropout=0.1), 32, "selective") == 8_192
 
 
 def test_peak_flops_and_mfu():

@@ -195,9 +195,12 @@ def test_plan_of_a_recipe_plans_for_its_gpu_in_seconds():
         ("NVIDIA H100 80GB HBM3", "h100"),
         ("NVIDIA H200", "h200"),
         ("NVIDIA A100-SXM4-80GB", "a100"),
-        ("NVIDIA H100 PCIe", "NVIDIA H100 PCIe"),  # other links and peaks: unknown
-        ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-40GB"),  # half the memory
-        ("NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 4090"),
+        ("NVIDIA H100 PCIe", "h100-pcie"),  # its own peaks, HBM and links
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),  # half the memory
+        ("AMD Instinct MI300X VF", "mi300x"),  # a VM's virtual function: the card
+        ("NVIDIA H100 NVL", "NVIDIA H100 NVL"),  # another card: unknown
+        ("NVIDIA A100 80GB PCIe", "NVIDIA A100 80GB PCIe"),  # not in the table
+        ("NVIDIA GeForce RTX 4090", "NVIDIA GeForce RTX 4090"),  # peaks only
     ],
 )
 def test_the_gpu_found_is_a_row_of_09s_table_or_named_as_unknown(
