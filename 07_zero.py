@@ -21,7 +21,8 @@ slice r. Per rank, fp32 AdamW, N = 2 ([##  ]: rank 0's half); sent: elements per
 
 ZeRO-1: at the step, reduce-scatter the gradients (rank r gets the mean of slice r), step
 slice r, all-gather the weights. ZeRO-2: the reduce-scatters run from gradient hooks
-during backward, unit by unit, each full gradient freed at once. ZeRO-3: the weights too;
+during backward, unit by unit, up to K at once (in_flight), each full gradient freed
+once its reduce-scatter is done. ZeRO-3: the weights too;
 a unit is all-gathered just before its forward (the next one prefetched), freed after it,
 and gathered again for its backward (not the root, which stays gathered: FSDP2's choice).
 The traffic is the same as DP's up to ZeRO-2: a ring all-reduce is an RS and an AG.
@@ -220,10 +221,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stats["reduce_scatter_bytes"] += nbytes(flat.grad)
         return self.comm.reduce_scatter(out, flat.grad), flat, out
 
-    def _finish(self, pending: list) -> None:
-        """Wait for the reduce-scatters in pending, emptying it: each full gradient (and
-        the handle that holds it) is freed before the caller starts another."""
-        while pending:
+    def _finish(self, pending: list, keep: int = 0) -> None:
+        """Wait for the oldest reduce-scatters in pending until `keep` are left: each full
+        gradient (and the handle that holds it) is freed once its own is done."""
+        while len(pending) > keep:
             work, flat, out = pending.pop(0)
             work.wait()
             flat.shard.grad = out.div(self.world)  # SUM / N: the ranks' mean
@@ -327,13 +328,18 @@ class ZeroDataParallel(nn.Module):
     with the hooks of ZeRO-2 and 3 (see the top). The root's weights stay gathered until
     the end of backward (as FSDP2's). A missing gradient counts as zero: every rank must use the
     same parameters, as every rank reduces every flat in one order. no_sync(): whole
-    gradients (4Ψ) until the synced pass."""
+    gradients (4Ψ) until the synced pass. in_flight = K: at most K reduce-scatters at
+    once, so besides the flats backward is filling, at most K full (N·S) gradients wait
+    on the network: K flats' worth. K = 1 waits for each before the next starts: once a
+    reduce-scatter outlasts a unit's backward (across nodes), backward stalls behind it."""
 
     forward = ddp.DataParallel.forward
     no_sync = ddp.DataParallel.no_sync
 
-    def __init__(self, module: nn.Module, optimizer: ZeroOptimizer):
+    def __init__(self, module: nn.Module, optimizer: ZeroOptimizer, in_flight: int = 2):
         super().__init__()
+        assert in_flight >= 1, f"in_flight={in_flight}: at least one reduce-scatter"
+        self.in_flight = in_flight
         self.module = module
         self.opt = optimizer
         self.stage = optimizer.stage
@@ -350,7 +356,7 @@ class ZeroDataParallel(nn.Module):
         self._sync = True
         self._in_backward = False
         self._next = 0  # the next flat to reduce-scatter in this backward
-        self._pending = []  # the reduce-scatter in flight
+        self._pending = []  # the reduce-scatters in flight, oldest first
         # The hooks hold the wrapper weakly and are removed when it is freed, as 03's: a
         # dropped wrapper stops sending. (eager: torch.compile cannot trace resize_().)
         hooks = Collectives(self, optimizer.group)
@@ -435,8 +441,8 @@ class ZeroDataParallel(nn.Module):
             flat = self.flats[self._next]
             if not everything and flat.ready < len(flat.params):
                 return
-            # One in flight: the previous full gradient is freed.
-            self.opt._finish(self._pending)
+            # At most in_flight (K flats' full gradients): the oldest is waited for first.
+            self.opt._finish(self._pending, keep=self.in_flight - 1)
             self._pending.append(self.opt._reduce_scatter(flat))
             self._next += 1
 

@@ -429,11 +429,17 @@ def case_new_lr(rank, world):
 
 
 def case_backward_peak(rank, world):
-    """ZeRO-3, measured inside backward: as each block's backward starts (a hook on its
-    output's gradient, after 07's own, which gathers it), the bytes of full weights in memory,
-    the reduce-scatters launched so far in this backward, and the bytes of full (N·S) gradient
-    buffers alive (a flat gradient is freed once its reduce-scatter is done)."""
+    """ZeRO-3 at in_flight 1 and 2, measured inside backward: as each block's backward starts
+    (a hook on its output's gradient, after 07's own, which gathers it), the bytes of full
+    weights in memory, the reduce-scatters launched so far in this backward, and the bytes of
+    full (N·S) gradient buffers alive (a flat gradient is freed once its reduce-scatter is
+    done)."""
+    return {k: backward_peak(rank, k) for k in (1, 2)}
+
+
+def backward_peak(rank, in_flight: int) -> list:
     model, wrapper, opt = make(3)
+    wrapper.in_flight = in_flight
     seen = []
 
     def record(block):
@@ -461,6 +467,49 @@ def case_backward_peak(rank, world):
     return seen
 
 
+class Counted:
+    """A reduce-scatter's handle that takes itself off `in_flight` when first waited."""
+
+    def __init__(self, work, in_flight: list):
+        self.work = work
+        self.in_flight = in_flight
+        self.waited = False
+
+    def wait(self):
+        self.work.wait()
+        if not self.waited:
+            self.in_flight[0] -= 1
+        self.waited = True
+        return True
+
+
+def case_in_flight(rank, world):
+    """ZeRO-2 and 3 at in_flight K = 1, 2, 3, one backward each: at each reduce-scatter's
+    launch, how many are in flight, it included (launched and not yet waited: counted by
+    wrapping 07's comm, not read from 07's own list), whether backward was still running,
+    and then the gradient pieces."""
+    out = {}
+    for stage in (2, 3):
+        for k in (1, 2, 3):
+            model, wrapper, opt = make(stage)
+            wrapper.in_flight = k
+            in_flight = [0]  # launched, not yet waited
+            seen = []
+            real = opt.comm.reduce_scatter
+
+            def reduce_scatter(out, full, real=real, in_flight=in_flight, seen=seen, w=wrapper):
+                work = real(out, full)
+                in_flight[0] += 1
+                seen.append((in_flight[0], w._in_backward))
+                return Counted(work, in_flight)
+
+            opt.comm.reduce_scatter = reduce_scatter
+            wrapper(*batch(0, rank))[1].backward()
+            out[stage, k] = {"seen": seen, "left": in_flight[0]}
+            out[stage, k]["pieces"] = grad_pieces(model, opt)
+    return out
+
+
 CASES = {
     "stages": case_stages,
     "memory": case_memory,
@@ -473,6 +522,7 @@ CASES = {
     "subgroups": case_subgroups,
     "new_lr": case_new_lr,
     "backward_peak": case_backward_peak,
+    "in_flight": case_in_flight,
 }
 
 
@@ -943,18 +993,43 @@ def test_zero3_frees_each_block_and_reduces_while_backward_runs(world):
     (the root since forward, h.1 for its backward, h.0 prefetched), nothing reduced yet, and
     one gradient buffer alive: the root's vectors, whose ln_f gradients came first. At h.0:
     h.1 freed (its backward is over), its two flats reduce-scattered, and of their full
-    gradient buffers only the last one in flight (h.1's vectors). A block kept gathered after
-    its backward, or every reduce-scatter held to the end of backward, fails it."""
+    gradient buffers those still in flight: at in_flight 1 the last one (h.1's vectors), at 2
+    both (its matrices too), the bound the docstring states. A block kept gathered after its
+    backward, every reduce-scatter held to the end of backward, or a full gradient kept past
+    the bound, fails it."""
     sizes = flat_sizes(world)
     unit = {u: sum(4 * pad for v, _, pad in sizes if v == u) for u, _, _ in sizes}
     root_vectors = 4 * sizes[5][2]
+    h1_matrices = 4 * sizes[0][2]
     h1_vectors = 4 * sizes[1][2]
     at_h1 = dict(weights=unit["root"] + unit["h.1"] + unit["h.0"], launched=0)
     at_h0 = dict(weights=unit["root"] + unit["h.0"], launched=2)
-    expected = [
-        {"block": "h.1", **at_h1, "grad_buffers": root_vectors},
-        {"block": "h.0", **at_h0, "grad_buffers": root_vectors + h1_vectors},
-    ]
+    in_flight_at_h0 = {1: h1_vectors, 2: h1_matrices + h1_vectors}
     assert [u for u, _, _ in sizes] == ["h.1", "h.1", "h.0", "h.0", "root", "root"]
     for res in results(world, "backward_peak"):
-        assert res == expected
+        for k, sent in in_flight_at_h0.items():
+            expected = [
+                {"block": "h.1", **at_h1, "grad_buffers": root_vectors},
+                {"block": "h.0", **at_h0, "grad_buffers": root_vectors + sent},
+            ]
+            assert res[k] == expected, f"in_flight {k}"
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_zero2_and_3_keep_up_to_in_flight_reduce_scatters_going_at_once(world):
+    """One backward of ZeRO-2 and of ZeRO-3, 6 flats each, at in_flight K = 1, 2, 3. At the
+    i-th launch (i = 1..6) the reduce-scatters launched and not yet waited, it included, are
+    min(i, K): 07 waits for the oldest only when K are going, so at K = 2 two are in flight
+    from the second launch on (before, the gradient hook waited for the previous one first:
+    always 1). Every launch is inside backward; none is left unwaited after it; and the
+    gradient pieces are the same bits at every K (the same sums, only waited later)."""
+    for res in results(world, "in_flight"):
+        for stage in (2, 3):
+            for k in (1, 2, 3):
+                r = res[stage, k]
+                counts = [n for n, _ in r["seen"]]
+                assert counts == [min(i, k) for i in range(1, 7)], f"ZeRO-{stage}, K={k}: {r}"
+                assert all(during for _, during in r["seen"]), f"ZeRO-{stage}, K={k}"
+                assert r["left"] == 0, f"ZeRO-{stage}, K={k}: unwaited after backward"
+                for ours, base in zip(r["pieces"], res[stage, 1]["pieces"], strict=True):
+                    assert ours[:2] == base[:2] and torch.equal(ours[2], base[2])
