@@ -403,7 +403,7 @@ def count_params(config: GPTConfig, non_embedding: bool = False) -> int:
         return GPT(config).num_params(non_embedding)
 
 
-def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
+def flops_per_token(config: GPTConfig, seq_len: int | None = None, lora_rank=0) -> int:
     """Training FLOPs per token, forward + backward: 6N + 12·L·H·Q·T (PaLM, Appendix B).
 
     6N: each weight does one multiply-add (2 FLOPs) per token in the forward and twice
@@ -412,10 +412,15 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
         per head and token forward, x3 with the backward. L layers, H heads, Q = hs.
     N = GPT.num_params(non_embedding=True): every weight that multiplies a token, the
     tied head included, not wpe (a lookup), as nanoGPT and PaLM count. T is the whole
-    sequence, as PaLM counts, though causal masking needs about half of that work."""
+    sequence, as PaLM counts, though causal masking needs about half of that work.
+    lora_rank r > 0 (apply_lora, below): no frozen weight's own gradient (2N less, its
+    input's stays), and all 6 for each factor number, r·(in + out) for each of
+    LORA_TARGETS' linears: (4 + 2 + 5 + 5)·r·C = 16·r·C a block."""
     T = seq_len or config.block_size
     N = count_params(config, non_embedding=True)
-    return 6 * N + 12 * config.n_layer * config.n_head * config.head_dim * T
+    factors = 16 * lora_rank * config.n_embd * config.n_layer  # LoRA's trained numbers
+    weights = 4 * N + 6 * factors if lora_rank else 6 * N
+    return weights + 12 * config.n_layer * config.n_head * config.head_dim * T
 
 
 def recompute_flops_per_token(config: GPTConfig, seq_len: int, mode: str) -> int:

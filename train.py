@@ -392,11 +392,11 @@ def sample(model_pt, prompt: str, n_tokens: int, seed: int = 0) -> str:
 # ------------------------------------------------------------------ the log and MFU
 def open_log(run: Run, start: int) -> run_log.Logger:
     """metrics.jsonl from `start` on, told 02's FLOPs for MFU and HFU, and 09's plan."""
-    flops = model_lib.flops_per_token(run.gpt_config, run.T)  # 6N + attention (02).
+    # 02's FLOPs a token, 6N + attention; with LoRA, no frozen weight's own gradient.
+    flops = model_lib.flops_per_token(run.gpt_config, run.T, run.cfg.lora_rank)
     redo = model_lib.recompute_flops_per_token(run.gpt_config, run.T, run.cfg.recompute)
-    n_params = model_lib.count_params(run.gpt_config, non_embedding=True)
     dtype = {v: k for k, v in mp_lib.DTYPES.items()}[run.dtype]
-    return run_log.open_log(run, start, flops, n_params, dtype, plan_lib.plan_run, redo)
+    return run_log.open_log(run, start, flops, dtype, plan_lib.plan_run, redo)
 
 
 # --------------------------------------------------------------------------- the loop

@@ -77,17 +77,6 @@ def plan_text(plan, cfg) -> str:
     return "\n".join(lines)
 
 
-def lora_flops_per_token(flops: int, n_params: int, config, lora_rank: int) -> int:
-    """MFU's FLOPs per token with LoRA (02's apply_lora: four linears a block).
-
-    From the model's `flops` (6N + attention) less the frozen weights' own gradients,
-    2N of the non-embedding `n_params` (the backward still computes their inputs'),
-    plus 6 per factor number: 16·r·C of them a block (`config`: n_embd, n_layer).
-    """
-    factors = 16 * lora_rank * config.n_embd * config.n_layer
-    return flops - 2 * n_params + 6 * factors
-
-
 class Logger:
     """Rank 0 prints a line per logged step and appends its fields to metrics.jsonl.
 
@@ -263,10 +252,9 @@ def plot_losses(out_dir) -> Path:
     return path
 
 
-def open_log(run, start, flops, n_params, dtype_name, plan_run=None, redo=0) -> Logger:
+def open_log(run, start, flops, dtype_name, plan_run=None, redo=0) -> Logger:
     """A train.Run's Logger from step `start` on. `flops`: 02's FLOPs per token (6N +
-    attention); with LoRA, less the frozen weights' gradients (`n_params`: 02's N, the
-    non-embedding parameters); HFU adds `redo`, what --recompute redoes (02's count).
+    attention; with LoRA, its count); HFU adds `redo`, what --recompute redoes (02's).
     `plan_run` is 09's: rank 0 plans the run on this GPU, with the ranks of a node; a
     plan that fails, however, is printed as one line and the run goes on without it."""
     cfg = run.cfg
@@ -280,8 +268,6 @@ def open_log(run, start, flops, n_params, dtype_name, plan_run=None, redo=0) -> 
         except Exception as e:  # 09 failed (a KeyError, a ZeroDivisionError, ...).
             why = " ".join(f"{type(e).__name__}: {e}".split())  # One line.
             plan = f"failed: {why}"
-    if cfg.lora_rank:  # No gradients of the frozen weights; the factors' instead.
-        flops = lora_flops_per_token(flops, n_params, run.gpt_config, cfg.lora_rank)
     hfu = flops + redo
     tokens = cfg.batch_size * run.T  # Per step.
     args = (tokens, cfg.max_steps, flops, hfu, dtype_name, run.grid, run.device, plan)

@@ -8,6 +8,7 @@ GPT-2's tokenizer (skipped, with the reason, where its files cannot be loaded).
 import copy
 import importlib
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ from tests.distributed import run_ranks
 
 train = importlib.import_module("train")
 to_hf_state_dict = importlib.import_module("support.export").to_hf_state_dict
-run_log = importlib.import_module("support.run_log")
 data = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 
@@ -232,7 +232,7 @@ def test_lora_fine_tuning_is_one_process_at_dp2_tp2_zero1_pp2_and_exports_merged
     assert (exported.state_dict()[w] - base[w]).abs().max() > 1e-4, "LoRA's update is missing"
 
 
-def test_lora_flops_and_flag_errors():
+def test_lora_flops_and_flag_errors(tmp_path):
     """MFU's FLOPs with LoRA, counted by hand for the small preset: the forward (2 per weight)
     and the inputs' gradients (2 more) for every frozen matmul weight, all 6 for the factors'
     16·r·C a block, attention's 12·L·C·T as without LoRA. And --grad-compression powersgd
@@ -244,9 +244,15 @@ def test_lora_flops_and_flag_errors():
     attention = 12 * L * C * T
     want = 4 * (weights + biases) + 6 * 16 * r * C * L + attention
     flops = model_lib.flops_per_token(config, T)  # What train.py's log counts without LoRA.
-    N = model_lib.count_params(config, non_embedding=True)
-    assert run_log.lora_flops_per_token(flops, N, config, r) == want
+    assert model_lib.flops_per_token(config, T, lora_rank=r) == want
     assert flops == 6 * (weights + biases) + attention
+    # train.py's log is told that count (02's), not the full model's: a run, its parts only.
+    cfg = train.TrainConfig(lora_rank=r, out_dir=str(tmp_path))
+    grid = SimpleNamespace(rank=0, world=1)
+    cpu = torch.device("cpu")
+    run = SimpleNamespace(cfg=cfg, gpt_config=config, T=T, dtype=torch.float32, grid=grid, device=cpu)
+    log = train.open_log(run, 0)
+    assert (log.flops, log.hw_flops) == (want, want), (log.flops, want)
     cfg = train.TrainConfig(dp=2, grad_compression="powersgd", lora_rank=4)
     with pytest.raises(train.ConfigError, match="powersgd with --lora-rank"):
         train.check_flags(cfg, world_size=2)
