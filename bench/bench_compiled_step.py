@@ -12,7 +12,8 @@ profiler itself slows the CPU's launches, so its own "busy" share is a lower bou
 
     python bench/bench_compiled_step.py --presets gpt2,gpt2-medium --profile-dir out/profile
 
-Needs a GPU; compiling takes about a minute per preset.
+Needs a GPU; compiling takes about a minute per preset. `--device cpu --no-compile
+--presets tiny` only tries the script on a CPU (tests/test_bench.py's smoke run).
 """
 
 import argparse
@@ -20,78 +21,64 @@ import gzip
 import importlib
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
+from bench import timing  # noqa: E402
+
 model_lib = importlib.import_module("02_model")
-gpus = importlib.import_module("support.gpus")
 
-# kernel name pieces -> what the GPU was doing (first match wins; CUTLASS/cuBLAS GEMMs: "gemm",
-# Hopper's "sm90_xmma"/"nvjet"; Triton's fused kernels from inductor start "triton_")
-CATEGORIES = (("attention", ("flash", "fmha", "attention", "sdpa", "dot_do_o")),
-              ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "matmul")),
-              ("optimizer", ("adam", "multi_tensor", "foreach")),
-              ("triton fused", ("triton",)))  # fmt: skip
-
-
-def make_step(model, optimizer):
-    def step(x, y):
-        with torch.autocast("cuda", torch.bfloat16):
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+# Kernel name pieces say what the GPU was doing; the first match wins. CUTLASS and cuBLAS
+# GEMMs say "gemm", Hopper's "sm90_xmma" or "nvjet"; inductor's fused kernels "triton_".
+CATEGORIES = [
+    ("attention", ("flash", "fmha", "attention", "sdpa", "dot_do_o")),
+    ("matmul", ("gemm", "xmma", "nvjet", "cutlass", "matmul")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("triton fused", ("triton",)),
+]
 
 
 def measure(preset: str, args):
     config = model_lib.GPTConfig.from_preset(preset, pad_vocab_multiple=64)
+    cuda = args.device.type == "cuda"
     torch.manual_seed(0)
-    model = model_lib.GPT(config).cuda()
+    model = model_lib.GPT(config).to(args.device)
     if not args.no_compile:
         model.compile()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), fused=True)
-    step, T = make_step(model, optimizer), config.block_size
-    x, y = torch.randint(0, config.vocab_size, (2, args.batch_size, T), device="cuda")
-    t0 = time.perf_counter()
-    for _ in range(args.warmup):  # the compile happens here
-        step(x, y)
-    torch.cuda.synchronize()
-    warm = time.perf_counter() - t0
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step(x, y)
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / args.steps
-    tokens_per_s, flops = args.batch_size * T / dt, model_lib.flops_per_token(config, T)
-    peak = gpus.peak_flops(torch.cuda.get_device_name(), "bf16")
-    util = gpus.mfu(tokens_per_s, flops, 1, peak)
-    mfu = "n/a" if util is None else f"{util:.1%}"
-    print(f"{preset:<12} B={args.batch_size} T={T}: {dt * 1e3:7.1f} ms/step {tokens_per_s:>9,.0f} "
-          f"tok/s  MFU {mfu}  ({tokens_per_s * flops / 1e12:.0f} TFLOP/s of the model's "
-          f"{flops:,} FLOPs/token)  peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} "
-          f"GiB  (warm-up and compile {warm:.0f} s)", flush=True)  # fmt: skip
-    if args.profile_dir:
+    betas = (0.9, 0.95)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=betas, fused=cuda)
+    step = timing.make_step(model, optimizer, torch.bfloat16, clip=1.0)
+    T = config.block_size
+    shape = (2, args.batch_size, T)
+    x, y = torch.randint(0, config.vocab_size, shape, device=args.device)
+    # The first steps compile: timed apart, before the memory peak is reset.
+    _, warm = timing.timed(lambda: [step(x, y) for _ in range(args.warmup)], device=args.device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    # The steps back to back, as train.py runs them: the GPU's queue never drains between.
+    _, total = timing.timed(lambda: [step(x, y) for _ in range(args.steps)], device=args.device)
+    dt = total / args.steps
+    flops = model_lib.flops_per_token(config, T)
+    result = timing.throughput(dt, args.batch_size * T, flops, "bf16", args.device)
+    peak = f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if cuda else "n/a"
+    print(f"{preset:<12} B={args.batch_size} T={T}: {result}")
+    print(f"{'':<12} {flops:,} FLOPs/token, peak memory {peak}, warm-up {warm:.0f} s")
+    if args.profile_dir and cuda:
         profile(step, x, y, preset, Path(args.profile_dir))
     del model, optimizer
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def profile(step, x, y, preset: str, out: Path):
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    start = timing.clock("cuda")
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(3):
             step(x, y)
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e6  # us, as the profiler counts
+    wall = (timing.clock("cuda") - start) * 1e6  # us, as the profiler counts
     cuda = torch.autograd.DeviceType.CUDA  # kernels and copies; not the GPU-side annotations
     events = [e for e in prof.key_averages() if e.device_type == cuda and not e.is_user_annotation]
     busy = {}
@@ -100,9 +87,10 @@ def profile(step, x, y, preset: str, out: Path):
         kind = next((c for c, words in CATEGORIES if any(w in name for w in words)), "other")
         busy[kind] = busy.get(kind, 0.0) + e.self_device_time_total
     total = sum(busy.values())
-    print(f"  profile of 3 steps ({wall / 3e3:.1f} ms each under the profiler, which slows the "
-          f"CPU's launches): kernels {total / 3e3:.1f} ms a step, the GPU busy {total / wall:.0%} "
-          "of the profiled time (compare the kernels' ms with the unprofiled step); of it:")  # fmt: skip
+    each = f"{wall / 3e3:.1f} ms each under the profiler, which slows the CPU's launches"
+    print(f"  profile of 3 steps ({each}): kernels {total / 3e3:.1f} ms a step,")
+    busy_share = f"the GPU busy {total / wall:.0%} of the profiled time"
+    print(f"  {busy_share} (compare the kernels' ms with the unprofiled step); of it:")
     for kind, us in sorted(busy.items(), key=lambda kv: -kv[1]):
         print(f"    {kind:<13} {us / total:6.1%}  ({us / 3e3:7.2f} ms per step)")
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
@@ -124,11 +112,12 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps: the compile")
     parser.add_argument("--no-compile", action="store_true", help="eager, for the compile's gain")
     parser.add_argument("--profile-dir", default="", help="profile each preset; traces go here")
+    cuda = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--device", default=cuda, help="cpu: only to try the script")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU (on a CPU: bench/bench_model.py)")
-    print(gpus.machine(), f"CUDA {torch.version.cuda}; bf16 autocast, fused AdamW, "
-          f"{'eager' if args.no_compile else 'torch.compile'}")  # fmt: skip
+    args.device = torch.device(args.device)
+    mode = "eager" if args.no_compile else "torch.compile"
+    print(timing.machine(f"CUDA {torch.version.cuda}", "bf16 autocast, AdamW", mode))
     for preset in args.presets.split(","):
         measure(preset, args)
 

@@ -23,12 +23,12 @@ moves the break-even up). For the main job's GPT and for GPT-2 124M's shapes.
 """
 
 import argparse
+import functools
 import importlib
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,14 +36,18 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import timing  # noqa: E402
+
 model_lib = importlib.import_module("02_model")
 ddp = importlib.import_module("03_ddp")
 compression = importlib.import_module("03b_compression")
-gpus = importlib.import_module("support.gpus")
 
-METHODS = {m: [] if m == "none" else ["--grad-compression", m] for m in ("none", "fp16", "bf16")}
-METHODS.update({f"powersgd r={r}": ["--grad-compression", "powersgd", "--powersgd-rank", str(r)]
-                for r in (1, 4, 16)})  # fmt: skip
+METHODS = {"none": []}
+for half in ("fp16", "bf16"):
+    METHODS[half] = ["--grad-compression", half]
+for rank in (1, 4, 16):
+    powersgd = ["--grad-compression", "powersgd", "--powersgd-rank", str(rank)]
+    METHODS[f"powersgd r={rank}"] = powersgd
 # torch's advice: exact steps no fewer than the LR's warm-up steps (the main job's: 50)
 METHODS["powersgd r=4, 50 exact"] = METHODS["powersgd r=4"] + ["--powersgd-warmup-steps", "50"]
 LINKS = {"10 Gb/s Ethernet": 10e9 / 8, "100 Gb/s Ethernet": 100e9 / 8, "NVLink (H100)": 450e9}
@@ -52,20 +56,21 @@ LINKS = {"10 Gb/s Ethernet": 10e9 / 8, "100 Gb/s Ethernet": 100e9 / 8, "NVLink (
 def train_run(method: str, dp: int, steps: int, out: Path) -> dict:
     """The main job at `dp` ranks with this method (or a finished run read back): the last
     validation loss, the last train row's comm_bytes, and the wall time (None when read)."""
-    metrics, start, seconds = out / "metrics.jsonl", time.perf_counter(), None
+    metrics = out / "metrics.jsonl"
+    seconds = None
     if not metrics.is_file() or f'"step": {steps - 1}, "val_loss"' not in metrics.read_text():
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={dp}", "train.py", "--dp", str(dp), "--max-steps", str(steps),
-                "--out-dir", str(out), "--sample-tokens", "0", "--ckpt-interval", "0",
-                "--log-interval", "1", *METHODS[method]]  # fmt: skip
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        argv += [f"--nproc_per_node={dp}", "train.py", "--dp", str(dp)]
+        argv += ["--max-steps", str(steps), "--out-dir", str(out), "--sample-tokens", "0"]
+        argv += ["--ckpt-interval", "0", "--log-interval", "1", *METHODS[method]]
         subprocess.run(["rm", "-rf", str(out)], check=True)  # an unfinished run: trained again
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, os.cpu_count() // dp))}
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
+        run = functools.partial(subprocess.run, cwd=ROOT, env=env, capture_output=True)
+        done, seconds = timing.timed(run, argv, text=True)
         if done.returncode:
             raise SystemExit(
                 f"{method} at dp {dp} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
             )
-        seconds = time.perf_counter() - start
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     val = [r["val_loss"] for r in rows if r["kind"] == "val"][-1]
     sent = [r["comm_bytes"] for r in rows if r["kind"] == "train"][-1]
@@ -90,10 +95,10 @@ def formula_bytes(model, method: str) -> int:
 def quality(args) -> None:
     config = model_lib.GPTConfig.from_preset("small", vocab_size=4096, pad_vocab_multiple=64)
     model = model_lib.GPT(config)
-    print(f"\n[1] the main job's recipe, {args.steps} steps, validation loss at the end and bytes "
-          f"all-reduced per rank in a step ({gpus.machine()})")  # fmt: skip
-    print(f"    {'method':<23}{'dp':>3} {'val loss':>9} {'comm_bytes':>12} {'formula':>12} "
-          f"{'1/x':>6} {'wall':>7}")  # fmt: skip
+    print(f"\n[1] the main job's recipe, {args.steps} steps, validation loss at the end and")
+    print(f"bytes all-reduced per rank in a step ({timing.machine()})")
+    head = f"    {'method':<23}{'dp':>3} {'val loss':>9} {'comm_bytes':>12}"
+    print(f"{head} {'formula':>12} {'1/x':>6} {'wall':>7}")
     for dp in args.dp:
         base = None
         for method in METHODS:
@@ -102,9 +107,9 @@ def quality(args) -> None:
             )
             base = base or res["comm_bytes"]
             wall = "read" if res["seconds"] is None else f"{res['seconds']:.0f} s"
-            print(f"    {method:<23}{dp:>3} {res['val']:9.3f} {res['comm_bytes']:12,} "
-                  f"{formula_bytes(model, method):12,} {base / res['comm_bytes']:6.1f} {wall:>7}",
-                  flush=True)  # fmt: skip
+            row = f"    {method:<23}{dp:>3} {res['val']:9.3f} {res['comm_bytes']:12,}"
+            row += f" {formula_bytes(model, method):12,} {base / res['comm_bytes']:6.1f}"
+            print(f"{row} {wall:>7}", flush=True)
 
 
 def codec_seconds(model, method: str, world: int, reps: int) -> float:
@@ -116,24 +121,14 @@ def codec_seconds(model, method: str, world: int, reps: int) -> float:
         view.copy_(torch.randn_like(p))
     instant = SimpleNamespace(world=world, all_reduce=lambda t: SimpleNamespace(wait=lambda: None))
     hook = hook_for(model, method)
-    hook(instant, bucket).wait()  # PowerSGD's first call draws Q and fills the residuals
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        hook(instant, bucket).wait()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    # One untimed call first: PowerSGD's draws Q and fills the residuals.
+    return timing.median_seconds(lambda: hook(instant, bucket).wait(), reps, 1)
 
 
 def compute_seconds(model, batch: int, T: int, reps: int = 5) -> float:
     """The median forward + backward time of one step on this machine (fp32)."""
     x = torch.randint(0, model.config.vocab_size, (batch, T))
-    times = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        model(x, x)[1].backward()
-        times.append(time.perf_counter() - start)
-    return sorted(times[1:])[reps // 2]
+    return timing.median_seconds(lambda: model(x, x)[1].backward(), reps, 1)
 
 
 def when_it_pays(args) -> None:
@@ -145,9 +140,11 @@ def when_it_pays(args) -> None:
     N = 2
     for label, model, batch, T in cases:
         psi = sum(p.numel() for p in model.parameters())
-        compute = compute_seconds(model, batch, T, reps=3 if psi > 1e8 else 5)
-        print(f"\n[2] {label} (Ψ = {psi:,}), N = {N} ranks: forward + backward of {batch} x {T} "
-              f"tokens a rank {1e3 * compute:.1f} ms, codec measured on {gpus.machine()}")  # fmt: skip
+        reps = min(args.reps, 3 if psi > 1e8 else 5)
+        compute = compute_seconds(model, batch, T, reps)
+        work = f"forward + backward of {batch} x {T} tokens a rank {1e3 * compute:.1f} ms"
+        print(f"\n[2] {label} (Ψ = {psi:,}), N = {N} ranks: {work},")
+        print(f"codec measured on {timing.machine()}")
         print(
             f"    {'method':<15} {'bytes':>12} {'codec':>9} {'break-even':>12}   "
             + "   ".join(f"step @ {k}" for k in LINKS)
@@ -168,8 +165,8 @@ def when_it_pays(args) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=formatter)
     parser.add_argument("--parts", default="quality,codec", help="quality: [1]; codec: [2]")
     parser.add_argument("--steps", type=int, default=500, help="[1]: optimizer steps per run")
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="[1]: DP sizes")

@@ -1,7 +1,7 @@
 """bench/bench_context_parallel.py: what context parallelism saves and costs, measured.
 
-On 4 ranks (torchrun, started for you), a GPT of 2 layers (C = 64, nh = 4, V = 256,
-fp32) whose context reaches 2,048 tokens, run whole (cp = 1, on each rank), and over CP
+On 4 ranks (torchrun, started for you; --ranks 2 leaves cp = 4 out), a GPT of 2 layers
+(C = 64, nh = 4, V = 256, fp32) whose context reaches 2,048 tokens, run whole (cp = 1, on each rank), and over CP
 groups of 2 and 4 ranks (08's zigzag ring):
 - activations: the bytes one rank keeps for backward (support/activations.py's
   saved_activation_bytes) at T = 256 ... 2,048, against 06b's activation_formula / cp;
@@ -20,7 +20,6 @@ import importlib
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +27,8 @@ import torch.distributed as dist
 
 # The repo root, where the numbered files are.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from support import distributed
+from bench import timing
+from support import distributed, ring
 from support.activations import saved_activation_bytes
 from support.ring import count_p2p
 
@@ -36,7 +36,6 @@ model_lib = importlib.import_module("02_model")
 recompute_lib = importlib.import_module("06b_recompute")  # activation_formula
 cp_lib = importlib.import_module("08_context_parallel")
 print0 = distributed.print0
-CPS = (1, 2, 4)
 
 
 def make_model(seed, T_max, group):
@@ -75,35 +74,36 @@ class WaitClock:
 
     def __init__(self):
         self.seconds = 0.0
-        self.real = cp_lib.Transfer.wait
+        self.real = ring.Transfer.wait
         clock = self
 
         def wait(transfer):
-            t0 = time.perf_counter()
+            start = timing.clock()
             try:
                 return clock.real(transfer)
             finally:
-                clock.seconds += time.perf_counter() - t0
+                clock.seconds += timing.clock() - start
 
-        cp_lib.Transfer.wait = wait
+        ring.Transfer.wait = wait
 
     def close(self):
-        cp_lib.Transfer.wait = self.real
+        ring.Transfer.wait = self.real
 
 
 def ring_alone(sizes, group) -> float:
     """Seconds for the same ring steps (message sizes in bytes) posted and waited one by
     one: no compute to hide behind."""
     dist.barrier(group)
-    t0 = time.perf_counter()
+    start = timing.clock()
     for n in sizes:
         cp_lib.ring_pass(torch.empty(n // 4), group).wait()
-    return time.perf_counter() - t0
+    return timing.clock() - start
 
 
 def bench(args, rank, world_size, device):
+    cps = [cp for cp in (1, 2, 4) if world_size % cp == 0]
     groups = {1: None}
-    for cp in CPS:
+    for cp in cps:
         ranks = [list(range(i, i + cp)) for i in range(0, world_size, cp)]
         made = [dist.new_group(r) for r in ranks]  # every rank makes every group
         groups[cp if cp > 1 else "1, by hand"] = made[rank // cp]
@@ -111,18 +111,17 @@ def bench(args, rank, world_size, device):
     T_max = max(args.seq_lens)
     batches = model_lib.byte_batches(T_max, B, seed=args.seed, device=device)
     x_all, y_all = batches[0]
-    print0(
-        f"GPT L=2 C=64 nh=4 V=256, B={B}, fp32, {world_size} gloo ranks on {device.type}, {torch.get_num_threads()} thread(s) each"
-    )
+    ranks = f"{world_size} gloo ranks on {device.type} (each)"
+    print0(timing.machine(f"GPT L=2 C=64 nh=4 V=256, B={B}, fp32", ranks))
     print0(
         "\nactivations kept for backward per rank, MB (measured | 06b's formula / cp)"
     )
-    print0(f"{'T':>6} " + " ".join(f"{'cp=' + str(cp):>21}" for cp in CPS))
+    print0(f"{'T':>6} " + " ".join(f"{'cp=' + str(cp):>21}" for cp in cps))
     for T in args.seq_lens:
         x = x_all[:, :T].contiguous()
         y = y_all[:, :T].contiguous()
         cells = []
-        for cp in CPS:
+        for cp in cps:
             model = make_model(args.seed, T_max, groups[cp])
             kept = activations(model, x, y, groups[cp])
             formula = recompute_lib.activation_formula(model.config, B, T, "fp32") / cp
@@ -147,23 +146,24 @@ def bench(args, rank, world_size, device):
             clock = WaitClock()
             if group is not None:
                 dist.barrier(group)
-            t0 = time.perf_counter()
             try:
-                step(model, x, y, group)
+                _, seconds = timing.timed(step, model, x, y, group)
             finally:
                 clock.close()
             if i >= args.warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(seconds)
                 waited.append(clock.seconds)
         ms = statistics.median(times) * 1e3
-        line = f"  cp={label:<10} {per_layer:>10,.0f} B sent per layer | formula {formula:>10,}   step {ms:7.1f} ms"
+        line = f"  cp={label:<10} {per_layer:>10,.0f} B sent per layer"
+        line += f" | formula {formula:>10,}   step {ms:7.1f} ms"
         if cp > 1:
             alone = statistics.median(
                 ring_alone(sent, group) for _ in range(args.steps)
             )
             exposed = statistics.median(waited)
             hidden = max(0.0, 1 - exposed / alone)
-            line += f"   ring alone {alone * 1e3:6.1f} ms, waited {exposed * 1e3:6.1f} ms: {hidden:.0%} hidden"
+            line += f"   ring alone {alone * 1e3:6.1f} ms,"
+            line += f" waited {exposed * 1e3:6.1f} ms: {hidden:.0%} hidden"
         print0(line)
         dist.barrier()
 
@@ -171,7 +171,8 @@ def bench(args, rank, world_size, device):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, default=4, help="ranks: a multiple of 4")
+    help = "ranks: cp = 1, 2, 4 where they divide it"
+    parser.add_argument("--ranks", type=int, default=4, help=help)
     parser.add_argument("--batch-size", type=int, default=2, help="B")
     parser.add_argument(
         "--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048]
@@ -186,7 +187,6 @@ def main(argv=None):
     if "WORLD_SIZE" not in os.environ:
         return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
     rank, _, world_size, device = distributed.init_distributed()
-    assert world_size % 4 == 0, f"{world_size} ranks: need a multiple of 4 (cp 1, 2, 4)"
     try:
         bench(args, rank, world_size, device)
     finally:

@@ -26,8 +26,10 @@
    each under 1 GiB). Before the loader's shuffle was computed (01's `shuffled`), a stored
    permutation of every window grew ~0.8 MB per MB of text.
 
-`--shakespeare` runs them on tiny-shakespeare instead (downloaded once into data/downloads/, the
-only network use; then `python 01_data.py --source data/downloads/tinyshakespeare.txt`).
+`--source` runs [1] to [3] on another text than the standard library: a local file, folder or
+glob, or `shakespeare` (01's source option: support/sources.py downloads tiny-shakespeare once
+into data/downloads/ when asked, the course's only network use). `--small-kb 20 --vocab-size
+300 --skip-reference` on a small local file only tries the script (tests/test_bench.py).
 """
 
 import argparse
@@ -40,23 +42,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import timing  # noqa: E402
+
 data = importlib.import_module("01_data")
 clean = importlib.import_module("01b_cleaning")
-gpus = importlib.import_module("support.gpus")
 files_lib = importlib.import_module("support.files")
 sources = importlib.import_module("support.sources")
-
-
-def timed(fn, *args, **kwargs):
-    start = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - start
 
 
 def main(argv=None):
@@ -68,9 +64,9 @@ def main(argv=None):
         action="store_true",
         help="skip the two full-recount trainers of [1] (minutes on 2 cores)",
     )
-    parser.add_argument(
-        "--shakespeare", action="store_true", help="tiny-shakespeare (downloaded once), not stdlib"
-    )
+    parser.add_argument("--source", default="stdlib", help="01's --source: what [1]-[3] read")
+    parser.add_argument("--small-kb", type=int, default=300, help="[1]: text of this many KB")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="[2]: ours on all of it")
     parser.add_argument(
         "--corpus-gb", type=float, default=0, help="[4]: a corpus this big (0: skip)"
     )
@@ -80,19 +76,21 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.memory_mb:
         return peak_memory([float(mb) for mb in args.memory_mb.split(",")])
-    print(f"machine: {gpus.machine()}, Python {platform.python_version()}")
-    files = [sources.download_shakespeare()] if args.shakespeare else sources.stdlib_files()
+    print(timing.machine(f"Python {platform.python_version()}"))
+    files = sources.source_files(args.source)  # shakespeare: downloaded here, once
     docs = [text for _, _, text, _ in sources.iter_documents(files, [])]
     corpus = data.EOT.join(docs)
-    small = corpus.replace(data.EOT, "\n")[:300_000]  # the reference trainer knows no specials
-
-    fast, ours = timed(data.train_bpe, small, 512, special_tokens=())
-    print(f"[1] 300 KB, vocab 512: ours {ours:6.2f} s", end="", flush=True)
+    # The reference trainer knows no special tokens.
+    small = corpus.replace(data.EOT, "\n")[: args.small_kb * 1000]
+    vocab = min(512, args.vocab_size)
+    fast, ours = timing.timed(data.train_bpe, small, vocab, special_tokens=())
+    print(f"[1] {args.small_kb} KB, vocab {vocab}: ours {ours:6.2f} s", end="", flush=True)
     if not args.skip_reference:
         from tiktoken._educational import bpe_train
 
-        naive, t_naive = timed(data.train_bpe_naive, small, 512, special_tokens=())
-        _, ref = timed(bpe_train, small, 512, data.GPT2_SPLIT_PATTERN, visualise=None)
+        naive, t_naive = timing.timed(data.train_bpe_naive, small, vocab, special_tokens=())
+        pattern = data.GPT2_SPLIT_PATTERN
+        _, ref = timing.timed(bpe_train, small, vocab, pattern, visualise=None)
         print(
             f" | our naive {t_naive:6.1f} s (same merges: {naive.merges == fast.merges}, "
             f"{t_naive / ours:4.0f}x) | tiktoken._educational {ref:6.1f} s | speed-up "
@@ -101,9 +99,9 @@ def main(argv=None):
     else:
         print()
 
-    tok, full = timed(data.train_bpe, corpus, 4096)
+    tok, full = timing.timed(data.train_bpe, corpus, args.vocab_size)
     mb = len(corpus.encode()) / 1e6
-    print(f"[2] {mb:.1f} MB, vocab 4096: ours {full:6.2f} s (target <= 20 s)")
+    print(f"[2] {mb:.1f} MB, vocab {args.vocab_size}: ours {full:6.2f} s (target <= 20 s)")
 
     tokenizers = {"ours": tok}
     try:
@@ -117,13 +115,14 @@ def main(argv=None):
         "[3] bytes per token on the last 5%: "
         + ", ".join(f"{k} {r:.2f}" for k, r in ratios.items())
     )
-    source = str(files[0]) if args.shakespeare else "stdlib"
     with tempfile.TemporaryDirectory() as tmp:
         for name, t in tokenizers.items():
-            meta, took = timed(data.prepare, source, t, Path(tmp) / name, block_size=64)
+            out = Path(tmp) / name
+            meta, took = timing.timed(data.prepare, args.source, t, out, block_size=64)
             mb = meta["n_bytes"] / 1e6
-            print(f"[3] prepare {name:5s} {mb / took:6.1f} MB/s ({mb:.1f} MB, "
-                  f"{meta['train_tokens'] + meta['val_tokens']:,} tokens, {os.cpu_count()} threads)")  # fmt: skip
+            tokens = meta["train_tokens"] + meta["val_tokens"]
+            what = f"{mb:.1f} MB, {tokens:,} tokens, {os.cpu_count()} threads"
+            print(f"[3] prepare {name:5s} {mb / took:6.1f} MB/s ({what})")
     if args.corpus_gb:
         at_scale(corpus, args.corpus_gb)
 
@@ -134,7 +133,8 @@ def prose_corpus(corpus: str, gb: float, folder="data/bench-prose", seed=0) -> t
     1/k), the eight stop words Gopher counts spread in; 1% exact and 1% near copies (one sentence
     changed) of earlier documents. Distinct, prose-shaped text: cleaning does all its work and
     removes little, so its cost is not hidden by documents it drops before the encoder."""
-    out, rng = Path(folder), np.random.default_rng(seed)
+    out = Path(folder)
+    rng = np.random.default_rng(seed)
     counts = collections.Counter(w for w in clean.WORD.findall(corpus) if w.isalpha())
     stop = clean.STOP_WORDS.split("|")
     vocab = np.array([w.lower() for w, _ in counts.most_common(20_000)] + stop)
@@ -147,17 +147,19 @@ def prose_corpus(corpus: str, gb: float, folder="data/bench-prose", seed=0) -> t
         words = vocab[rng.choice(len(vocab), lengths.sum(), p=weights)]
         return [" ".join(s).capitalize() + "." for s in np.split(words, np.cumsum(lengths)[:-1])]
 
-    files, size, kept = [], 0, []
+    files = []
+    size = 0
+    kept = []
     while size < gb * 1e9:
         path = out / f"part_{len(files):03d}.jsonl"
         files.append(path)
         if not path.is_file():
-            lines, n = [], 0
+            lines = []
+            n = 0
             while n < 128e6 and size + n < gb * 1e9:
                 roll = rng.random()
-                if (
-                    roll < 0.02 and kept
-                ):  # a copy of an earlier document: exact, or one sentence new
+                # A copy of an earlier document: exact, or one sentence new.
+                if roll < 0.02 and kept:
                     doc = list(kept[rng.integers(len(kept))])
                     if roll < 0.01:
                         doc[rng.integers(len(doc))] = document()[0]
@@ -177,32 +179,44 @@ def at_scale(corpus: str, gb: float, folder="data/bench-prose"):
     carry the parent's over the fork and exec, 755 MiB here whatever the child did)."""
     out, size = prose_corpus(corpus, gb, folder)
     print(f"[4] {size / 1e9:.2f} GB of .jsonl in {out}; preparing with gpt2 ...", flush=True)
-    code = ("import importlib, json, sys; d = importlib.import_module('01b_cleaning'); "
-            "m = d.prepare(sys.argv[1], 'gpt2', sys.argv[2], block_size=1024, quality=sys.argv[3], "
-            "dedup=sys.argv[4]); m['peak'] = [int(line.split()[1]) for line in open('/proc/self/status') "
-            "if line.startswith('VmHWM')][0]; "
-            "print(json.dumps({k: v for k, v in m.items() if k not in ('shards', 'files')}))")  # fmt: skip
-    root, base = Path(__file__).resolve().parents[1], None
+    root = Path(__file__).resolve().parents[1]
+    base = None
     for quality, dedup in (("none", "none"), ("none", "exact"), ("gopher", "minhash")):
         target = f"{out}-gpt2-{quality}-{dedup}"
         shutil.rmtree(target, ignore_errors=True)  # prepared before: it would do nothing
-        start = time.perf_counter()
-        run = subprocess.run([sys.executable, "-c", code, str(out), target, quality, dedup],
-                             cwd=root, capture_output=True, text=True)  # fmt: skip
+        argv = [sys.executable, "-c", PREPARE_CHILD, str(out), target, quality, dedup]
+        run, took = timing.timed(subprocess.run, argv, cwd=root, capture_output=True, text=True)
         if run.returncode:
             raise SystemExit(f"[4] preparing {out} failed: {run.stderr.strip().splitlines()[-1]}")
-        took, meta = time.perf_counter() - start, json.loads(run.stdout.strip().splitlines()[-1])
+        meta = json.loads(run.stdout.strip().splitlines()[-1])
         shutil.rmtree(target, ignore_errors=True)  # ~1 GB of shards each
-        tokens, gb_text = meta["train_tokens"] + meta["val_tokens"], meta["n_bytes"] / 1e9
-        per_gb, tokens_per_gb = took / gb_text, tokens / gb_text
+        tokens = meta["train_tokens"] + meta["val_tokens"]
+        gb_text = meta["n_bytes"] / 1e9
+        per_gb = took / gb_text
+        tokens_per_gb = tokens / gb_text
         base = base or took
         removed = ", ".join(f"{n:,} {why}" for why, n in meta["removed"].items()) or "nothing"
-        print(f"    --quality {quality} --dedup {dedup}: {gb_text:.2f} GB of text, "
-              f"{meta['documents_in']:,} documents, removed {removed} -> {tokens:,} tokens in "
-              f"{took:.0f} s: {gb_text * 1e3 / took:.1f} MB/s, {per_gb:.0f} s per GB "
-              f"({took / base:.2f}x the uncleaned time); peak RSS {meta['peak'] / 2**10:.0f} MiB "
-              f"(target < 1,024); 10 billion tokens ({10e9 / tokens_per_gb:.0f} GB of such text): "
-              f"{10e9 / tokens_per_gb * per_gb / 3600:.1f} h on these {os.cpu_count()} cores")  # fmt: skip
+        print(f"    --quality {quality} --dedup {dedup}: {gb_text:.2f} GB of text,")
+        print(f"      {meta['documents_in']:,} documents, removed {removed} -> {tokens:,} tokens")
+        speed = f"{gb_text * 1e3 / took:.1f} MB/s, {per_gb:.0f} s per GB"
+        print(f"      in {took:.0f} s: {speed} ({took / base:.2f}x the uncleaned time)")
+        peak = meta["peak"] / 2**10
+        print(f"      peak RSS {peak:.0f} MiB (target < 1,024)")
+        hours = 10e9 / tokens_per_gb * per_gb / 3600
+        text_gb = 10e9 / tokens_per_gb
+        print(f"      10 billion tokens ({text_gb:.0f} GB of such text): {hours:.1f} h on these")
+        print(f"      {os.cpu_count()} cores")
+
+
+PREPARE_CHILD = """
+import importlib, json, sys
+cleaning = importlib.import_module("01b_cleaning")
+source, target, quality, dedup = sys.argv[1:]
+m = cleaning.prepare(source, "gpt2", target, block_size=1024, quality=quality, dedup=dedup)
+status = open("/proc/self/status").read().splitlines()
+m["peak"] = [int(x.split()[1]) for x in status if x.startswith("VmHWM")][0]
+print(json.dumps({k: v for k, v in m.items() if k not in ("shards", "files")}))
+"""
 
 
 PEAK_CHILD = """
@@ -228,7 +242,7 @@ def random_jsonl(path: Path, mb: float, seed: int = 0) -> None:
 
 def peak_memory(sizes_mb: list, folder=Path("data/bench-memory")) -> None:
     """[5]: 01's whole run on one .jsonl of each size, in a fresh process: its peak RSS."""
-    print(f"machine: {gpus.machine()}, Python {platform.python_version()}")
+    print(timing.machine(f"Python {platform.python_version()}"))
     root = Path(__file__).resolve().parents[1]
     peaks = []
     for mb in sizes_mb:
@@ -236,20 +250,19 @@ def peak_memory(sizes_mb: list, folder=Path("data/bench-memory")) -> None:
         out = folder / f"out_{mb:g}mb"
         random_jsonl(src, mb)
         argv = ["--source", str(src), "--tokenizer", "gpt2", "--shard-tokens", "20000000"]
-        start = time.perf_counter()
-        run = subprocess.run([sys.executable, "-c", PEAK_CHILD, *argv, "--out", str(out)],
-                             cwd=root, capture_output=True, text=True)  # fmt: skip
-        took = time.perf_counter() - start
+        argv = [sys.executable, "-c", PEAK_CHILD, *argv, "--out", str(out)]
+        run, took = timing.timed(subprocess.run, argv, cwd=root, capture_output=True, text=True)
         shutil.rmtree(out, ignore_errors=True)
         src.unlink()
         if run.returncode:
             raise SystemExit(f"[5] {mb:g} MB failed: {run.stderr.strip().splitlines()[-1]}")
         peaks.append(int(run.stdout.split("VmHWM")[-1]) / 1024)
-        print(f"[5] {mb:g} MB of .jsonl, gpt2: {took:.0f} s ({mb / took:.1f} MB/s), "
-              f"peak RSS {peaks[-1]:.0f} MiB (target < 1,024)", flush=True)  # fmt: skip
+        speed = f"{took:.0f} s ({mb / took:.1f} MB/s)"
+        print(f"[5] {mb:g} MB of .jsonl, gpt2: {speed}, peak RSS {peaks[-1]:.0f} MiB", flush=True)
     spread = max(peaks) - min(peaks)
-    print(f"[5] peaks {', '.join(f'{p:.0f}' for p in peaks)} MiB: spread {spread:.0f} MiB "
-          f"(issue 30: within 100 MB)")  # fmt: skip
+    listed = ", ".join(f"{p:.0f}" for p in peaks)
+    print(f"[5] peaks {listed} MiB (target < 1,024 each): spread {spread:.0f} MiB")
+    print("    (issue 30: within 100 MB)")
 
 
 if __name__ == "__main__":

@@ -27,24 +27,25 @@ Run:  python bench/bench_ddp.py [--ranks 2]      (starts torchrun for you; about
 """
 
 import argparse
+import functools
 import importlib
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
+from bench import timing
 from support import distributed
 
 ddp = importlib.import_module("03_ddp")
 zero_lib = importlib.import_module("07_zero")
 model_lib = importlib.import_module("02_model")
-gpus = importlib.import_module("support.gpus")
-GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
+GPT = model_lib.GPT
+GPTConfig = model_lib.GPTConfig
 
 # (label, GPTConfig overrides, sequences per rank, bucket cap in MB for both ours and torch DDP)
 CASES = [
@@ -60,7 +61,9 @@ def make_variants(config, device, names, bucket_mb: float = 25.0) -> dict:
     """name -> (model, AdamW or ZeRO's), every one the same GPT from the same seed."""
     from torch.distributed.fsdp import fully_shard
 
-    AdamW, kw, out = torch.optim.AdamW, dict(lr=1e-4, weight_decay=0.1), {}
+    AdamW = torch.optim.AdamW
+    kw = dict(lr=1e-4, weight_decay=0.1)
+    out = {}
     for name in names:
         torch.manual_seed(0)
         m = GPT(config).to(device)
@@ -95,25 +98,17 @@ def timed_step(model, opt, x, y, communicate: bool) -> None:
     opt.step()
 
 
-def _now(device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def time_steps(variants, x, y, steps, warmup, device) -> dict:
     """name -> (step, compute-only) median seconds of the slowest rank. Variants alternate step
     by step, so drift in the machine's speed hits them alike."""
-    samples = {name: ([], []) for name in variants}
-    for i in range(warmup + steps):
-        for name, (model, opt) in variants.items():
-            for kind, communicate in enumerate((True, False)):
-                dist.barrier()  # start together: a step's time is not a peer's lateness
-                t0 = _now(device)
-                timed_step(model, opt, x, y, communicate)
-                if i >= warmup:
-                    samples[name][kind].append(_now(device) - t0)
-    medians = [[statistics.median(s) for s in samples[n]] for n in variants]
+    calls = {}
+    for name, (model, opt) in variants.items():
+        for communicate in (True, False):
+            step = functools.partial(timed_step, model, opt, x, y, communicate)
+            calls[(name, communicate)] = step
+    # A barrier first: a step's time is not a peer's lateness.
+    times = timing.alternate(calls, steps, warmup, device, before=dist.barrier)
+    medians = [[statistics.median(times[(n, c)]) for c in (True, False)] for n in variants]
     medians = torch.tensor(medians, dtype=torch.float64, device=device)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     return dict(zip(variants, medians.tolist()))
@@ -121,15 +116,13 @@ def time_steps(variants, x, y, steps, warmup, device) -> dict:
 
 def time_comm_alone(buffers, blocking: bool, device, reps: int = 7) -> float:
     """Median seconds to all-reduce these buffers (one by one, or all in flight at once)."""
-    samples = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = _now(device)
+
+    def all_reduce():
         works = [dist.all_reduce(b, async_op=not blocking) for b in buffers]
         for work in [] if blocking else works:
             work.wait()
-        samples.append(_now(device) - t0)
-    return statistics.median(samples)
+
+    return timing.median_seconds(all_reduce, reps, 0, device, before=dist.barrier)
 
 
 def bench_case(label, overrides, batch, bucket_mb, args, rank, device) -> float:
@@ -138,7 +131,8 @@ def bench_case(label, overrides, batch, bucket_mb, args, rank, device) -> float:
     g = torch.Generator().manual_seed(rank)  # each rank its own rows, every variant the same
     data = torch.randint(0, VOCAB, (batch, config.block_size + 1), generator=g).to(device)
     times = time_steps(variants, data[:, :-1], data[:, 1:], args.steps, args.warmup, device)
-    naive, bucketed = variants["naive"][0], variants["bucketed"][0]
+    naive = variants["naive"][0]
+    bucketed = variants["bucketed"][0]
     alone = {  # torch DDP's buckets are its own business
         "naive": time_comm_alone([torch.zeros_like(p) for p in naive.params], True, device),
         "bucketed": time_comm_alone(
@@ -180,14 +174,10 @@ def time_zero(label, overrides, batch, args, rank, device) -> dict:
     variants = make_variants(config, device, ZERO_TIMED)
     g = torch.Generator().manual_seed(rank)
     data = torch.randint(0, VOCAB, (batch, config.block_size + 1), generator=g).to(device)
-    x, y, samples = data[:, :-1], data[:, 1:], {name: [] for name in variants}
-    for i in range(args.warmup + args.steps):
-        for name, (model, opt) in variants.items():
-            dist.barrier()
-            t0 = _now(device)
-            ddp.train_step(model, opt, x, y)
-            if i >= args.warmup:
-                samples[name].append(_now(device) - t0)
+    x = data[:, :-1]
+    y = data[:, 1:]
+    calls = {n: functools.partial(ddp.train_step, *v, x, y) for n, v in variants.items()}
+    samples = timing.alternate(calls, args.steps, args.warmup, device, before=dist.barrier)
     medians = torch.tensor([statistics.median(samples[n]) for n in variants], device=device)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)
     times = dict(zip(variants, medians.tolist()))
@@ -209,7 +199,8 @@ def zero_traffic(world, device) -> None:
     config = GPTConfig.from_preset("small", vocab_size=VOCAB, block_size=64)
     variants = make_variants(config, device, ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"))
     data = torch.randint(0, VOCAB, (4, config.block_size + 1)).to(device)
-    psi, sent = variants["DP"][0].module.num_params(), (world - 1) / world
+    psi = variants["DP"][0].module.num_params()
+    sent = (world - 1) / world
     model = variants["ZeRO-3"][0]
     root = sum(f.full.numel() for f in model.flats if f.unit is model.module)
     distributed.print0(f"\nwords sent per rank in one step, counted | formula (Ψ = {psi:,}, N = {world})")
@@ -269,7 +260,8 @@ def gpt2_memory_table() -> None:
     distributed.print0("\nformula only, GB per rank (fp32 weights, gradients, AdamW m and v):")
     for preset in ("gpt2", "gpt2-xl"):
         config = GPTConfig.from_preset(preset)
-        psi, C = model_lib.count_params(config), config.n_embd
+        psi = model_lib.count_params(config)
+        C = config.n_embd
         block = 12 * C * C + 13 * C  # ZeRO-3 gathers the root and two blocks (one prefetched)
         root = psi - config.n_layer * block
         sizes = f"root {4 * root / 1e9:.2f} GB, block {4 * block / 1e9:.3f} GB"
@@ -290,6 +282,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant; medians")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant first")
     parser.add_argument("--parts", default="dp,zero", help="dp: part 1, zero: part 2")
+    parser.add_argument("--cases", type=int, default=3, help="the first N models of each part")
     args = parser.parse_args(argv)
     if args.ranks < 1 or args.steps < 1 or args.warmup < 0:
         parser.error("--ranks and --steps must be >= 1, --warmup >= 0")
@@ -298,15 +291,15 @@ def main(argv=None) -> None:
     rank, _, world, device = distributed.init_distributed()
     try:
         distributed.print0(
-            f"{world} ranks, {dist.get_backend()}, {gpus.machine()}, {torch.get_num_threads()} "
-            f"thread(s) per rank; median of {args.steps} steps"
+            timing.machine(f"{world} ranks, {dist.get_backend()}")
+            + f" (per rank); median of {args.steps} steps"
         )
         if "dp" in args.parts:
-            ratios = [bench_case(*case, args, rank, device) for case in CASES]
+            ratios = [bench_case(*case, args, rank, device) for case in CASES[: args.cases]]
             listed = ", ".join(f"{r:.2f}x" for r in ratios)
             distributed.print0(f"\nbucketed / torch DDP over all cases: {listed} (target <= 1.10x)")
         if "zero" in args.parts:
-            ratios = [time_zero(*case, args, rank, device) for case in ZERO_CASES]
+            ratios = [time_zero(*case, args, rank, device) for case in ZERO_CASES[: args.cases]]
             for key in ratios[0]:
                 listed = ", ".join(f"{r[key]:.2f}x" for r in ratios)
                 distributed.print0(f"{key} over all cases: {listed} (target <= 1.10x)")

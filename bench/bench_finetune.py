@@ -28,10 +28,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the repo root: numbered files, train.py
+from bench import timing  # noqa: E402
+
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 export_lib = importlib.import_module("support.export")
-gpus = importlib.import_module("support.gpus")
 train = importlib.import_module("train")
 
 
@@ -43,30 +44,37 @@ def rows(out_dir, kind):
 def base_model(work: Path, args) -> Path:
     """Pretrain the small model on Python's standard library; write it in GPT-2's layout."""
     run = work / "base"
-    train.main(["--model", "small", "--tokenizer", "gpt2", "--max-steps", str(args.base_steps),
-                "--batch-size", "16", "--micro-batch-size", "16", "--lr", "3e-3",
-                "--warmup-steps", "20", "--eval-interval", "0", "--eval-steps", "4",
-                "--ckpt-interval", "0", "--sample-tokens", "0", "--dtype", "fp32",
-                "--seed", str(args.seed), "--out-dir", str(run)])  # fmt: skip
+    argv = ["--model", "small", "--tokenizer", "gpt2", "--max-steps", str(args.base_steps)]
+    argv += ["--batch-size", "16", "--micro-batch-size", "16", "--lr", "3e-3"]
+    argv += ["--warmup-steps", str(min(20, args.base_steps)), "--eval-interval", "0"]
+    argv += ["--eval-steps", "4", "--ckpt-interval", "0", "--sample-tokens", "0"]
+    argv += ["--dtype", "fp32", "--seed", str(args.seed), "--out-dir", str(run)]
+    if args.base_data:
+        argv += ["--data-dir", args.base_data]
+    _, seconds = timing.timed(train.main, argv)
     model, _ = train.load_exported(run / "model.pt")
     folder = work / "base-hf"
     folder.mkdir()
     torch.save(export_lib.to_hf_state_dict(model), folder / "pytorch_model.bin")
     (folder / "config.json").write_text(json.dumps({"n_head": model.config.n_head}))
-    print(f"base: {args.base_steps} steps on Python's standard library, validation loss "
-          f"{rows(run, 'val')[-1]['val_loss']:.3f}; written as {folder}\n")  # fmt: skip
+    loss = rows(run, "val")[-1]["val_loss"]
+    where = args.base_data or "Python's standard library"
+    print(f"base: {args.base_steps} steps on {where} in {seconds:.0f} s,")
+    print(f"validation loss {loss:.3f}; written as {folder}\n")
     return folder
 
 
 def fine_tune(name, base: Path, text: Path, work: Path, args, extra) -> dict:
     run = work / name
-    train.main(["--init-from", str(base), "--model", "small", "--tokenizer", "gpt2",
-                "--data-dir", str(text), "--max-steps", str(args.steps), "--batch-size", "8",
-                "--micro-batch-size", "8", "--warmup-steps", "5", "--lr-schedule", "constant",
-                "--eval-interval", "0", "--eval-steps", "1", "--log-interval", "5",
-                "--ckpt-interval", "0", "--sample-tokens", "0", "--dtype", "fp32",
-                "--seed", str(args.seed), "--out-dir", str(run)] + extra)  # fmt: skip
-    speed = statistics.median(r["tokens_per_s"] for r in rows(run, "train")[1:])
+    argv = ["--init-from", str(base), "--model", "small", "--tokenizer", "gpt2"]
+    argv += ["--data-dir", str(text), "--max-steps", str(args.steps), "--batch-size", "8"]
+    argv += ["--micro-batch-size", "8", "--warmup-steps", str(min(5, args.steps))]
+    argv += ["--lr-schedule", "constant", "--eval-interval", "0", "--eval-steps", "1"]
+    argv += ["--log-interval", "5", "--ckpt-interval", "0"]
+    argv += ["--sample-tokens", "0", "--dtype", "fp32", "--seed", str(args.seed)]
+    train.main(argv + ["--out-dir", str(run)] + extra)
+    logged = rows(run, "train")
+    speed = statistics.median(r["tokens_per_s"] for r in logged[1:] or logged)
     return dict(after=rows(run, "val")[-1]["val_loss"], tokens_per_s=speed)
 
 
@@ -105,25 +113,28 @@ def main(argv=None):
     parser.add_argument("--lr-lora", type=float, default=3e-3, help="LoRA's (its factors only)")
     parser.add_argument("--lora-rank", type=int, default=8, help="r; alpha is 16")
     parser.add_argument("--seed", type=int, default=1337, help="init and data order")
+    base_data = "the base's --data-dir, GPT-2 tokens ('': data/stdlib-gpt2, made if missing)"
+    parser.add_argument("--base-data", default="", help=base_data)
     args = parser.parse_args(argv)
-    print(f"{gpus.machine()}, {torch.get_num_threads()} threads, fp32\n")
+    print(timing.machine("fp32") + "\n")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         base = base_model(work, args)
         text = work / "docs-gpt2"
         data_lib.prepare(str(ROOT / "docs" / "*.md"), "gpt2", text, block_size=128)
         lora = ["--lr", str(args.lr_lora), "--lora-rank", str(args.lora_rank)]
-        runs = {"full": fine_tune("full", base, text, work, args, ["--lr", str(args.lr_full)]),
-                f"LoRA r={args.lora_rank}": fine_tune("lora", base, text, work, args, lora)}  # fmt: skip
+        full = ["--lr", str(args.lr_full)]
+        runs = {"full": fine_tune("full", base, text, work, args, full)}
+        runs[f"LoRA r={args.lora_rank}"] = fine_tune("lora", base, text, work, args, lora)
         before = validation_loss(model_lib.GPT.load_pretrained(base), text, args.seed)
-    print(f"\nfine-tuning on docs/*.md, {args.steps} steps of 8 x 128 tokens from the same base "
-          f"(validation loss before: {before:.3f})")  # fmt: skip
-    print(f"{'':<12} {'val after':>10} {'tokens/s':>9} {'trained':>11} {'AdamW state':>14} "
-          f"{'formula':>14}")  # fmt: skip
+    print(f"\nfine-tuning on docs/*.md, {args.steps} steps of 8 x 128 tokens from the same")
+    print(f"base (validation loss before: {before:.3f})")
+    head = f"{'':<12} {'val after':>10} {'tokens/s':>9} {'trained':>11}"
+    print(f"{head} {'AdamW state':>14} {'formula':>14}")
     for (name, r), rank in zip(runs.items(), (0, args.lora_rank)):
         n, measured, formula = adamw_state(rank)
-        print(f"{name:<12} {r['after']:>10.3f} {r['tokens_per_s']:>9,.0f} {n:>11,} "
-              f"{measured:>12,} B {formula:>12,} B")  # fmt: skip
+        row = f"{name:<12} {r['after']:>10.3f} {r['tokens_per_s']:>9,.0f} {n:>11,}"
+        print(f"{row} {measured:>12,} B {formula:>12,} B")
     print("AdamW state: 2 moments x 4 bytes per trained number + a 4-byte step per tensor")
 
 

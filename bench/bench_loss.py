@@ -13,7 +13,7 @@ GPT-2's whole step at T = 1,024 takes minutes on a laptop, and its blocks are th
 for both losses); on a GPU the whole model's forward and backward (--scope model). Each
 row prints the bytes kept, counted by 06b's saved_activation_bytes, beside the formula;
 the step's peak: on a CPU the most bytes the step's own tensors hold at once
-(bench_mixed_precision's StepPeak: weights left out), on a GPU
+(bench/timing.py's StepPeak: weights left out), on a GPU
 torch.cuda.max_memory_allocated less the memory held before the step; and the median ms
 per step. A GPU step runs under bf16 autocast, a CPU step in fp32 (--dtype). The CUDA
 branch has not run yet (no GPU on the development VMs).
@@ -22,20 +22,18 @@ branch has not run yet (no GPU on the development VMs).
 import argparse
 import functools
 import importlib
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # the numbered files live there
+# The repo root: the numbered files live there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import timing  # noqa: E402
+
 model_lib = importlib.import_module("02_model")
 mp = importlib.import_module("06_mixed_precision")
 rc = importlib.import_module("06b_recompute")  # recomputation, the chunked loss
-StepPeak = importlib.import_module("bench.bench_mixed_precision").StepPeak
 
 LOSSES = ("plain", "chunked")
 GB = 1e9
@@ -77,16 +75,12 @@ def build(config, loss: str, B: int, args, device):
     return model, functools.partial(lambda m: m.loss_fn(m.head(hidden), y), model)
 
 
-def step(forward, model, dtype, device) -> float:
-    """One forward and backward; its seconds (a GPU synchronised: this is a bench)."""
-    t0 = time.perf_counter()
+def step(forward, model, dtype, device) -> None:
+    """One forward and backward."""
     with mp.autocast_context(dtype, device.type):
         loss = forward()
     loss.backward()
     model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
 
 
 def measure(config, B: int, args, device) -> list:
@@ -105,17 +99,17 @@ def measure(config, B: int, args, device) -> list:
             formula = B * T * (config.n_embd + 2) * 4
             formula += rc.loss_formula(config, B, T, mode, loss)
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            timing.clock(device)  # the queue drained: nothing of before is in flight
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
             step(forward, model, dtype, device)
             peak = torch.cuda.max_memory_allocated(device) - before
         else:
-            with StepPeak() as watched:
+            with timing.StepPeak() as watched:
                 step(forward, model, dtype, device)
             peak = watched.peak
-        times = [step(forward, model, dtype, device) for _ in range(args.steps)]
-        ms = 1e3 * statistics.median(times)
+        one = functools.partial(step, forward, model, dtype, device)
+        ms = 1e3 * timing.median_seconds(one, args.steps, 0, device)
         rows.append((B, loss, kept, formula, peak, ms))
         del model, forward
         if device.type == "cuda":
@@ -141,12 +135,7 @@ def main(argv=None):
     config = model_lib.GPTConfig.from_preset(
         "gpt2", block_size=T, pad_vocab_multiple=64
     )
-    name = (
-        torch.cuda.get_device_name()
-        if cuda
-        else f"CPU, {torch.get_num_threads()} threads"
-    )
-    print(f"{name}, torch {torch.__version__}\n")
+    print(timing.machine() + "\n")
     print_formulas(
         config, T, [int(b) for b in args.batch_sizes.split(",")], mode_of(args.dtype)
     )

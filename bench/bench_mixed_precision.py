@@ -28,26 +28,23 @@ histogram.
 
 import argparse
 import contextlib
+import functools
 import gc
 import importlib
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # the numbered files live there
+# The repo root: the numbered files live there.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import timing  # noqa: E402
+
 model_lib = importlib.import_module("02_model")
 mp = importlib.import_module("06_mixed_precision")
 rc = importlib.import_module("06b_recompute")  # recomputation, the chunked loss
-gpus = importlib.import_module("support.gpus")  # peak_flops, mfu
 
 MODES = ("fp32", "tf32", "bf16 autocast", "fp16 autocast + scaler", "fp16 by hand")
 
@@ -108,16 +105,19 @@ def memory_table(model, optimizer, master, autocast_dtype, x, y, mode) -> dict:
     state = [
         t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)
     ]
-    measured = [tensor_bytes(params), tensor_bytes(p.grad for p in params if p.grad is not None),
-                tensor_bytes(state), activations]  # fmt: skip
+    grads = [p.grad for p in params if p.grad is not None]
+    table = {}
+    # By hand: 16-bit working weights and fp32 masters.
+    weights = (2 + 4) * N if master else 4 * N
+    table["params"] = (tensor_bytes(params), weights)
+    # fp32 gradients (by hand: the 16-bit ones are freed once copied up).
+    table["grads"] = (tensor_bytes(grads), 4 * N)
+    # AdamW's m and v, fp32, and a 4-byte step count per tensor.
+    table["AdamW state"] = (tensor_bytes(state), 8 * N + 4 * len(masters))
+    formula = rc.activation_formula(model.config, *x.shape, mode)
+    table["activations"] = (activations, formula)
     optimizer.zero_grad(set_to_none=True)
-    formulas = [(2 + 4) * N if master else 4 * N,  # by hand: 16-bit working + fp32 master
-                4 * N,  # fp32 grads (by hand: the 16-bit ones are freed once copied up)
-                8 * N + 4 * len(masters),  # AdamW's m and v, fp32, and a 4-byte step per tensor
-                rc.activation_formula(model.config, *x.shape, mode)]  # fmt: skip
-    return dict(
-        zip(("params", "grads", "AdamW state", "activations"), zip(measured, formulas))
-    )
+    return table
 
 
 def run(mode: str, config, batches, args, device) -> dict:
@@ -126,14 +126,14 @@ def run(mode: str, config, batches, args, device) -> dict:
     model, optimizer, scaler, master, ac = build(mode, config, args, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, losses, table = [], [], None
+    times = []
+    losses = []
     with matmul_precision(mode):
         for x, y in batches:
-            t0 = time.perf_counter()
-            losses.append(
-                mp.train_step(model, optimizer, scaler, master, ac, x, y)
-            )  # synced
-            times.append(time.perf_counter() - t0)
+            step = functools.partial(mp.train_step, model, optimizer, scaler, master, ac)
+            loss, seconds = timing.timed(step, x, y, device=device)
+            losses.append(loss)
+            times.append(seconds)
         memory = (
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         )
@@ -152,13 +152,13 @@ def plot_grad_histogram(grads: dict, scale: float, path):
 
     fig = Figure(figsize=(9, 6))
     axes = fig.subplots(2, 1, sharex=True)
-    bins, k = (
-        torch.arange(-50.0, 20.0, 0.5).numpy(),
-        math.log2(scale),
-    )  # log2 |g| bins; S = 2^k
+    bins = torch.arange(-50.0, 20.0, 0.5).numpy()  # log2 |g|
+    k = math.log2(scale)  # S = 2^k
     fp16 = torch.finfo(torch.float16)
-    lines = {"fp16 smallest subnormal (below: 0)": fp16.tiny * fp16.eps,
-             "fp16 smallest normal": fp16.tiny, "fp16 max": fp16.max}  # fmt: skip
+    lines = {}
+    lines["fp16 smallest subnormal (below: 0)"] = fp16.tiny * fp16.eps
+    lines["fp16 smallest normal"] = fp16.tiny
+    lines["fp16 max"] = fp16.max
     for ax, (name, g) in zip(axes, grads.items()):
         log2 = g.double().log2().numpy()
         ax.hist(log2, bins=bins, alpha=0.6, label=f"{name}, as computed (fp32)")
@@ -187,11 +187,9 @@ def plot_grad_histogram(grads: dict, scale: float, path):
 def scaler_comparison(config, batches, args):
     """DynamicLossScaler against torch.amp.GradScaler on one fp16 autocast run from S = 2^28 (so
     large that the backward overflows): the same scales and losses, to the last bit."""
-    settings, device, runs = (
-        dict(init_scale=2.0**28, growth_interval=2),
-        batches[0][0].device,
-        [],
-    )
+    settings = dict(init_scale=2.0**28, growth_interval=2)
+    device = batches[0][0].device
+    runs = []
     print(
         "fp16 autocast from S = 2^28, growth every 2 clean steps; log2 S after each step:"
     )
@@ -201,7 +199,8 @@ def scaler_comparison(config, batches, args):
     ):
         torch.manual_seed(args.seed)  # the same init for both
         model = model_lib.GPT(config).to(device)
-        optimizer, log2_scale = torch.optim.AdamW(model.parameters(), lr=args.lr), []
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        log2_scale = []
         for x, y in batches:
             loss = mp.train_step(model, optimizer, scaler, None, torch.float16, x, y)
             log2_scale.append(int(math.log2(scaler.get_scale())))
@@ -210,50 +209,23 @@ def scaler_comparison(config, batches, args):
     print(f"the same scales and losses, to the last bit: {runs[0] == runs[1]}\n")
 
 
-def _storages(tree) -> dict:
-    tensors = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
-    return {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
-
-
-class StepPeak(TorchDispatchMode):
-    """The most bytes alive at once among the tensors allocated inside (after every op: forward,
-    backward and optimizer), for a CPU, which has no torch.cuda.max_memory_allocated. Each op's
-    new storages (not views of its inputs) are watched through weak references, which expire
-    when nothing holds that memory any more."""
-
-    def __init__(self):
-        super().__init__()
-        self.made = {}  # address -> (weak reference, bytes) of the latest storage there
-        self.peak = 0
-
-    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
-        out = op(*args, **(kwargs or {}))
-        inputs = _storages((args, kwargs))
-        for address, storage in _storages(out).items():
-            if address not in inputs:
-                self.made[address] = (StorageWeakRef(storage), storage.nbytes())
-        self.made = {a: v for a, v in self.made.items() if not v[0].expired()}
-        self.peak = max(self.peak, sum(n for _, n in self.made.values()))
-        return out
-
-
 def recompute_rows(config, args, device, mode: str) -> list:
     """Each recompute mode of 02 on `config` in 06b's `mode`: ms per training step (median of
     --steps at --batch-size), and the activation bytes held for the backward (06b's
     saved_activation_bytes) at B = 1 and 2: their difference is one sequence's, the rest is per
     batch (autocast's weight copies), with activation_formula's; and the step's peak memory."""
-    rows, dtype = [], mp.DTYPES[mode[:4]] if "autocast" in mode else torch.float32
+    rows = []
+    dtype = mp.DTYPES[mode[:4]] if "autocast" in mode else torch.float32
     batches = model_lib.byte_batches(
         config.block_size, args.batch_size, args.steps, args.seed, device
     )
     for recompute in rc.RECOMPUTE:
         torch.manual_seed(args.seed)
         model = rc.apply_recomputation(model_lib.GPT(config).to(device), recompute)
-        optimizer, scaler = (
-            torch.optim.AdamW(model.parameters(), lr=args.lr),
-            mp.make_scaler(dtype),
-        )
-        held, formula = [], []
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        scaler = mp.make_scaler(dtype)
+        held = []
+        formula = []
         for B in (1, 2):
             x, y = model_lib.byte_batches(config.block_size, B, 1, args.seed, device)[0]
             with mp.autocast_context(
@@ -269,11 +241,9 @@ def recompute_rows(config, args, device, mode: str) -> list:
             torch.cuda.reset_peak_memory_stats(device)
         times = []
         for x, y in batches:
-            t0 = time.perf_counter()
-            mp.train_step(
-                model, optimizer, scaler, None, dtype, x, y
-            )  # ends in .item(): synced
-            times.append(time.perf_counter() - t0)
+            step = functools.partial(mp.train_step, model, optimizer, scaler, None, dtype)
+            _, seconds = timing.timed(step, x, y, device=device)
+            times.append(seconds)
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
         else:  # one more step, watched: the weights and AdamW's state, plus the step's own peak
@@ -283,17 +253,16 @@ def recompute_rows(config, args, device, mode: str) -> list:
                 for t in s.values()
                 if torch.is_tensor(t)
             ]
-            with StepPeak() as step:
+            with timing.StepPeak() as step:
                 mp.train_step(model, optimizer, scaler, None, dtype, *batches[-1])
             peak = tensor_bytes(list(model.parameters()) + state) + step.peak
-        per_sequence, per_batch = held[1] - held[0], 2 * held[0] - held[1]
-        formula = (
-            formula[1] - formula[0],
-            2 * formula[0] - formula[1],
-        )  # sequence, batch
+        per_sequence = held[1] - held[0]
+        per_batch = 2 * held[0] - held[1]
+        # The formula's (sequence, batch), as the measured ones.
+        formula = (formula[1] - formula[0], 2 * formula[0] - formula[1])
         ms = 1e3 * statistics.median(times[args.warmup :])
-        rows.append(dict(recompute=recompute, ms=ms, sequence=per_sequence, batch=per_batch,
-                         peak=peak, formula=formula))  # fmt: skip
+        row = dict(recompute=recompute, ms=ms, sequence=per_sequence, batch=per_batch)
+        rows.append(dict(row, peak=peak, formula=formula))
     return rows
 
 
@@ -302,19 +271,21 @@ def print_recompute(config, args, device, mode: str):
     (budget - 16 bytes per parameter for fp32 weights, gradients and AdamW's two moments - the
     per-batch bytes) / one sequence's bytes, both measured (flash attention: linear in T)."""
     rows = recompute_rows(config, args, device, mode)
-    N, T, MB = model_lib.count_params(config), config.block_size, 1e6
+    N = model_lib.count_params(config)
+    T = config.block_size
+    MB = 1e6
     free = args.budget_gb * 1e9 - 16 * N
-    print(f"\nrecomputation, {mode}, B = {args.batch_size}, T = {T}: activation bytes held for the "
-          f"backward, measured (06b's formula); max B = ({args.budget_gb:g} GB - 16 x {N:,} "
-          "parameters - per batch) / per sequence")  # fmt: skip
-    print(f"{'recompute':<10} {'ms/step':>9} {'x none':>7} {'MB per sequence':>22} "
-          f"{'MB per batch':>20} {'max B':>8} {'peak MB':>9}")  # fmt: skip
+    print(f"\nrecomputation, {mode}, B = {args.batch_size}, T = {T}: activation bytes held")
+    print(f"for the backward, measured (06b's formula); max B = ({args.budget_gb:g} GB")
+    print(f"- 16 x {N:,} parameters - per batch) / per sequence")
+    head = f"{'recompute':<10} {'ms/step':>9} {'x none':>7} {'MB per sequence':>22}"
+    print(f"{head} {'MB per batch':>20} {'max B':>8} {'peak MB':>9}")
     for r in rows:
         sequence = f"{r['sequence'] / MB:,.2f} ({r['formula'][0] / MB:,.2f})"
         batch = f"{r['batch'] / MB:,.2f} ({r['formula'][1] / MB:,.2f})"
         max_b = int((free - r["batch"]) // r["sequence"])
-        print(f"{r['recompute']:<10} {r['ms']:>9.1f} {r['ms'] / rows[0]['ms']:>6.2f}x "
-              f"{sequence:>22} {batch:>20} {max_b:>8,} {r['peak'] / MB:>9,.1f}")  # fmt: skip
+        row = f"{r['recompute']:<10} {r['ms']:>9.1f} {r['ms'] / rows[0]['ms']:>6.2f}x"
+        print(f"{row} {sequence:>22} {batch:>20} {max_b:>8,} {r['peak'] / MB:>9,.1f}")
 
 
 def print_memory(results: dict):
@@ -398,13 +369,11 @@ def main(argv=None):
         "--figure", default="", help="write the loss curves here ('': none)"
     )
     parser.add_argument("--vocab-size", type=int, default=0, help="V (0: the preset's)")
-    precision, choices = (
-        "bf16 autocast" if cuda else "fp32",
-        ("fp32", "bf16 autocast", ""),
-    )
-    parser.add_argument("--recompute-precision", default=precision, choices=choices,
-                        help="06b's mode the recomputation table runs in (every recompute mode: "
-                        "time, bytes held, max batch, peak); '' skips the table")  # fmt: skip
+    precision = "bf16 autocast" if cuda else "fp32"
+    choices = ("fp32", "bf16 autocast", "")
+    why = "06b's mode the recomputation table runs in (every recompute mode: time, bytes"
+    why += " held, max batch, peak); '' skips the table"
+    parser.add_argument("--recompute-precision", default=precision, choices=choices, help=why)
     parser.add_argument(
         "--budget-gb", type=float, default=80.0, help="memory for the max batch"
     )
@@ -426,36 +395,32 @@ def main(argv=None):
     if args.preset.startswith("gpt2"):
         overrides["pad_vocab_multiple"] = 64
     config = model_lib.GPTConfig.from_preset(args.preset, **overrides)
-    T, V = config.block_size, config.vocab_size
+    T = config.block_size
+    V = config.vocab_size
     batches = model_lib.byte_batches(T, args.batch_size, args.steps, args.seed, device)
-    name = (
-        torch.cuda.get_device_name()
-        if cuda
-        else f"CPU ({torch.get_num_threads()} threads)"
-    )
-    print(f"{args.preset}: {model_lib.count_params(config):,} parameters, V = {V}, "
-          f"B = {args.batch_size}, T = {T}, on {name}, torch {torch.__version__}")  # fmt: skip
-    print(f"{'mode':<24} {'ms/step':>9} {'tokens/s':>10} {'speed-up':>8} {'MFU':>6} "
-          f"{'memory MiB':>10} {'loss':>7} {'skipped':>7}")  # fmt: skip
-    results, base = {}, None
+    shape = f"{model_lib.count_params(config):,} parameters, V = {V}"
+    print(f"{args.preset}: {shape}, B = {args.batch_size}, T = {T}")
+    print(timing.machine())
+    head = f"{'mode':<24} {'ms/step':>8} {'tokens/s':>16} {'TFLOP/s':>13}"
+    print(f"{head} {'speed-up':>8} {'memory MiB':>10} {'loss':>7} {'skipped':>7}")
+    results = {}
+    base = None
     for mode in [
         m for m in args.modes.split(",") if m and (cuda or m != "tf32")
     ]:  # tf32: GPU
         r = results[mode] = run(mode, config, batches, args, device)
         base = base or r["ms"]
-        tokens_per_s = args.batch_size * T / (r["ms"] / 1e3)
         dtype = {"fp32": "fp32", "tf32": "tf32"}.get(mode, mode[:4])
-        peak = gpus.peak_flops(name, dtype) if cuda else None
-        mfu = gpus.mfu(tokens_per_s, model_lib.flops_per_token(config, T), 1, peak)
-        mfu_text = f"{mfu:.1%}" if mfu is not None else "-"
-        print(f"{mode:<24} {r['ms']:>9.2f} {tokens_per_s:>10,.0f} {base / r['ms']:>7.2f}x "
-              f"{mfu_text:>6} {r['memory'] / 2**20:>10,.1f} {r['losses'][-1]:>7.3f} "
-              f"{r['skipped']:>7}")  # fmt: skip
+        flops = model_lib.flops_per_token(config, T)
+        tokens = args.batch_size * T
+        result = timing.throughput(r["ms"] / 1e3, tokens, flops, dtype, device)
+        row = f"{mode:<24}{result} {base / r['ms']:>7.2f}x {r['memory'] / 2**20:>10,.1f}"
+        print(f"{row} {r['losses'][-1]:>7.3f} {r['skipped']:>7}")
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    print("speed-up = fp32's ms/step / this mode's; memory: CUDA peak allocated, or on a CPU the "
-          "sum of params, grads, AdamW state and saved activations")  # fmt: skip
+    print("speed-up = fp32's ms/step / this mode's; memory: CUDA peak allocated, or on a CPU")
+    print("the sum of params, grads, AdamW state and saved activations")
     if results:
         print_memory(results)
     if args.figure and "fp32" in results:

@@ -9,7 +9,7 @@ must produce our logits: the two compute the same function.
 One training step = forward, backward, AdamW step, on a fixed batch. The two models alternate
 step by step, so drift in the machine's speed hits both alike; the median step time is reported,
 with the model FLOP/s it achieves (tokens/s x 02's flops_per_token; MFU divides that by a GPU's
-peak, support/gpus.py's peak_flops; a CPU has no entry). First it prints every preset's shape, size and
+peak, through bench/timing.py; a CPU has no entry). First it prints every preset's shape, size and
 FLOPs/token with attention's share of them (02_model.py's demo prints the sizes only).
 Target: ours at least as fast per step as the reference on CPU.
 
@@ -25,7 +25,6 @@ import importlib
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,10 +32,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: numbered files
+from bench import timing  # noqa: E402
+
 model_lib = importlib.import_module("02_model")
-gpus = importlib.import_module("support.gpus")
 shapes_only = importlib.import_module("support.meta").shapes_only
-GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig
+GPT = model_lib.GPT
+GPTConfig = model_lib.GPTConfig
 
 
 class PlainAttention(nn.Module):
@@ -44,7 +45,8 @@ class PlainAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        C, T = config.n_embd, config.block_size
+        C = config.n_embd
+        T = config.block_size
         self.n_head = config.n_head
         self.c_attn = nn.Linear(C, 3 * C, bias=config.bias)
         self.c_proj = nn.Linear(C, C, bias=config.bias)
@@ -65,7 +67,8 @@ class PlainBlock(nn.Module):
     def __init__(self, config):
         super().__init__()
         C = config.n_embd
-        self.ln_1, self.ln_2 = nn.LayerNorm(C, bias=config.bias), nn.LayerNorm(C, bias=config.bias)
+        self.ln_1 = nn.LayerNorm(C, bias=config.bias)
+        self.ln_2 = nn.LayerNorm(C, bias=config.bias)
         self.attn = PlainAttention(config)
         self.mlp = nn.ModuleDict(
             dict(
@@ -86,7 +89,8 @@ class PlainGPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        C, V = config.n_embd, config.padded_vocab_size
+        C = config.n_embd
+        V = config.padded_vocab_size
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(V, C),
@@ -110,19 +114,20 @@ class PlainGPT(nn.Module):
 def print_presets():
     """Every preset's shape, parameters (module == count_params), FLOPs/token and the share of
     those FLOPs in attention's own matmuls, 12·L·nh·hs·T of 6N + 12·L·nh·hs·T."""
-    print(f"{'preset':<12} {'L':>3} {'nh':>3} {'C':>5} {'T':>5} {'V':>6} {'params':>15} "
-          f"{'non-embedding':>15} {'FLOPs/token':>15} {'attention':>9}")  # fmt: skip
+    head = f"{'preset':<12} {'L':>3} {'nh':>3} {'C':>5} {'T':>5} {'V':>6} {'params':>15}"
+    print(f"{head} {'non-embedding':>15} {'FLOPs/token':>15} {'attention':>9}")
     for name in model_lib.PRESETS:
         config = GPTConfig.from_preset(name)
         with shapes_only():  # real modules, no memory
             model = GPT(config)
-        n, n_ne = model.num_params(), model.num_params(non_embedding=True)
+        n = model.num_params()
+        n_ne = model.num_params(non_embedding=True)
         assert (n, n_ne) == (model_lib.count_params(config), model_lib.count_params(config, True))
         f = model_lib.flops_per_token(config)
         attention = 12 * config.n_layer * config.n_embd * config.block_size / f
-        print(f"{name:<12} {config.n_layer:>3} {config.n_head:>3} {config.n_embd:>5} "
-              f"{config.block_size:>5} {config.vocab_size:>6} {n:>15,} {n_ne:>15,} {f:>15,} "
-              f"{attention:>9.1%}")  # fmt: skip
+        shape = f"{config.n_layer:>3} {config.n_head:>3} {config.n_embd:>5}"
+        shape += f" {config.block_size:>5} {config.vocab_size:>6}"
+        print(f"{name:<12} {shape} {n:>15,} {n_ne:>15,} {f:>15,} {attention:>9.1%}")
     print("'small' is shown with GPT-2's vocabulary; the timings below use --small-vocab\n")
 
 
@@ -145,65 +150,33 @@ def check_same_function(ours, reference, x, y):
     return (logits - ref_logits).abs().max().item()
 
 
-def make_step(model, dtype):
-    fused = next(model.parameters()).is_cuda  # CUDA's fused AdamW, as train.py
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
-    device_type = next(model.parameters()).device.type
-
-    def step(x, y):
-        with torch.autocast(device_type, dtype, enabled=dtype != torch.float32):
-            _, loss = model(x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    return step
-
-
-def synchronize(device):
-    if device.type == "cuda":  # the GPU runs ahead: a timer must wait for its queue to drain
-        torch.cuda.synchronize(device)
-
-
-def time_steps(steps, x, y, n_steps, n_warmup):
-    """steps: {name: step function}. Warm up, then alternate; seconds per step, per name."""
-    for _ in range(n_warmup):
-        for step in steps.values():
-            step(x, y)
-    times = {name: [] for name in steps}
-    for _ in range(n_steps):
-        for name, step in steps.items():
-            synchronize(x.device)
-            t0 = time.perf_counter()
-            step(x, y)
-            synchronize(x.device)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def bench_preset(name, vocab_size, batch_size, args, dtype_name="fp32"):
     config = GPTConfig.from_preset(name, vocab_size=vocab_size)
     ours, reference = (m.to(args.device) for m in make_pair(config, args.seed))
     g = torch.Generator().manual_seed(args.seed)
     data = torch.randint(0, vocab_size, (batch_size, config.block_size + 1), generator=g)
-    x, y = data[:, :-1].to(args.device), data[:, 1:].to(args.device)
+    x = data[:, :-1].to(args.device)
+    y = data[:, 1:].to(args.device)
     diff = check_same_function(ours, reference, x, y)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    steps = {"ours": make_step(ours, dtype), "reference": make_step(reference, dtype)}
-    dt = time_steps(steps, x, y, args.steps, args.warmup)
-    tokens, flops = x.numel(), model_lib.flops_per_token(config, x.size(1))
-    cuda = args.device.type == "cuda"
-    peak = gpus.peak_flops(torch.cuda.get_device_name(args.device), dtype_name) if cuda else None
-    util = gpus.mfu(tokens / dt["ours"], flops, 1, peak)
-    mfu = f" MFU {util:.1%}" if util is not None else ""
-    print(
-        f"{name:<6} {dtype_name} B={batch_size:<3} T={config.block_size:<4} V={vocab_size:<5} "
-        f"params={ours.num_params():>10,}  "
-        f"ours {dt['ours'] * 1e3:8.2f} ms {tokens / dt['ours']:>9,.0f} tok/s "
-        f"{tokens / dt['ours'] * flops / 1e9:8.2f} GFLOP/s{mfu}   "
-        f"reference {dt['reference'] * 1e3:8.2f} ms {tokens / dt['reference']:>9,.0f} tok/s   "
-        f"speed-up {dt['reference'] / dt['ours']:.2f}x   (logits max |diff| {diff:.1e})"
-    )
+    steps = {}
+    for label, model in (("ours", ours), ("reference", reference)):
+        fused = args.device.type == "cuda"  # CUDA's fused AdamW, as train.py
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+        step = timing.make_step(model, optimizer, dtype)
+        steps[label] = lambda step=step: step(x, y)
+    times = timing.alternate(steps, args.steps, args.warmup, args.device)
+    dt = {label: statistics.median(t) for label, t in times.items()}
+    tokens = x.numel()
+    flops = model_lib.flops_per_token(config, x.size(1))
+    print(f"{name:<6} {dtype_name} B={batch_size:<3} T={config.block_size:<4} V={vocab_size:<5} "
+          f"params={ours.num_params():>10,}")
+    ours_line = timing.throughput(dt["ours"], tokens, flops, dtype_name, args.device)
+    ref_line = timing.throughput(dt["reference"], tokens, flops, dtype_name, args.device)
+    print(f"  ours      {ours_line}")
+    print(f"  reference {ref_line}")
+    speed_up = dt["reference"] / dt["ours"]
+    print(f"  speed-up {speed_up:.2f}x   (logits max |diff| {diff:.1e})")
 
 
 def main(argv=None):
@@ -232,9 +205,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
 
     print_presets()
-    print(f"{gpus.machine()}, "
-          f"{torch.get_num_threads()} threads; median of {args.steps} training steps "
-          f"(forward + backward + AdamW) on {args.device}")  # fmt: skip
+    steps = f"median of {args.steps} training steps (forward + backward + AdamW)"
+    print(timing.machine(f"{steps} on {args.device}"))
     if args.device.type == "cuda":  # GPT-2's own vocabulary, 50,257 rows (unpadded, as HF's)
         for dtype_name in ("fp32", "bf16"):
             bench_preset("gpt2", 50257, args.batch_size, args, dtype_name)
@@ -242,7 +214,7 @@ def main(argv=None):
         bench_preset("tiny", 256, args.batch_size, args)
         bench_preset("small", args.small_vocab, args.batch_size, args)
     print("speed-up = reference step time / our step time (> 1: ours is faster)")
-    print("GFLOP/s = our tokens/s x flops_per_token(config, T): the model FLOP/s of our step")
+    print("TFLOP/s = tokens/s x flops_per_token(config, T): the model FLOP/s of the step")
 
 
 if __name__ == "__main__":

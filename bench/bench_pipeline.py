@@ -36,18 +36,17 @@ Run:  python bench/bench_pipeline.py                 (about 8 minutes on 2 CPU c
 import argparse
 import importlib
 import os
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(
-    0, str(ROOT)
-)  # the numbered files, and tests/distributed.py's run_ranks
+# The repo root: the numbered files, and tests/distributed.py's run_ranks.
+sys.path.insert(0, str(ROOT))
+from bench import timing  # noqa: E402
+
 pp = importlib.import_module("05_pipeline")  # the stages, the loops, the bubble
 sched = importlib.import_module("05b_schedules")  # the tables and their executor
 model_lib = importlib.import_module("02_model")
@@ -69,35 +68,39 @@ def config(args):
 def ascii_timeline(timeline, unit: float = 1.0, chunks: bool = False) -> str:
     """One row per rank, one column per `unit` of time: Fi/Bi (+ the chunk's letter);
     a dot is idle. (How 05's and 05b's docstring pictures were drawn.)"""
-    w, lines = 3 if chunks else 2, []
+    w = 3 if chunks else 2
+    lines = []
     for r, events in enumerate(timeline):
-        row, t = f"r{r} ", 0.0
+        row = f"r{r} "
+        t = 0.0
         for e in events:
             row += ".".rjust(w) * round((e.start - t) / unit)
             label = f"{e.op}{e.mb}" + ("abcdefgh"[e.chunk] if chunks else "")
-            row, t = row + label.ljust(w * round((e.end - e.start) / unit)), e.end
+            row = row + label.ljust(w * round((e.end - e.start) / unit))
+            t = e.end
         lines.append(row.rstrip())
     return "\n".join(lines)
+
+
+def forward_backward(chunks, ids, args, C):
+    """One microbatch through this rank's chunks (a random input past the first)."""
+    for c in chunks:
+        x = ids if c.is_first else torch.randn(args.b, args.T, C, requires_grad=True)
+        c(x).float().pow(2).mean().backward()
 
 
 def isolated_cost(chunks, rank, p, args, reps=3):
     """Seconds for one microbatch's forward + backward through this rank's chunks,
     measured with the other ranks parked in a barrier (one rank at a time): the cost
     with a core to itself."""
-    C, best = chunks[0].config.n_embd, float("inf")
+    C = chunks[0].config.n_embd
+    best = float("inf")
     ((ids, _),) = model_lib.byte_batches(args.T, args.b)  # (b, T)
     for turn in range(p):
         torch.distributed.barrier()
         for _ in range(reps if turn == rank else 0):
-            t = time.perf_counter()
-            for c in chunks:
-                out = c(
-                    ids
-                    if c.is_first
-                    else torch.randn(args.b, args.T, C, requires_grad=True)
-                )
-                out.float().pow(2).mean().backward()
-            best = min(best, time.perf_counter() - t)
+            _, seconds = timing.timed(forward_backward, chunks, ids, args, C)
+            best = min(best, seconds)
     torch.distributed.barrier()
     return best
 
@@ -119,7 +122,8 @@ def rank_main(rank, p, args):
     rank}."""
     torch.manual_seed(0)
     model = model_lib.GPT(config(args))
-    embed_group, out = pp.embedding_group([list(range(p))]), {}
+    embed_group = pp.embedding_group([list(range(p))])
+    out = {}
     for schedule in runs(args):
         v = 2 if schedule == "interleaved" else 1
         chunks = pp.split_model(model, rank, p, v)
@@ -144,13 +148,13 @@ def rank_main(rank, p, args):
 
 def measure(p, args):
     load0 = os.getloadavg()[0]
-    t = time.perf_counter()
     # subtle: the ranks fork from tests/distributed.py's zygote, which finds rank_main
     # by its module's name, so this file's importable name, not __main__.
     job = importlib.import_module("bench.bench_pipeline").rank_main
-    per_rank = run_ranks(job, p, args, timeout=1800)
-    wall, load1 = time.perf_counter() - t, os.getloadavg()[0]
-    rows, timelines = [], {}
+    per_rank, wall = timing.timed(run_ranks, job, p, args, timeout=1800)
+    load1 = os.getloadavg()[0]
+    rows = []
+    timelines = {}
     for schedule in runs(args):
         v = 2 if schedule == "interleaved" else 1
         alone = statistics.mean(
@@ -246,10 +250,7 @@ def main(argv=None):
     if any(m % p for p in args.p for m in args.m):
         parser.error("interleaved needs every --m divisible by every --p")
     cores = os.cpu_count()
-    print(
-        f"{platform.machine()} {platform.processor() or ''} {cores} logical cores, "
-        f"torch {torch.__version__}, gloo over loopback, 1 thread per rank"
-    )
+    print(timing.machine("gloo over loopback, 1 thread per rank"))
     for p in args.p:
         print_ideal(p, min(args.m))
         rows, timelines, load = measure(p, args)

@@ -25,16 +25,16 @@ in fp32 and one more temporary). Not run on a GPU yet (no GPU on the development
 import argparse
 import importlib
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the numbered files
+from bench import timing  # noqa: E402
+
 cp_lib = importlib.import_module("08_context_parallel")
 
 
@@ -63,23 +63,24 @@ def sdpa(q, k, v):
 def step_time(fn, q, k, v, dout, steps: int):
     """Median seconds of forward + backward, and the step's peak bytes (GPU; else 0)."""
     cuda = q.device.type == "cuda"
-    times = []
     peak = 0
-    for i in range(steps + 1):  # The first one warms up, untimed.
-        if cuda:
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        out = fn(q, k, v)
-        out.backward(dout)
-        if cuda:
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() - before
-        if i:
-            times.append(time.perf_counter() - t0)
+
+    def step():
+        fn(q, k, v).backward(dout)
+
+    def before():
+        nonlocal peak
         q.grad = k.grad = v.grad = None
-    return statistics.median(times), peak
+        if cuda:
+            timing.clock(q.device)
+            peak = torch.cuda.memory_allocated()  # held before, taken off below
+            torch.cuda.reset_peak_memory_stats()
+
+    # The first step warms up, untimed.
+    seconds = timing.median_seconds(step, steps, 1, q.device, before)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() - peak
+    return seconds, peak
 
 
 def inputs(args, T: int, device, dtype):
@@ -144,13 +145,15 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--tile", type=int, default=cp_lib.QUERY_TILE, help="08's")
     parser.add_argument("--measure-one", type=int, default=None, help=argparse.SUPPRESS)
+    no_rss = "CPU: no fresh process per variant, so no peak (only tries the script)"
+    parser.add_argument("--skip-rss", action="store_true", help=no_rss)
     args = parser.parse_args(argv)
     if args.measure_one is not None:
         args.seq_lens = int(args.seq_lens)
         return measure_one(args)
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    print(f"{device} ({torch.cuda.get_device_name() if cuda else 'CPU'}), {dtype}")
+    print(timing.machine(f"{device}, {dtype}"))
     B = args.batch_size
     nh = args.heads
     print(
@@ -166,7 +169,9 @@ def main(argv=None) -> None:
             with torch.no_grad():
                 torch.testing.assert_close(fn(q, k, v), sdpa(q, k, v), **tol)
             seconds, peak = step_time(fn, q, k, v, dout, args.steps)
-            results[name] = (seconds, peak if cuda else cpu_peak(args, T, i))
+            if not cuda:
+                peak = 0 if args.skip_rss else cpu_peak(args, T, i)
+            results[name] = (seconds, peak)
         sdpa_s = results["SDPA"][0]
         for name, (seconds, peak) in results.items():
             row = f"  T={T:>5} {name:<13} {1e3 * seconds:9.2f} ms"

@@ -14,37 +14,29 @@ import importlib
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import timing  # noqa: E402
+
 train = importlib.import_module("train")
-gpus = importlib.import_module("support.gpus")
 
 
-def run(schedule: str, steps: int, out: Path) -> dict:
+def run(schedule: str, steps: int, out: Path, extra=()) -> dict:
     """Train the main job with this schedule (or read a finished run in `out`): its
     validation losses by step and its wall time (None when read)."""
-    metrics, start, seconds = out / "metrics.jsonl", time.perf_counter(), None
-    rows = (
-        [json.loads(line) for line in metrics.read_text().splitlines()]
-        if metrics.is_file()
-        else []
-    )
+    metrics = out / "metrics.jsonl"
+    seconds = None
+    rows = []
+    if metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     if not any(r["kind"] == "val" and r["step"] == steps - 1 for r in rows):
         shutil.rmtree(out, ignore_errors=True)  # an unfinished run: trained again
-        argv = [
-            "--lr-schedule",
-            schedule,
-            "--max-steps",
-            str(steps),
-            "--out-dir",
-            str(out),
-        ]
-        train.main(argv + ["--sample-tokens", "0", "--ckpt-interval", "0"])
+        argv = ["--lr-schedule", schedule, "--max-steps", str(steps), "--out-dir", str(out)]
+        argv += ["--sample-tokens", "0", "--ckpt-interval", "0", *extra]
+        _, seconds = timing.timed(train.main, argv)
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-        seconds = time.perf_counter() - start
     return {
         "val": {r["step"]: r["val_loss"] for r in rows if r["kind"] == "val"},
         "seconds": seconds,
@@ -77,7 +69,7 @@ def draw(results: dict, steps: int, path: Path) -> None:
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--steps", type=int, default=500, help="--max-steps of every run"
@@ -91,13 +83,17 @@ def main() -> None:
     parser.add_argument(
         "--no-train", action="store_true", help="only draw the schedules"
     )
-    args = parser.parse_args()
+    parser.add_argument("--data-dir", default="", help="train.py's ('': the main job's)")
+    parser.add_argument("--model", default="", help="train.py's ('': the main job's)")
+    args = parser.parse_args(argv)
+    extra = ["--data-dir", args.data_dir] if args.data_dir else []
+    extra += ["--model", args.model] if args.model else []
     results = {}
     for i, name in enumerate([] if args.no_train else train.LR_SCHEDULES):
         print(f"[{i + 1}/{len(train.LR_SCHEDULES)}] --lr-schedule {name}", flush=True)
-        results[name] = run(name, args.steps, Path(args.out) / name)
+        results[name] = run(name, args.steps, Path(args.out) / name, extra)
     draw(results, args.steps, Path(args.figure))
-    print(f"\n{gpus.machine()}; {args.steps} steps; wrote {args.figure}")
+    print(f"\n{timing.machine()}; {args.steps} steps; wrote {args.figure}")
     print("| --lr-schedule | val loss at step 100 | val loss at the last step | time |")
     print("|---|---|---|---|")
     for name, r in results.items():

@@ -21,9 +21,7 @@ import copy
 import importlib
 import math
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ import torch.distributed as dist
 
 # The repo root, where the numbered files are.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import timing
 from support import distributed, sharding
 
 model_lib = importlib.import_module("02_model")
@@ -50,17 +49,13 @@ def param_bytes(model) -> int:
 
 def ms_per_step(model, x, y, args) -> float:
     """Median milliseconds of a forward + backward, after args.warmup untimed ones."""
-    times = []
-    for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+
+    def step():
         model.zero_grad(set_to_none=True)
         _, loss = model(x, y)
         loss.backward()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+
+    return timing.median_seconds(step, args.steps, args.warmup, x.device) * 1e3
 
 
 def bench(args, group, device):
@@ -85,11 +80,10 @@ def bench(args, group, device):
     dist.barrier(group)  # the others wait while rank 0 times the whole model alone
     shape = f"L={config.n_layer} nh={config.n_head} C={config.n_embd}"
     backend = dist.get_backend(group)
-    threads = torch.get_num_threads()
+    print0(timing.machine(f"{backend} on {device.type} (per rank)"))
     print0(
         f"GPT '{args.preset}' {shape} V={config.padded_vocab_size}, (B, T) = ({B}, {T}), "
-        f"fp32, {backend} on {device.type}, {threads} thread(s) per rank, median of "
-        f"{args.steps} steps\ntp=1, one process, the whole model: parameters "
+        f"fp32, median of {args.steps} steps\ntp=1, one process, the whole model: parameters "
         f"{p_full / MB:.3f} MB, activations (saved for backward) "
         f"{act_full / MB:.2f} MB, {ms_full:.1f} ms per step (fwd+bwd)"
     )

@@ -11,7 +11,7 @@
 #
 # Needs a GPU with 48 GB or more (gpt2-medium at B = 32 peaks at 41 GiB); about 10 minutes on an
 # H200, whose speed the timeouts assume. It deletes /tmp/gpu_runs (train.py's run folders) first.
-# Read: every line of summary.txt says exit 0 (a timeout is 124), checks.log ends "8 of 8 checks
+# Read: every line of summary.txt says exit 0 (a timeout is 124), gpu_tests.log ends "10
 # passed", compare.log says "bit-exact True" twice; the numbers are in the timing sections' logs.
 # PYTHON picks the interpreter (python3); PHASES=1 runs phase 1 alone (to try the script);
 # PHASES=speed runs only issue 31's measurements (speed_phase, below).
@@ -84,7 +84,7 @@ sys.exit(0 if same else 1)
     section sample 120 "$PY" train.py --sample "$R/split/model.pt" --sample-tokens 40
 }
 
-demos() {  # every numbered script at world size 1 (03-05b under torchrun: NCCL with one rank)
+demos() {  # every numbered script at world size 1 (03-05c under torchrun: NCCL with one rank)
     section demo_01 120 "$PY" 01_data.py --out "$R/data01"
     section demo_02 120 "$PY" 02_model.py
     section demo_03 120 "$PY" 03_ddp.py --ranks 1
@@ -93,6 +93,7 @@ demos() {  # every numbered script at world size 1 (03-05b under torchrun: NCCL 
     section demo_04b 120 "$PY" 04b_sequence_parallel.py --ranks 1
     section demo_05 120 "$PY" 05_pipeline.py --ranks 1
     section demo_05b 120 "$PY" 05b_schedules.py --ranks 1
+    section demo_05c 120 "$PY" 05c_zero_bubble.py --ranks 1
     section demo_06 120 "$PY" 06_mixed_precision.py
     section demo_06b 120 "$PY" 06b_recompute.py  # --device: cuda when there is one
 }
@@ -108,7 +109,8 @@ speed_phase() {  # PHASES=speed: issue 31's numbers (and 32's kernel timing) alo
     # or more). Carry data/stdlib-gpt2 and data/stdlib-bpe4096, or prepare them there
     # (python 01_data.py, with and without --tokenizer gpt2). train.py against the lean step
     # at the same micro-batch, with each loss.
-    section checks 120 "$PY" bench/gpu_checks.py  # 7: no sync in plain steps; 8: the prefetch
+    # The GPU's tests (correctness, not timings): no sync in plain steps, the prefetch.
+    section gpu_tests 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py
     section ring_kernel 120 "$PY" bench/bench_ring_kernel.py  # 08's blocks against SDPA
     pack
     local gpt2=(--data-dir data/stdlib-gpt2 --dtype bf16 --compile --max-steps 30 --warmup-steps 5
@@ -161,7 +163,8 @@ if [ "${PHASES:-12}" = speed ]; then
 fi
 
 # phase 1: correctness, side by side
-section checks 120 "$PY" bench/gpu_checks.py &
+# The GPU's tests (tests/test_gpu.py, skipped without CUDA): correctness, not timings.
+section gpu_tests 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py &
 train_series &
 demos &
 wait

@@ -68,17 +68,50 @@ def test_support_imports_no_lesson_and_nothing_imports_bench():
             assert not module.startswith("bench"), f"{path.name} imports {module}"
 
 
-def density_problems(path: Path) -> list[str]:
+BENCH = sorted((ROOT / "bench").glob("*.py"))
+
+
+def bench_scripts_smoked() -> set[str]:
+    """The scripts tests/test_bench.py's SMOKE table runs (read from its source)."""
+    tree = ast.parse((ROOT / "tests" / "test_bench.py").read_text())
+    for node in ast.walk(tree):
+        named = isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "SMOKE"
+        if named and isinstance(node.value, ast.Dict):
+            return {key.value for key in node.value.keys}
+    raise AssertionError("tests/test_bench.py has no SMOKE table")
+
+
+def test_every_bench_script_has_a_smoke_run():
+    scripts = {p.name for p in BENCH if p.name != "timing.py"}
+    assert scripts == bench_scripts_smoked(), "bench/ and tests/test_bench.py's SMOKE differ"
+
+
+@pytest.mark.parametrize("path", BENCH, ids=lambda p: p.name)
+def test_a_bench_script_imports_no_other_bench_script(path):
+    """bench/timing.py is the one module they share; a script may import itself by name
+    (bench_pipeline's ranks find rank_main so)."""
+    names = imported_modules(path)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "bench":  # from bench import x
+            names.discard("bench")
+            names.update(f"bench.{alias.name}" for alias in node.names)
+    for module in names:
+        if module.startswith("bench"):
+            assert module in ("bench.timing", f"bench.{path.stem}"), f"{path.name}: {module}"
+    assert density_problems(path, budget=None) == [], path.name
+
+
+def density_problems(path: Path, budget: int | None = 600) -> list[str]:
     """What breaks the density rules in one file (an empty list: none)."""
     lines = path.read_text().split("\n")
     if lines and lines[-1] == "":
         lines = lines[:-1]
     problems = []
-    budget = BUDGETS.get(path.name, 600)
-    if len(lines) > budget:
+    budget = BUDGETS.get(path.name, budget)
+    if budget is not None and len(lines) > budget:
         problems.append(f"{len(lines)} lines, budget {budget}")
     long = [i + 1 for i, line in enumerate(lines) if len(line) > LONG]
-    if len(long) > LONG_SHARE * len(lines):
+    if budget is not None and len(long) > LONG_SHARE * len(lines):
         share = len(long) / len(lines)
         problems.append(f"{share:.1%} of lines over {LONG} characters (lines {long[:8]}...)")
     switches = [i + 1 for i, line in enumerate(lines) if re.search(r"#\s*fmt:\s*(off|skip)", line)]
