@@ -14,7 +14,7 @@ It strikes on the torch CI has pinned since the first commit (torch==2.13.0 in
 scatter handles once waited aborted 1 of 15 exits (commit 898a44c), and 03's demo
 aborted at exit when its last ZeRO wrapper, freed on return, dropped its handles
 (58afab9). Issue 39 removed this workaround after 0 aborts in 100 exit jobs under load
-(bench/bench_exit.py, 2026-11-29), a count too small to tell: at a rate of 1% to 7% a
+(tests/ddp_exit_count.py, 2026-11-29), a count too small to tell: at a rate of 1% to 7% a
 job, 25 ZeRO-2 jobs all exit cleanly with probability 78% to 16%. The earlier counts
 (issue 30: about one job in 10 to 20 under load) were on torch 2.13.0 as well. So the
 workaround stays, behind one object per wrapper. tests/ddp_exit_job.py runs the race.

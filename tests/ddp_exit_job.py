@@ -1,7 +1,7 @@
 """Many short 2-rank jobs of 03_ddp.py's DataParallel (its default hook, 03b's fp16 and
 PowerSGD hooks) and 07_zero.py's ZeRO-2 and ZeRO-3, in turn, each rank ending the way a torchrun
 script does: destroy the process group, then let the interpreter exit. Used by tests/test_ddp.py
-and bench/bench_exit.py.
+and tests/ddp_exit_count.py.
 
     python tests/ddp_exit_job.py JOBS [KINDS]   -> exit 0 if every rank of every job exited with 0
         KINDS: default "DP,ZeRO-2,DP,ZeRO-3", in turn; also fp16 and powersgd (DataParallel
@@ -18,7 +18,7 @@ destructor, and the process aborts with "terminate called without an active exce
 about 6% of jobs under load (issue 30), and 1 of 15 ZeRO-2 exits in a CI run (commit 898a44c).
 So 03 and 07 launch every collective through support/gloo_exit.py, which on gloo keeps each
 waited handle a while and drops what is left at exit from the main thread. Issue 39 counted 0
-of 100 jobs with the workaround removed, too few to clear it (bench/bench_exit.py has the
+of 100 jobs with the workaround removed, too few to clear it (tests/ddp_exit_count.py has the
 counts); this job is the check that no rank aborts.
 Every backward here launches collectives from both places the wrappers launch them: gradient
 hooks (the blocks' and the head's buckets or flats) and the end-of-backward callback (the

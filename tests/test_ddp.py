@@ -695,7 +695,7 @@ def test_the_demo_refuses_bad_flags_in_one_line(capsys):
 
 # DP, ZeRO-2, DP, ZeRO-3: one job of each kind, a few seconds. Without the workaround the abort
 # struck from 0 in 100 jobs to 1 in 15, all on torch 2.13.0, so the suite runs a short plumbing
-# check and the long count under load lives in the bench (bench/bench_exit.py, docs/results.md).
+# check and the long count under load lives in tests/ddp_exit_count.py (its counts in docs/results.md).
 EXIT_JOBS = 4
 
 
@@ -703,7 +703,7 @@ def test_ranks_exit_cleanly_after_backward():
     """The bug: a rank that had finished its work aborted at interpreter exit (SIGABRT,
     "terminate called without an active exception") when a gloo thread freed a collective
     launched in backward while Python was finalising; tests/ddp_exit_job.py explains, and
-    bench/bench_exit.py has the history of counts. This runs fresh 2-rank jobs of
+    tests/ddp_exit_count.py has the history of counts. This runs fresh 2-rank jobs of
     DataParallel (a bucket per parameter), ZeRO-2 and ZeRO-3, each ending as a torchrun
     script does, with the GIL switch interval (SWITCH_S=1.0) that made the race likeliest;
     every rank must exit with 0.
@@ -713,7 +713,7 @@ def test_ranks_exit_cleanly_after_backward():
     while) it struck about one job in 10 to 20 under load in issue 30, and 1 of 15 ZeRO-2
     exits in a CI run (commits 898a44c, 58afab9); issue 39 then ran 0 of 100 jobs without
     it, too few to tell (at 1% to 7% a job, 25 ZeRO-2 jobs are all clean 78% to 16% of the
-    time), so the workaround stays. The long version under load: `python bench/bench_exit.py`.
+    time), so the workaround stays. The long version under load: `python tests/ddp_exit_count.py`.
     """
     helper = Path(__file__).with_name("ddp_exit_job.py")
     env = {**os.environ, "SWITCH_S": "1.0"}
