@@ -18,7 +18,8 @@ def parse_args(argv, description: str, shard_tokens: int, cleaning=None):
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
     arg = parser.add_argument
-    sources_help = "stdlib (Python's source), a file, folder or glob (.jsonl lines)"
+    sources_help = "stdlib (Python's source), shakespeare (downloaded once), a file, folder"
+    sources_help += " or glob (.jsonl lines)"
     arg("--source", default="stdlib", help=sources_help)
     arg("--tokenizer", default="bpe", help="bpe (trained here), gpt2, char, X.tiktoken")
     vocab = "bpe: its vocabulary (256 bytes + merges + 1 special); larger takes longer"

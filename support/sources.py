@@ -74,11 +74,14 @@ def is_binary(raw: bytes) -> bool:
 def source_files(source: str) -> list[Path]:
     """Resolve --source to a sorted list of files, or fail with a message that says how.
 
-    "stdlib" is the standard library's source; otherwise a file, a folder (every file
-    under it) or a glob.
+    "stdlib" is the standard library's source; "shakespeare" is tiny-shakespeare,
+    downloaded once (the only source that needs the network, and only when named);
+    otherwise a file, a folder (every file under it) or a glob.
     """
     if source == "stdlib":
         return stdlib_files()
+    if source == "shakespeare":
+        return [download_shakespeare()]
     path = Path(source)
     if path.is_dir():
         found = path.rglob("*")
@@ -201,6 +204,7 @@ def download_shakespeare(cache_dir="data/downloads") -> Path:
                 atomic_write(path, lambda tmp: tmp.write_bytes(r.read()))
     except OSError as e:  # urllib's URLError is an OSError.
         fix = "if you are offline, give 01_data.py a local text file: --source FILE"
+        fix += f" (or put the text at {path})"
         why = f"could not download tiny-shakespeare from {SHAKESPEARE_URL} ({e})"
         raise RuntimeError(f"{why}; {fix}") from e
     return path

@@ -301,7 +301,7 @@ def test_stdlib_corpus_leaves_out_generated_tables():
 
 
 def test_shakespeare_offline_gives_a_clear_error(tmp_path, monkeypatch):
-    """bench/bench_data.py --shakespeare downloads the corpus once; offline, it says what to do."""
+    """01's --source shakespeare downloads the corpus once; offline, it says what to do."""
 
     def offline(*args, **kwargs):
         raise urllib.error.URLError("Name or service not known")
@@ -310,6 +310,15 @@ def test_shakespeare_offline_gives_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="could not download tiny-shakespeare.*--source"):
         sources.download_shakespeare(tmp_path)
     assert list(tmp_path.iterdir()) == []
+    # 01's --source reaches the same download, and no other source touches the network.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="could not download tiny-shakespeare"):
+        sources.source_files("shakespeare")
+    cached = tmp_path / "data" / "downloads" / "tinyshakespeare.txt"
+    cached.parent.mkdir(parents=True)
+    cached.write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    assert sources.source_files("shakespeare") == [Path("data/downloads/tinyshakespeare.txt")]
+    assert sources.source_files(str(cached)) == [cached]
 
 
 def write_shard(path, tokens: np.ndarray) -> None:
