@@ -534,7 +534,7 @@ def search(
 
 def worked_example() -> None:
     """GPT-2 124M on one H200, B = 32, bf16: the plan beside its formulas' arithmetic
-    with the numbers filled in; then gpt2-medium, a run that calibrated nothing."""
+    with the numbers filled in; then gpt2-large, a run fitted on nothing, on two GPUs."""
     config = model_config("gpt2")
     p = plan(config, Layout(micro_batch=32), 32, "h200", 1)
     psi = model_lib.count_params(config)

@@ -17,8 +17,8 @@ and one step runs. Then, per rank:
   05's count.
 Then each time and memory term is computed by hand on a small GPT and compared. The GPU
 half checks plan against the H200 runs in docs/results.md (hard-coded, each with its
-source line: they are measurements, not outputs of the planner): the runs that
-calibrate nothing within 10%.
+source line: they are measurements, not outputs of the planner): the runs the roofline
+is not fitted on within 10%.
 """
 
 import importlib
@@ -410,8 +410,8 @@ def test_fewer_larger_microbatches_are_faster():
 
 
 def test_a_tie_goes_to_the_larger_micro_batch():
-    """On the CPU (one calibrating run: c = 0) every micro-batch takes the same time:
-    the ranking's assumption takes the largest that fits."""
+    """On the CPU (one fitted run: one share of the peak, no loop) every micro-batch
+    takes the same time: the ranking's assumption takes the largest that fits."""
     config = plan_lib.model_config("tiny")
     best = plan_lib.search(config, 8, "cpu", 1, dtype="fp32")[0]
     assert best.layout.micro_batch == 8, best.layout
