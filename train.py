@@ -151,13 +151,6 @@ def build_grid(cfg: TrainConfig, rank: int, world: int) -> grid_lib.Grid:
     return grid_lib.build_grid(*sizes, rank, world, pp_lib.embedding_group, cfg.cp)
 
 
-def all_reduce_sum(t: torch.Tensor, group, size: int) -> torch.Tensor:
-    """SUM over a group (a no-op for a group of one). Never AVG: gloo lacks it."""
-    if size > 1:
-        dist.all_reduce(t, group=group)
-    return t
-
-
 # ------------ building: model (02) -> TP shards (04) -> pipeline chunks (05) -> DP (03)
 def build_chunks(cfg: TrainConfig, gpt_config, grid: grid_lib.Grid, device) -> list:
     torch.manual_seed(cfg.seed)  # The same full model on every rank, before sharding.
@@ -274,8 +267,8 @@ def global_grad_norm(run: Run, grads) -> torch.Tensor:
     else:
         squares = torch.zeros((), device=run.device)
     if run.cfg.zero:
-        squares = all_reduce_sum(squares, run.grid.dp_cp_group, run.grid.dp_cp)
-    return all_reduce_sum(squares, run.grid.pp_group, run.grid.pp).sqrt()
+        squares = run.grid.all_reduce_sum(squares, "dp_cp")
+    return run.grid.all_reduce_sum(squares, "pp").sqrt()
 
 
 def comm_bytes(run: Run) -> int:
@@ -288,9 +281,10 @@ def comm_bytes(run: Run) -> int:
 def train_step(run: Run, step: int) -> dict:
     """One optimizer step. Every microbatch's token losses are SUMmed and divided by the
     step's token count over all DP replicas (06), with PP or without, so ignored (-1)
-    targets weigh as in one big batch. Returns the stats: the step's mean loss (every
-    rank's) and grad_norm stay 0-dim device tensors, so a plain step never makes the CPU
-    wait for the GPU (a host-device sync): the log reads them, at its steps only."""
+    targets weigh as in one big batch. Returns the stats: this rank's share of the step's
+    mean loss (summed_loss adds them up) and grad_norm stay 0-dim device tensors, so a
+    plain step never makes the CPU wait for the GPU (a host-device sync), nor runs the
+    loss's collectives: the log reads them, at its steps only."""
     cfg = run.cfg
     grid = run.grid
     x, y = run.train.get_batch(step)  # (B/dp, T), prefetched; step + 1's starts now.
@@ -309,9 +303,7 @@ def train_step(run: Run, step: int) -> dict:
         kwargs = dict(embed_group=grid.embed_group, n_tokens=n_tokens)
         kwargs["dp_size"] = grid.dp_cp  # DP x CP average the gradients.
         kwargs["scale"] = run.scaler.get_scale()  # 06's fp16 loss scale
-        loss = pipeline(run, x, y, **kwargs).loss.clone()
-        loss = all_reduce_sum(loss, grid.pp_group, grid.pp)
-    loss = all_reduce_sum(loss, grid.dp_cp_group, grid.dp_cp)  # The shares add up.
+        loss = pipeline(run, x, y, **kwargs).loss
     grads = gradients(run)
     if cfg.zero >= 2 and grid.embed_group is not None:
         # 05 found no p.grad to sync: sum the tied matrix's shards, cut alike on both.
@@ -338,6 +330,13 @@ def train_step(run: Run, step: int) -> dict:
     return stats
 
 
+def summed_loss(run: Run, stats: dict) -> dict:
+    """stats with the step's loss: the ranks' shares added up (the stages': only the last
+    one's is not 0; the DP x CP ranks'), two collectives that only a logged step runs."""
+    loss = run.grid.all_reduce_sum(stats["loss"], "pp")
+    return {**stats, "loss": run.grid.all_reduce_sum(loss, "dp_cp")}
+
+
 @torch.no_grad()
 def evaluate(run: Run, stop=lambda: False) -> float | None:
     """Mean validation loss over the same eval_steps batches every time, with the same
@@ -353,14 +352,15 @@ def evaluate(run: Run, stop=lambda: False) -> float | None:
         x, y = run.val.get_batch(i)
         with mp_lib.autocast_context(run.dtype, run.device.type):
             if run.grid.pp > 1:  # The last stage's mean over m microbatches, else 0.
-                total += pipeline(run, x, y, forward_only=True).loss
+                n = (y != -1).sum()  # A tensor: 05 would read its own count (a sync).
+                total += pipeline(run, x, y, forward_only=True, n_tokens=n).loss
             else:
                 for xb, yb in zip(x.split(b), y.split(b)):
                     total += run.chunks[0](xb, yb)[1].float() / run.m
     chunks.train()
-    total = all_reduce_sum(total, run.grid.pp_group, run.grid.pp)
+    total = run.grid.all_reduce_sum(total, "pp")
     # Each DP x CP rank's mean over its own tokens (as many on each): their mean.
-    total = all_reduce_sum(total, run.grid.dp_cp_group, run.grid.dp_cp) / run.grid.dp_cp
+    total = run.grid.all_reduce_sum(total, "dp_cp") / run.grid.dp_cp
     return total.item() / run.cfg.eval_steps
 
 
@@ -424,7 +424,7 @@ def train(run: Run) -> None:
     for step in range(start, stop):
         stats = train_step(run, step)
         if step % cfg.log_interval == 0 or step == stop - 1 or stats.get("skipped"):
-            log.train_row(step, stats)  # A sync: it reads the loss and the norm.
+            log.train_row(step, summed_loss(run, stats))  # A sync: reads loss and norm.
         val = 0.0  # None: preempted while evaluating (all ranks agree), as by a vote.
         if cfg.eval_interval and step % cfg.eval_interval == 0:  # Step 0: a baseline.
             with log.paused():  # Not a training step's time.

@@ -81,6 +81,13 @@ class Grid:
         """The ranks that hold the same weights: the size of dp_cp_group."""
         return self.dp * self.cp
 
+    def all_reduce_sum(self, t: torch.Tensor, dim: str) -> torch.Tensor:
+        """t SUMmed in place over this rank's group of `dim` ("pp", "dp_cp", ...): a
+        no-op for a group of one. Never AVG: gloo lacks it."""
+        if getattr(self, dim) > 1:
+            dist.all_reduce(t, group=getattr(self, f"{dim}_group"))
+        return t
+
 
 def build_grid(
     pp: int, dp: int, tp: int, rank: int, world: int, embedding_group, cp: int = 1
