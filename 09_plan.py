@@ -580,8 +580,8 @@ def main(argv=None) -> None:
         if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
             nodes = f"whole nodes of {args.gpus_per_node}"
             raise PlanError(f"{args.gpus} GPUs are not {nodes}")
-        sizes = {"block_size": args.seq_len} if args.seq_len else {}
-        config = model_config(args.model, **sizes)
+        shape = plan_report.given_shape(args, model_lib.PRESETS)  # --n-layer, ...
+        config = model_config(args.model, **shape)
         cluster = (args.gpu, args.gpus, args.gpus_per_node)
         options = (args.seq_len, args.dtype, args.lora_rank, args.loss)
         plans = search(config, args.batch_size, *cluster, *options)
@@ -591,7 +591,7 @@ def main(argv=None) -> None:
             need = min(p.memory["total"] for p in plans) / GIB
             where = f"{args.gpus} {args.gpu}: the smallest needs {need:.1f} GiB"
             raise PlanError(f"{args.model} fits no layout of {where} > {FIT:.0%}")
-        plan_report.print_search(plans, args, FIT)
+        plan_report.print_search(plans, args, FIT, config, model_lib.count_params)
     except (PlanError, ValueError) as e:
         parser.exit(2, f"09_plan.py: error: {e}\n")
 

@@ -119,15 +119,15 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0, plan: bool = Fals
         if fewer and rank == 0:  # Rows beyond the checkpoint's: from the init.
             print(fewer)
     checkpoint.check_out_dir(cfg)
+    config.check_resume_shape(cfg, gpt_config)  # Another shape: one line, up front.
     return gpt_config
 
 
 def model_config(cfg: TrainConfig, vocab_size: int | None):
-    """02's GPTConfig of the flags (None: the preset's vocabulary), checked for --tp."""
-    sizes = {k: getattr(cfg, k) for k in ("block_size", "n_layer") if getattr(cfg, k)}
+    """02's GPTConfig: --model's preset, the shape flags over it, the data's vocabulary
+    (None: the preset's) unless --vocab-size; checked for --tp."""
+    sizes = config.model_sizes(cfg, vocab_size)  # n_layer, n_head, n_embd, V, T
     extra = dict(dropout=cfg.dropout, pad_vocab_multiple=vocab.tp_multiple(cfg.tp))
-    if vocab_size is not None:  # 64·tp rows of padding (support/vocab) split any V.
-        extra["vocab_size"] = vocab_size
     try:  # GPTConfig's checks (n_embd % n_head, ...), then 04's (whole heads a rank).
         gpt_config = model_lib.GPTConfig.from_preset(cfg.model, **sizes, **extra)
         tp_lib.check_tp_config(gpt_config, cfg.tp)
@@ -478,7 +478,7 @@ def main(argv=None) -> None:
     except ConfigError as e:
         raise SystemExit(f"train.py: error: {e}") from None
     if args.plan:  # Printed, and no process group, data or file made.
-        return print(run_log.plan_text(plan, cfg))
+        return print(run_log.plan_text(plan, cfg, gpt_config))
     if int(os.environ.get("RANK", 0)) == 0:  # Rerun it: --config OUT/config.toml.
         recipe.write(cfg, Path(cfg.out_dir) / "config.toml")
     created = not dist.is_initialized()

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from support.shape import SHAPE, shape_problem
+
 # What `python 01_data.py --tokenizer T` writes, per T: the default --data-dir,
 # prepared if it is missing.
 DEFAULT_DATA = {
@@ -68,7 +70,15 @@ class TrainConfig:
     )
     # The small preset (4 layers of 128) trains on a CPU in minutes.
     model: str = flag("small", "02_model.py's preset (not given: --init-from's shape)")
-    n_layer: int = flag(0, "number of blocks; 0: the preset's")
+    # The shape beside the preset (a Megatron-style one, say): 0 takes --model's.
+    n_layer: int = flag(0, "number of blocks, L; 0: the preset's")
+    n_head: int = flag(0, "attention heads, nh (--tp must divide it); 0: the preset's")
+    n_embd: int = flag(0, "the width C, a multiple of nh; 0: the preset's")
+    vocab_size: int = flag(
+        0,
+        "rows of wte, V (then padded to 64·tp); 0: the data's tokenizer's. More than "
+        "the tokenizer's ids: rows no input holds, never sampled",
+    )
     init_from: str = flag(
         "", "fine-tune a Hugging Face GPT-2: its folder (config.json, the weights)"
     )
@@ -422,6 +432,9 @@ def check_flags(cfg, world_size: int, choices: dict, presets: dict, check_pipeli
     check_choices(cfg, {**choices, "tokenizer": ("", *DEFAULT_DATA), "loss": LOSSES})
     check_combinations(cfg)
     check_batch(cfg)
+    problem = shape_problem(presets, cfg.model, given_shape(cfg), cfg.tp)
+    if problem:  # --n-embd against --n-head, --n-head against --tp: one line.
+        raise ConfigError(problem)
     n_layer = cfg.n_layer or presets[cfg.model]["n_layer"]
     m = cfg.batch_size // (cfg.micro_batch_size * cfg.dp)
     v = cfg.virtual_stages
@@ -431,6 +444,45 @@ def check_flags(cfg, world_size: int, choices: dict, presets: dict, check_pipeli
         where = f"--schedule {cfg.schedule} --pp {cfg.pp} --virtual-stages {v}"
         raise ConfigError(f"{where} --n-layer {n_layer}: {e}") from None
     check_out_dir_path(cfg)
+
+
+def given_shape(cfg: TrainConfig) -> dict:
+    """The shape flags given (not 0): GPTConfig's sizes over --model's preset."""
+    return {k: getattr(cfg, k) for k in SHAPE if getattr(cfg, k)}
+
+
+def model_sizes(cfg: TrainConfig, data_vocab: int | None) -> dict:
+    """GPTConfig's sizes from the shape flags, over --model's preset: the vocabulary
+    --vocab-size's, else the data's (`data_vocab`; None: the preset's). A vocabulary
+    smaller than the data's tokenizer could not embed every id it writes."""
+    sizes = given_shape(cfg)
+    if data_vocab is None:
+        return sizes
+    if cfg.vocab_size and cfg.vocab_size < data_vocab:
+        what = f"the tokenizer of --data-dir {cfg.data_dir} writes {data_vocab} ids"
+        raise ConfigError(f"--vocab-size {cfg.vocab_size}: {what}; use at least that")
+    return {"vocab_size": data_vocab, **sizes}
+
+
+def check_resume_shape(cfg: TrainConfig, gpt_config) -> None:
+    """--resume: the newest readable checkpoint holds a model of `gpt_config`'s shape
+    (meta.json's model_config), else one line naming the flags that differ, before any
+    process group exists (its shards would not fit the model: a vote, after the start).
+    The vocabulary is the data's unless --vocab-size says."""
+    from support.checkpoint import complete_checkpoints  # checkpoint imports this file
+
+    for ckpt in complete_checkpoints(cfg.out_dir) if cfg.resume else []:
+        try:
+            saved = json.loads((ckpt / "meta.json").read_text())["model_config"]
+        except (OSError, ValueError, KeyError):
+            continue  # Damaged: load_newest names it and falls back, as check_out_dir.
+        differ = [k for k in SHAPE if saved[k] != getattr(gpt_config, k)]
+        was = ", ".join(f"{flag_name(k)} {saved[k]}" for k in differ)
+        now = ", ".join(f"{flag_name(k)} {getattr(gpt_config, k)}" for k in differ)
+        if differ:
+            fix = "resume with the same --model and shape flags (or a new --out-dir)"
+            raise ConfigError(f"--resume: {ckpt} holds {was}, this run {now}: {fix}")
+        return  # Only the newest readable checkpoint counts.
 
 
 def check_block_size(cfg: TrainConfig, context: int) -> str:
@@ -517,6 +569,8 @@ def plan_vocab_size(cfg: TrainConfig) -> int:
     with --init-from); nothing is prepared."""
     if (Path(cfg.data_dir) / "meta.json").is_file():
         return read_data_meta(cfg)["vocab_size"]
+    if cfg.vocab_size:  # The model's rows, whatever the tokenizer writes.
+        return cfg.vocab_size
     made = [k for k, path in DEFAULT_DATA.items() if path == cfg.data_dir]
     kind = cfg.tokenizer or (made[0] if made else "gpt2" if cfg.init_from else "")
     if kind not in KNOWN_VOCAB:
@@ -606,4 +660,5 @@ def shape_of_init_from(cfg: TrainConfig, have, presets: dict) -> None:
             return
     shape = f"n_embd={have.n_embd}, n_head={have.n_head}"
     what = f"--init-from {cfg.init_from} has {shape}, which no preset of 02 has"
-    raise ConfigError(f"{what}: pass --model and --n-layer")
+    flags = f"--n-layer {have.n_layer} --n-head {have.n_head} --n-embd {have.n_embd}"
+    raise ConfigError(f"{what}: pass --model and {flags}")

@@ -122,6 +122,9 @@ def load_exported(path, build_model) -> tuple:
 def generate_text(model, tokenizer, prompt: str, n_tokens: int, seed: int = 0) -> str:
     """The prompt and n_tokens sampled after it (temperature 0.8, top 50), decoded."""
     idx = torch.tensor([tokenizer.encode(prompt) or [tokenizer.eot_token]])
+    # --vocab-size above the tokenizer's ids: 02's generate samples below vocab_size,
+    # so the rows no token has are never sampled (this model is the caller's to sample).
+    model.config.vocab_size = min(tokenizer.n_vocab, model.config.vocab_size)
     generator = torch.Generator().manual_seed(seed)
     out = model.generate(idx, n_tokens, temperature=0.8, top_k=50, generator=generator)
     return tokenizer.decode(out[0].tolist())

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from support.gpus import GPUS, plannable
+from support.shape import SHAPE, shape_problem, shape_text
 
 GIB = 2**30
 MIB = 2**20
@@ -111,17 +112,37 @@ def by_op(groups: dict) -> dict:
     return out
 
 
+def given_shape(args, presets: dict) -> dict:
+    """09's shape flags given on its command line (name -> value), checked: a
+    ValueError of one line (shape_problem) if --model's preset cannot take them."""
+    values = {**vars(args), "block_size": args.seq_len}  # --block-size is --seq-len
+    given = {k: values[k] for k in SHAPE if values[k] is not None}
+    if args.model not in presets:
+        raise ValueError(f"--model {args.model}: 02 has {', '.join(presets)}")
+    problem = shape_problem(presets, args.model, given)
+    if problem:
+        raise ValueError(problem)
+    return given
+
+
 def add_arguments(parser, presets, dtypes) -> None:
-    """09's flags."""
+    """09's flags: --model's preset sets every size the shape flags do not."""
     add = parser.add_argument
-    models = f"02's preset: {', '.join(presets)} (default: %(default)s)"
-    add("--model", default="gpt2-xl", help=models)
+    models = f"02's preset: {', '.join(presets)}; the shape flags' defaults"
+    add("--model", default="gpt2-xl", help=models + " (default: %(default)s)")
+    shape = "instead of the preset's"
+    add("--n-layer", type=int, metavar="L", help=f"blocks, {shape}")
+    add("--n-head", type=int, metavar="NH", help=f"heads (C/nh dims each), {shape}")
+    add("--n-embd", type=int, metavar="C", help=f"the width, a multiple of nh, {shape}")
+    vocab = f"wte's rows, {shape} (padded to a multiple of 64, as train.py)"
+    add("--vocab-size", type=int, metavar="V", help=vocab)
+    T = "T: a sequence's tokens and wpe's rows, instead of the preset's"
+    add("--block-size", "--seq-len", dest="seq_len", type=int, metavar="T", help=T)
     add("--gpus", type=int, default=16, help="GPUs in all (default: %(default)s)")
     add("--gpus-per-node", type=int, default=8, help="GPUs sharing NVLink (default: 8)")
     add("--gpu", default="h100", help=f"{', '.join(plannable())} (default: h100)")
     add("--tokens", type=float, default=10e9, help="the run's tokens (default: 10e9)")
     add("--batch-size", type=int, default=512, help="sequences a step, all GPUs (512)")
-    add("--seq-len", type=int, default=None, help="T, wpe's rows too (default: preset)")
     add("--dtype", default="bf16", choices=dtypes, help="default: bf16, autocast")
     add("--lora-rank", type=int, default=0, help="LoRA's rank (default: 0, off)")
     loss = "chunked: 06b's loss that never keeps the logits (default: plain)"
@@ -269,13 +290,19 @@ def describe(p) -> list[str]:
     return lines
 
 
-def print_search(plans: list, args, fit_share: float) -> None:
-    """The fitting layouts, fastest first; why the best wins; two that do not fit and
-    what would make them fit; the best one's hours, GPU-hours, energy and cost."""
+def print_search(plans: list, args, fit_share: float, config, count_params) -> None:
+    """The model's shape and parameters (02's `count_params`); the fitting layouts,
+    fastest first; why the best wins; two that do not fit and what would make them
+    fit; the best one's hours, GPU-hours, energy and cost."""
     fit = [p for p in plans if p.fits]
     gpu = GPUS[args.gpu.lower()]
-    what = f"{args.model} on {args.gpus} x {args.gpu} ({args.gpus_per_node} a node)"
-    print(f"\n{what}, batch {args.batch_size} x {args.seq_len or 'T'}, {args.dtype}:")
+    print(f"\nmodel: {shape_text(config)}")
+    preset = f"--model {args.model}'s where no flag says"
+    psi = count_params(config)
+    print(f"  ({preset}): {psi:,} parameters (02's count, V padded to 64)")
+    what = f"{args.gpus} x {args.gpu} ({args.gpus_per_node} a node)"
+    T = config.block_size
+    print(f"on {what}, batch {args.batch_size} x {T}, {args.dtype}:")
     share = f"{fit_share:.0%} of {size(gpu.memory)}"
     print(f"{len(plans)} layouts, {len(fit)} fit in {share}; the fastest:")
     for i, p in enumerate(fit[: args.top]):

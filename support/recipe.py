@@ -8,8 +8,9 @@ the file's flags first, and argparse keeps the last of a repeated flag). An opti
 wrong type, a bad number or a malformed file is a RecipeError, one line naming the
 file, the key and what was expected, raised before any process starts.
 
-    [layout]               [batch]              [model]       [optimizer]     [run]
-    dp tp pp schedule ...  batch_size ...       model dtype   lr max_steps    out_dir ...
+    [layout]               [batch]              [model]        [optimizer]     [run]
+    dp tp pp schedule ...  batch_size ...       model n_layer  lr max_steps    out_dir ...
+                           block_size           n_head ...
 
 Run as a script: `python -m support.recipe FILE` prints the resolved settings as TOML,
 `--argv FILE` them as train.py's flags.
@@ -32,8 +33,8 @@ GROUPS = {
     ).split(),
     "batch": "batch_size micro_batch_size block_size".split(),
     "model": (
-        "model n_layer init_from lora_rank lora_alpha dropout recompute loss dtype "
-        "compile"
+        "model n_layer n_head n_embd vocab_size init_from lora_rank lora_alpha dropout "
+        "recompute loss dtype compile"
     ).split(),
     "optimizer": (
         "max_steps lr warmup_steps lr_schedule min_lr decay_fraction cycle_steps "

@@ -10,6 +10,7 @@ import torch
 
 from support.config import TrainConfig
 from support.grid import Grid
+from support.shape import shape_text
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Run:
 
 
 def describe(run: Run) -> str:
-    """The run's first line: the layout, the model, the batch, what trains."""
+    """The run's first lines: the layout, the batch, what trains; the model's shape."""
     cfg = run.cfg
     params = [p for m in run.modules() for p in m.parameters() if p.requires_grad]
     world = run.grid.world
@@ -44,10 +45,11 @@ def describe(run: Run) -> str:
     layout = f"world {world} = {sizes} on {run.device}"
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     dtype = names[run.dtype]  # The flag's name, as the lessons write it.
-    model = f"{run.gpt_config.n_layer}-layer GPT, {dtype}, {run.m} microbatches"
+    model = f"GPT, {dtype}, {run.m} microbatches"
     batch = f"of {cfg.micro_batch_size} x {run.T} per DP rank"
     trains = f"{sum(p.numel() for p in params):,} parameters train on rank 0"
-    return f"{layout}; {model} {batch}, recompute {cfg.recompute}; {trains}"
+    shape = f"model: {shape_text(run.gpt_config)}"
+    return f"{layout}; {model} {batch}, recompute {cfg.recompute}; {trains}\n{shape}"
 
 
 def adamw_groups(chunks, tied: list, weight_decay: float) -> list[dict]:

@@ -28,6 +28,7 @@ from support.config import ConfigError
 from support.distributed import print0
 from support.files import atomic_write
 from support.gpus import GPUS, plannable
+from support.shape import shape_text
 
 GIB = 2**30
 
@@ -54,14 +55,16 @@ def plan_of(plan_run, cfg, gpt_config, gpu: str, gpus_per_node: int):
         raise ConfigError(f"09_plan.py on {gpu}: {e}") from None
 
 
-def plan_text(plan, cfg) -> str:
-    """train.py --plan's report of 09's `plan` of the settings `cfg`: the layout's
-    memory and time (09's two lines), whether it fits, and --max-steps' hours."""
+def plan_text(plan, cfg, gpt_config) -> str:
+    """train.py --plan's report of 09's `plan` of the settings `cfg` (the model
+    `gpt_config`): the model's shape, the layout's memory and time (09's two lines),
+    whether it fits, and --max-steps' hours."""
     spec = GPUS[plan.gpu]
     n = plan.n_gpus
     T = plan.tokens_per_step // cfg.batch_size
     head = f"{cfg.model} on {n} x {plan.gpu}, batch {cfg.batch_size} x {T}"
     lines = [f"09_plan.py's plan of this run: {head}, {plan.ranks[0]['dtype']}"]
+    lines.append(f"model: {shape_text(gpt_config)}")
     lines += plan_report.describe(plan)
     share = f"{plan.capacity / GIB:.1f} GiB (90% of {spec.memory / GIB:.1f})"
     over = (plan.memory["total"] - plan.capacity) / GIB

@@ -769,3 +769,79 @@ def test_the_published_runs_table_is_what_the_planner_predicts():
         assert f"{predicted / measured:.2f}" in cells, (name, predicted / measured)
     assert len({PUBLISHED[n][2] for n in rows}) >= 2
     assert len({(PUBLISHED[n][0], str(PUBLISHED[n][1])) for n in rows}) >= 3
+
+
+# ------------------------------------------------------------ any GPT shape (issue 42)
+# Megatron-LM's 1.7B (2104.04473, Table 1: 24 layers, 24 heads, hidden 2,304), with
+# Megatron's vocabulary padded to 51,200 and T = 2,048: no preset of 02 has it.
+MEGATRON_1_7B = dict(
+    n_layer=24, n_head=24, n_embd=2304, vocab_size=51200, block_size=2048
+)
+
+
+def shape_flags(shape: dict) -> list[str]:
+    """{"n_layer": 24, ...} -> ["--n-layer", "24", ...]: 09's and train.py's flags."""
+    return [a for k, v in shape.items() for a in ("--" + k.replace("_", "-"), str(v))]
+
+
+def test_09_plans_a_custom_shape_with_the_parameters_of_its_model(capsys, monkeypatch):
+    """09's shape flags over --model gpt2 build Megatron's 1.7B and plan it: the shape
+    and the parameter count it prints, and its plan's weights (4 bytes each at ZeRO 0,
+    tp 1, pp 1), are those of 02's GPT built from the five sizes by hand:
+    12·L·C² + 13·L·C + (V + T + 2)·C = 1,652,230,656."""
+    searched = []
+    search = plan_lib.search
+
+    def spy(config, *args, **kwargs):
+        searched.append(config)
+        return search(config, *args, **kwargs)
+
+    monkeypatch.setattr(plan_lib, "search", spy)
+    argv = ["--model", "gpt2", "--gpus", "8", "--batch-size", "8", "--top", "1"]
+    plan_lib.main(argv + shape_flags(MEGATRON_1_7B))
+    out = capsys.readouterr().out
+    L = MEGATRON_1_7B["n_layer"]
+    C = MEGATRON_1_7B["n_embd"]
+    V = MEGATRON_1_7B["vocab_size"]
+    T = MEGATRON_1_7B["block_size"]
+    with torch.device("meta"):  # shapes, no memory
+        model = model_lib.GPT(model_lib.GPTConfig(**MEGATRON_1_7B))
+    psi = model.num_params()
+    assert psi == 12 * L * C**2 + 13 * L * C + (V + T + 2) * C == 1_652_230_656
+    shape = ", ".join(f"{k} {v}" for k, v in MEGATRON_1_7B.items())
+    assert f"model: {shape}\n" in out and f" {psi:,} parameters" in out
+    assert "on 8 x h100 (8 a node), batch 8 x 2048, bf16" in out
+    (config,) = searched
+    p = plan_lib.plan(config, Layout(micro_batch=1), 1, "h100", 1)
+    assert p.memory["weights"] == p.memory["grads"] == 4 * psi
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--n-embd", "1000", "--n-head", "24"], "--n-embd 1000 does not split into --n-head 24 heads"),
+        (["--n-head", "7"], "--n-embd 768 (--model gpt2's) does not split into --n-head 7 heads"),
+        (["--n-layer", "0"], "--n-layer 0: a size, a positive integer"),
+        (["--vocab-size", "-1"], "--vocab-size -1: a size, a positive integer"),
+        (["--block-size", "0"], "--block-size 0: a size, a positive integer"),
+        (["--model", "gpt3"], "--model gpt3: 02 has tiny, small, gpt2,"),
+    ],
+    ids=["width", "preset-width", "layers", "vocab", "context", "preset"],
+)  # fmt: skip
+def test_09_refuses_a_bad_shape_in_one_line_naming_the_flags(argv, message, capsys):
+    """02's rules (positive sizes, whole heads: C a multiple of nh), each one line that
+    names the flags; a size the flags leave to the preset says so."""
+    with pytest.raises(SystemExit) as stop:
+        plan_lib.main(["--model", "gpt2", "--gpus", "8", *argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"09_plan.py: error: {message}"), err
+    assert err.count("\n") == 1, err
+
+
+def test_09_searches_only_the_tps_that_divide_a_custom_shapes_heads():
+    """04 gives each TP rank whole heads: 6 heads of 128 split over tp 1, 2 (and 3, 6
+    with more GPUs), never 4 or 8; the width alone (768) would allow every tp."""
+    config = plan_lib.model_config("gpt2", n_head=6)
+    assert {lay.tp for lay in plan_lib.layouts(config, 64, 8, 8)} == {1, 2}
+    with pytest.raises(plan_lib.PlanError, match="n_head=6 is not divisible by tp=4"):
+        plan_lib.plan(config, Layout(dp=2, tp=4, micro_batch=1), 2, "h100", 8)
