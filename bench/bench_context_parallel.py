@@ -15,9 +15,7 @@ On CPU the 4 ranks share the machine's cores, so the step times show what the ri
 costs here, not a speed-up; the ratios that carry over to GPUs are the bytes.
 """
 
-import argparse
 import importlib
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -168,29 +166,19 @@ def bench(args, rank, world_size, device):
         dist.barrier()
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    help = "ranks: cp = 1, 2, 4 where they divide it"
-    parser.add_argument("--ranks", type=int, default=4, help=help)
+def add_arguments(parser):
+    parser.set_defaults(ranks=4)  # cp = 1, 2, 4 where they divide it
     parser.add_argument("--batch-size", type=int, default=2, help="B")
-    parser.add_argument(
-        "--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048]
-    )
-    parser.add_argument(
-        "--time-seq-len", type=int, default=1024, help="T of the timing"
-    )
+    seq_lens = [256, 512, 1024, 2048]
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=seq_lens)
+    parser.add_argument("--time-seq-len", type=int, default=1024, help="T of the timing")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--seed", type=int, default=1337, help="model and batch")
-    args = parser.parse_args(argv)
-    if "WORLD_SIZE" not in os.environ:
-        return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
-    rank, _, world_size, device = distributed.init_distributed()
-    try:
-        bench(args, rank, world_size, device)
-    finally:
-        dist.destroy_process_group()
+
+
+def main(argv=None):
+    distributed.run_on_ranks(bench, argv, __file__, __doc__, add_arguments)
 
 
 if __name__ == "__main__":

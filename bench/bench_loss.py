@@ -48,7 +48,7 @@ def print_formulas(config, T: int, batch_sizes, mode: str):
     """Bytes lm_head + loss keep for the backward, and the (B, T, V) tensors besides."""
     V = config.padded_vocab_size
     a = 4 if mode == "fp32" else 2
-    print(f"GPT-2 124M's head, T = {T:,}, V = {V:,}, {mode}: 06b's formulas, GB")
+    print(f"the head, C = {config.n_embd}, T = {T:,}, V = {V:,}, {mode}: 06b's formulas, GB")
     print(f"{'B':>4} {'loss':<8} {'kept':>8} {'+ logits, dlogits':>18} {'all':>8}")
     for B in batch_sizes:
         for loss in LOSSES:
@@ -128,12 +128,13 @@ def main(argv=None):
     add("--chunk-tokens", type=int, default=1024, help="apply_chunked_loss's default")
     add("--steps", type=int, default=3, help="timed steps per loss, after one watched")
     add("--block-size", type=int, default=1024, help="T")
+    add("--preset", default="gpt2", help="02's preset: GPT-2 124M's shape, or smaller to try")
     add("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if cuda else "cpu")
     T = args.block_size
     config = model_lib.GPTConfig.from_preset(
-        "gpt2", block_size=T, pad_vocab_multiple=64
+        args.preset, block_size=T, pad_vocab_multiple=64
     )
     print(timing.machine() + "\n")
     print_formulas(

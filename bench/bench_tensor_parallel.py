@@ -16,11 +16,9 @@ Run:  python bench/bench_tensor_parallel.py [--ranks 2]   (starts torchrun for y
       torchrun --standalone --nproc_per_node=4 bench/bench_tensor_parallel.py
 """
 
-import argparse
 import copy
 import importlib
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -118,27 +116,21 @@ def bench(args, group, device):
     )
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    formatter = argparse.ArgumentDefaultsHelpFormatter
-    description = __doc__.split("\n")[0]
-    parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
-    parser.add_argument("--ranks", type=int, default=2, help="ranks, as 04's demo")
+def add_arguments(parser):
     parser.add_argument("--preset", default="small", help="02's preset, as 04's demo")
     parser.add_argument("--batch-size", type=int, default=8, help="B, as 04's demo")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--seed", type=int, default=1337, help="model and batch")
-    args = parser.parse_args(argv)
-    if "WORLD_SIZE" not in os.environ:
-        return distributed.relaunch_with_torchrun(args.ranks, argv, __file__)
-    _, _, world_size, device = distributed.init_distributed()
-    try:
-        group = dist.new_group(list(range(world_size)))  # the TP group: the whole world
-        bench(args, group, device)
-        dist.barrier()  # subtle: no rank tears gloo down while a peer still uses it
-    finally:
-        dist.destroy_process_group()
+
+
+def demo(args, rank, world_size, device):
+    group = dist.new_group(list(range(world_size)))  # the TP group: the whole world
+    bench(args, group, device)
+
+
+def main(argv=None):
+    distributed.run_on_ranks(demo, argv, __file__, __doc__, add_arguments)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ SMOKE = {
         "AdamW state",
     ),
     "bench_loss.py": (
-        "--block-size 64 --measure 1 --batch-sizes 1 --steps 1 --chunk-tokens 32",
+        "--preset small --block-size 64 --measure 1 --batch-sizes 1 --steps 1"
+        " --chunk-tokens 32",
         0,
         "chunked",
     ),
