@@ -23,6 +23,7 @@ is not fitted on within 10%.
 
 import importlib
 import inspect
+import re
 import types
 from pathlib import Path
 
@@ -737,7 +738,32 @@ PUBLISHED = {
         1536,
         1536 * 2048 / 32,
     ),
+    # mosaicml/llm-foundry scripts/train/benchmarking/README.md, "A100 80GB" table: the
+    # row "125m | 2048 | 8 | a100_80gb | ... | 32 | 2 | 512 | 553 | 1133901 | ...":
+    # FSDP FULL_SHARD (ZeRO-3), activation checkpointing False; mpt-125m.yaml's shape.
+    "MPT-125m A100": (
+        "gpt2",
+        dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50_368, block_size=2048),
+        "a100",
+        8,
+        dict(micro_batch=32, zero=3),
+        512,
+        1_133_901,
+    ),
+    # The same file, "H100 80GB BF16" table: "1b | 2048 | 8 | h100_80gb | ... | 14 | 1 |
+    # 112 | 177 | 363645 | ...": FULL_SHARD, no checkpointing; mpt-1b.yaml's shape.
+    "MPT-1b H100": (
+        "gpt2",
+        dict(n_layer=24, n_head=16, n_embd=2048, vocab_size=50_368, block_size=2048),
+        "h100",
+        8,
+        dict(micro_batch=14, zero=3),
+        112,
+        363_645,
+    ),
 }
+# Each MPT row's NumParams column: 02's count of that GPT-2 shape, so the model is ours.
+MPT_PARAMS = {"MPT-125m A100": 125_311_488, "MPT-1b H100": 1_315_950_592}
 
 
 def published_plan(name):
@@ -745,7 +771,7 @@ def published_plan(name):
     config = plan_lib.model_config(preset, **shape)
     dp = n // sizes.get("tp", 1) // sizes.get("pp", 1)
     zero = 1 if dp > 1 and sizes.get("pp", 1) == 1 else 0  # llm.c's -z 1
-    layout = Layout(dp=dp, zero=zero, **sizes)
+    layout = Layout(dp=dp, **{"zero": zero, **sizes})
     return plan_lib.plan(config, layout, batch, gpu, n, trainer=False)
 
 
@@ -769,6 +795,83 @@ def test_the_published_runs_table_is_what_the_planner_predicts():
         assert f"{predicted / measured:.2f}" in cells, (name, predicted / measured)
     assert len({PUBLISHED[n][2] for n in rows}) >= 2
     assert len({(PUBLISHED[n][0], str(PUBLISHED[n][1])) for n in rows}) >= 3
+
+
+def test_the_mpt_rows_are_gpt2_shaped():
+    """llm-foundry's NumParams for each MPT row is 02's count of the shape planned."""
+    for name, want in MPT_PARAMS.items():
+        preset, shape = PUBLISHED[name][:2]
+        assert model_lib.count_params(plan_lib.model_config(preset, **shape)) == want
+
+
+# ------------------------------------------------------------ docs/planning.md's samples
+# The commands whose printouts docs/planning.md quotes, each in a plain ``` block after it,
+# in the page's order. The planner is arithmetic, so each reruns in seconds, in this
+# process. Every quoted line must be a line the command prints now (spaces collapsed;
+# "..." marks lines left out), and each `backticked` part of the recipes table's
+# "predicted by 09" column must be in what `train.py --config recipes/NAME --plan`
+# prints: a change to 09 that moves a quoted number fails here until the page is pasted
+# again.
+PLANNING_SAMPLES = [
+    "python 09_plan.py --model gpt2-xl --gpus 16 --gpus-per-node 8 --gpu h100 "
+    "--tokens 10e9 --price 2.5",
+    "python train.py --config recipes/gpt2-124m-8gpu.toml --plan",
+]
+REPO = Path(__file__).resolve().parent.parent
+PLANNING = REPO / "docs/planning.md"
+
+
+def printed(command: str, capsys) -> list[str]:
+    """What `python FILE ARGS...` prints, run in this process; lines, spaces collapsed."""
+    import train
+
+    _, file, *argv = command.split()
+    argv = [str(REPO / a) if a.startswith("recipes/") else a for a in argv]
+    capsys.readouterr()
+    {"09_plan.py": plan_lib.main, "train.py": train.main}[file](argv)
+    return [" ".join(line.split()) for line in capsys.readouterr().out.splitlines()]
+
+
+def quoted_blocks(page: str) -> list[list[str]]:
+    """The page's plain ``` blocks (no language named): their lines, spaces collapsed."""
+    blocks, block, fenced = [], None, False
+    for line in page.splitlines():
+        fence = line.strip()
+        if fence.startswith("```"):
+            if fenced and block is not None:  # the end of a plain block
+                blocks.append(block)
+            block = [] if not fenced and fence == "```" else None
+            fenced = not fenced
+        elif block is not None:
+            block.append(" ".join(line.split()))
+    return blocks
+
+
+def test_planning_md_quotes_what_the_commands_print(capsys):
+    """Each quoted printout of docs/planning.md is what its command prints today."""
+    page = PLANNING.read_text()
+    blocks = quoted_blocks(page)
+    assert len(blocks) == len(PLANNING_SAMPLES), blocks
+    for command, block in zip(PLANNING_SAMPLES, blocks):
+        assert command in page, f"docs/planning.md no longer shows {command!r}"
+        out = printed(command, capsys)
+        for line in (x for x in block if x and x != "..."):
+            assert line in out, f"{command}: paste it again; not printed now: {line!r}"
+
+
+def test_planning_md_recipes_table_is_what_plan_prints(capsys):
+    """The recipes table's predictions are what --plan prints for each recipe today."""
+    page = PLANNING.read_text()
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in page.splitlines()]
+    rows = [r for r in cells if r and r[0].endswith(".toml`")]
+    assert len(rows) >= 6, rows
+    for name, _, _, predicted, _ in rows:
+        command = f"python train.py --config recipes/{name.strip('`')} --plan"
+        out = " ".join(printed(command, capsys))
+        quoted = re.findall(r"`([^`]+)`", predicted)
+        assert quoted, (name, predicted)
+        for part in quoted:
+            assert part in out, f"{name}: not printed now: {part!r} (in: {out})"
 
 
 # ------------------------------------------------------------ any GPT shape (issue 42)
