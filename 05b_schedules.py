@@ -26,8 +26,9 @@ once its receive is posted, and a group only as a whole, so two ranks whose grou
 wait on the other's LATER group hang on GPUs while gloo, which buffers sends, passes.
 `nccl_timeline` runs a plan on paper under that rule: it raises if a group would hang,
 and with a forward taking t_f and a backward t_b it is the simulator whose timelines
-give the bubble. The demo runs every table for real and prints the measured bubble
-beside the simulated one and the formula; `--plot` draws both as Gantt charts.
+give the bubble. The demo runs gpipe, 1f1b and interleaved for real (05c's runs zb1)
+and prints the measured bubble beside the simulated one and the formula; `--plot`
+draws both as Gantt charts.
 
 Launch:  python 05b_schedules.py [--ranks N] [--microbatches M] [--virtual-stages V]
          torchrun --standalone --nproc_per_node=4 05b_schedules.py [--plot]
@@ -128,6 +129,25 @@ def zero_bubble_order(steps, rank: int):
         if step[0].op == "B" and len(waiting) > rank:
             order.append((waiting.pop(0),))
     return order + [(w,) for w in waiting]
+
+
+@functools.lru_cache(maxsize=4096)
+def peak_kept(schedule, p, m, v, rank, chunk_bytes, w_bytes=0) -> tuple[int, int]:
+    """(the most bytes kept for backward as the rank runs its schedule_steps, the
+    microbatches alive then): a forward keeps chunk_bytes[its chunk], its backward
+    frees them, or under zb1 keeps w_bytes of them until its W (05c measures both)."""
+    alive = 0
+    count = 0
+    peak = (0, 0)
+    freed = "W" if schedule == "zb1" else "B"  # zb1: a microbatch counts until its W
+    w_bytes = w_bytes if schedule == "zb1" else 0  # no W: B frees all
+    for step in schedule_steps(schedule, p, m, v, rank):
+        for a in step:
+            kept = {"F": chunk_bytes[a.chunk], "B": w_bytes - chunk_bytes[a.chunk]}
+            alive += kept.get(a.op, -w_bytes)  # W: -w_bytes
+            count += 1 if a.op == "F" else -(a.op == freed)
+            peak = max(peak, (alive, count))
+    return peak
 
 
 # An action's output travels one stage on: a forward's to s+1, a backward's to s-1.
@@ -281,9 +301,13 @@ def simulate(schedule: str, p: int, m: int, v: int = 1, t_f=1.0, t_b=2.0, t_w=No
 
 def bubble_formula(p: int, m: int, v: int = 1, schedule: str = "1f1b") -> float:
     """(p-1)/(v·m + p-1): 05's bubble with v·m microbatches, as the fill and drain of
-    a chunk take 1/v of a stage's time. zb1, m >= p, t_f = t_B = t_W: (p-1)/(3m + p-1),
-    an idle t_f where 1F1B idles t_f + t_B + t_W (05c)."""
-    return pipe.bubble_formula(p, 3 * m if schedule == "zb1" else v * m)
+    a chunk take 1/v of a stage's time. zb1, t_f = t_B = t_W, m >= p: (p-1)/(3m + p-1),
+    an idle t_f where 1F1B idles t_f + t_B + t_W (05c); m < p: each of the p-m
+    microbatches missing leaves one more t_f idle, (2p-1-m)/(2m + 2p-1) (simulated)."""
+    if schedule == "zb1":
+        idle = p - 1 + max(0, p - m)  # in units of t_f
+        return idle / (3 * m + idle)
+    return pipe.bubble_formula(p, v * m)
 
 
 class Microbatches(pipe.Microbatches):

@@ -27,8 +27,12 @@ time, for m >= p (b of the ideal is b/(1+b) of the step, 05b's convention):
     1F1B  (p-1)(t_f + t_B + t_W) / (m (t_f + t_B + t_W))  = (p-1)/m
     ZB-H1 (p-1)(t_f + t_B - t_W) / (m (t_f + t_B + t_W))  = (p-1)/(3m)   equal times
 
-The cost: what W reads, each linear's X and dY (and the embeddings' ids and dY), lives
-from B to W: `w_bytes_formula` beside the queue's measured bytes.
+The cost: what W reads, each linear's X and dY (the embeddings' ids and dY), lives
+from B to W, W bytes a microbatch (`w_bytes_formula`). With A bytes saved by a forward,
+stage r keeps at most (p-r)·A under 1F1B, (p-r)·A + r·W under ZB-H1 (measured beside
+it): stage 0 the same, each later stage more, the last p-1 W's, each with the head's
+(b, T, V) dY. W is nearly A (both hold every linear's X), so ZB-H1 has 1F1B's memory
+as the most over its stages (the paper's claim), not stage by stage.
 
 Launch:  python 05c_zero_bubble.py [--ranks 4] [--plot]    (relaunches in torchrun)
          torchrun --standalone --nproc_per_node=4 05c_zero_bubble.py
@@ -80,6 +84,12 @@ def embedding_weight_grad(ids, dy, rows: int):
     return grad.index_add_(0, ids.reshape(-1), dy.reshape(-1, dy.size(-1)))
 
 
+def view_key(t) -> tuple:
+    """One kept tensor: its storage, offset and shape. Two microbatches' ids are views of
+    one batch, each kept for its own W: counted by view, not by storage."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+
+
 class WeightGradQueue:
     """A stage's deferred weight gradients: B(mb) queues them, W(mb) runs them."""
 
@@ -97,24 +107,49 @@ class WeightGradQueue:
         """From B: param's gradient is grad_fn(*tensors), computed later, in W."""
         self.pending[mb].append((param, grad_fn, tensors))
 
-    def nbytes(self) -> int:
-        """Bytes the queue keeps alive: every distinct storage it holds, once."""
-        storages = {}
+    def kept(self) -> dict:
+        """{view_key: bytes} of every tensor the queue keeps alive."""
+        views = {}
         for work in self.pending.values():
             for _, _, tensors in work:
-                for t in tensors:
-                    storages[t.untyped_storage().data_ptr()] = t.nbytes
-        return sum(storages.values())
+                views.update((view_key(t), t.nbytes) for t in tensors)
+        return views
+
+    def nbytes(self) -> int:
+        """Bytes the queue keeps alive: every tensor it holds, once."""
+        return sum(self.kept().values())
 
     def run(self, mb) -> None:
-        """W: microbatch mb's weight gradients, added into .grad by ONE autograd call,
-        so 03's and 07's gradient hooks fire (and DP syncs) as in a backward."""
+        """W: microbatch mb's weight gradients into .grad, in ONE autograd pass (so 03's
+        and 07's gradient hooks fire, and DP syncs once, as in a backward), one weight
+        at a time: each link of the chain computes one dW, and autograd adds it into
+        .grad (AccumulateGrad runs first of the ready nodes) before the next link runs.
+        So W holds one weight's gradient at a time, never the stage's."""
         assert mb in self.pending, f"W of microbatch {mb} before its B, or run twice"
         self.peak_bytes = max(self.peak_bytes, self.nbytes())  # B's only add to it
-        work = self.pending.pop(mb)
-        params = [param for param, _, _ in work]
-        grads = [fn(*tensors).to(param.dtype) for param, fn, tensors in work]
-        torch.autograd.backward(params, grads)  # a leaf's backward: into its .grad
+        link = self.anchor.detach()  # the chain's start: needs no gradient
+        for param, grad_fn, tensors in self.pending.pop(mb):
+            link = WeightGrad.apply(link, param, grad_fn, list(tensors))
+        torch.autograd.backward(link, link.new_zeros(0))  # the last link's first
+
+
+class WeightGrad(torch.autograd.Function):
+    """One link of W's chain: identity (0 elements) forward; backward computes ONE
+    deferred gradient, for `param`, frees what it read, and passes on to the link
+    before it."""
+
+    @staticmethod
+    def forward(ctx, link, param, grad_fn, tensors):
+        ctx.param_dtype = param.dtype
+        ctx.grad_fn = grad_fn
+        ctx.tensors = tensors  # a list it empties: X and dY live until this link runs
+        return link.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx, dlink):
+        tensors = [ctx.tensors.pop() for _ in range(len(ctx.tensors))][::-1]
+        grad = ctx.grad_fn(*tensors).to(ctx.param_dtype)
+        return dlink, grad, None, None
 
 
 def autocast_casts(x, weight, bias):
@@ -179,6 +214,11 @@ class SplitEmbedding(torch.autograd.Function):
 # LayerNorm's γ and β stay in B: their gradients are sums over tokens of dY·x̂ and dY,
 # as cheap as the input gradient's pass that computes x̂ anyway, and deferring them
 # would keep x̂ and dY (2·b·T·C numbers each) alive to save next to no time.
+EMBEDDING_OPTIONS = ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq")
+EMBEDDING_OPTIONS += ("sparse",)  # F.embedding's arguments after (input, weight)
+PLAIN = ("padding_idx", "max_norm", "scale_grad_by_freq", "sparse")  # unset: 02's, 04's
+
+
 class DeferWeightGrads(TorchFunctionMode):
     """Inside: F.linear and F.embedding on one of `weights` run split (B now, W later).
     A torch function mode sees every call of theirs, so 02's nn.Linear, 04's sharded
@@ -197,9 +237,9 @@ class DeferWeightGrads(TorchFunctionMode):
             params = (args[1], bias)
             return SplitLinear.apply(args[0], self.queue.anchor, params, self.queue)
         if grad and func is F.embedding and id(args[1]) in self.ids:
-            extras = ("padding_idx", "max_norm", "scale_grad_by_freq", "sparse")
-            plain = all(kwargs.get(k) in (None, False) for k in extras)  # 02's, 04's
-            assert plain, "SplitEmbedding has no padding_idx, max_norm or sparse"
+            given = dict(zip(EMBEDDING_OPTIONS, args[2:]), **kwargs)  # nn.Embedding's
+            unset = [given.get(k) is None or given.get(k) is False for k in PLAIN]
+            assert all(unset), "SplitEmbedding has no padding_idx, max_norm or sparse"
             anchor = self.queue.anchor
             return SplitEmbedding.apply(args[0], anchor, (args[1],), self.queue)
         return func(*args, **kwargs)
@@ -229,27 +269,114 @@ def split_for_schedule(chunks: list, schedule: str) -> list:
     return chunks
 
 
-def w_bytes_formula(config, b: int, T: int, layers: int, first: bool, last: bool):
-    """Bytes one microbatch leaves in a stage's queue from its B to its W, fp32: per
-    block, X of c_attn, c_proj, c_fc, c_proj (C, C, C, 4C) and their dY (3C, C, 4C,
-    C), 16C numbers a token; the head's X and dY, C + V; the embeddings' ids (int64)
-    and dY, for the b·T tokens (wte) and the T positions (wpe)."""
+def w_bytes_formula(config, b, T, layers, first, last, a=4, r=4, tp=1) -> int:
+    """Bytes one microbatch leaves in a stage's queue from its B to its W. Per block,
+    X of c_attn, c_proj, c_fc, c_proj (C, C/tp, C, 4C/tp) and their dY (3C/tp, C, 4C/tp,
+    C): 16C numbers a token at tp 1; the head's X and dY, C + V/tp; the embeddings'
+    int64 ids and dY, for the b·T tokens (wte) and the T positions (wpe). a: bytes of a
+    matmul's saved operand and of its dY (autocast's dtype: 2 in bf16); r: of the
+    residual stream, which the embeddings' dY is in (fp32 under autocast)."""
     C = config.n_embd
-    V = config.padded_vocab_size
-    floats = b * T * 16 * C * layers
-    floats += b * T * (C + V) if last else 0
-    floats += (b * T + T) * C if first else 0
-    ids = (b * T + T) * 8 if first else 0
-    return 4 * floats + ids
+    V = config.padded_vocab_size // tp
+    matmuls = b * T * (4 * C + 12 * C // tp) * layers
+    matmuls += b * T * (C + V) if last else 0
+    embeddings = (b * T + T) * (C * r + 8) if first else 0
+    return a * matmuls + embeddings
+
+
+def stage_w_bytes(config, b: int, T: int, p: int, r: int, a=4, tp=1) -> int:
+    """w_bytes_formula on stage r of p (split_model's balanced cut of the blocks)."""
+    n = config.n_layer
+    layers = (r + 1) * n // p - r * n // p
+    return w_bytes_formula(config, b, T, layers, r == 0, r == p - 1, a, 4, tp)
 
 
 def peak_w_bytes(config, b: int, T: int, p: int, m: int, r: int) -> int:
-    """Stage r's most bytes kept for W under ZB-H1: it puts off r W's, so while a B
-    queues, min(r+1, m) microbatches wait, each w_bytes_formula's bytes."""
-    n = config.n_layer
-    layers = (r + 1) * n // p - r * n // p  # split_model's balanced cut
-    per_mb = w_bytes_formula(config, b, T, layers, r == 0, r == p - 1)
-    return min(r + 1, m) * per_mb
+    """Stage r's most bytes kept for W under ZB-H1 (fp32): it puts off r W's, so while
+    a B queues, min(r+1, m) microbatches wait, each w_bytes_formula's bytes."""
+    return min(r + 1, m) * stage_w_bytes(config, b, T, p, r)
+
+
+# What a stage keeps for its backward, measured: the tensors autograd saved (counted by
+# saved_tensors_hooks while autograd keeps them) and what its W queue holds, each
+# tensor once, read at the end of every action. Parameters are model state: not counted.
+class Held:
+    """A tensor autograd saved: it counts in `live` while autograd keeps this object."""
+
+    def __init__(self, tensor, live: dict):
+        self.tensor = tensor
+        self.key = view_key(tensor)
+        self.live = live
+        live.setdefault(self.key, [tensor.nbytes, 0])[1] += 1
+
+    def __del__(self):
+        self.live[self.key][1] -= 1
+        if not self.live[self.key][1]:
+            del self.live[self.key]
+
+
+class KeptBytes:
+    """A stage's bytes kept for backward: .first after its first forward (one
+    microbatch's activations, A) and .peak, the most at the end of any action."""
+
+    def __init__(self, chunk):
+        self.queue = getattr(chunk, "weight_grads", None)
+        self.params = {q.untyped_storage().data_ptr() for q in chunk.parameters()}
+        self.live = {}  # view_key -> [bytes, saved copies alive]
+        self.first = None
+        self.peak = 0
+
+    def hooks(self):
+        """Count every tensor autograd saves inside."""
+        unpack = lambda held: held.tensor  # noqa: E731
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
+
+    def pack(self, tensor) -> Held:
+        return Held(tensor, self.live)
+
+    def read(self) -> int:
+        """The bytes kept now; the first and the most so far are kept."""
+        views = {key: n for key, (n, _) in self.live.items()}
+        views.update(self.queue.kept() if self.queue else {})
+        now = sum(n for key, n in views.items() if key[0] not in self.params)
+        self.first = now if self.first is None else self.first
+        self.peak = max(self.peak, now)
+        return now
+
+
+class MeasuredMicrobatches(sched.Microbatches):
+    """05b's step, reading the stage's KeptBytes at the end of every F, B and W."""
+
+    def forward(self, mb, inp, chunk=0):
+        out = super().forward(mb, inp, chunk)
+        self.kept.read()
+        return out
+
+    def backward(self, mb, grad, chunk=0, sync=True):
+        out = super().backward(mb, grad, chunk, sync)
+        self.kept.read()
+        return out
+
+    def weight(self, mb, chunk=0, sync=True):
+        super().weight(mb, chunk, sync)
+        self.kept.read()
+
+
+def measured_step(chunk, batch, m: int, schedule: str, embed_group=None):
+    """05b's pipeline_step on one chunk a rank, measured. -> (StepResult, KeptBytes)."""
+    step = MeasuredMicrobatches([chunk], batch, m, None, schedule, embed_group)
+    step.kept = KeptBytes(chunk)
+    with step.kept.hooks():
+        sched.run_plan(step, sched.step_plan(schedule, step.p, m, 1)[step.rank])
+    return step.result(), step.kept
+
+
+def kept_bytes_formula(schedule: str, p: int, m: int, r: int, A: int, W: int) -> int:
+    """Stage r's most bytes kept for backward at the end of an action, as 05b's order
+    runs: A for each microbatch forwarded and not yet through B, W for each through B
+    and not yet through W (zb1). For m >= p (and W <= A): 1F1B (p-r)·A; ZB-H1
+    (p-r)·A + r·W, the same on stage 0, r·W more on stage r."""
+    return sched.peak_kept(schedule, p, m, 1, r, (A,), W)[0]
 
 
 # ------------------------------------------------------------------------ the demo
@@ -324,18 +451,20 @@ def bubble_formula(schedule: str, p: int, m: int) -> float:
 
 
 def measure(schedule: str, model, rank: int, p: int, m: int, batch, embed_group):
-    """Two steps of `schedule` on this rank's stage (a warm-up, then the measured one).
-    -> (its loss, this rank's gradients, every rank's (Events, peak alive, W bytes))."""
+    """Two steps of `schedule` on this rank's stage: the first measures the bytes kept
+    for backward (KeptBytes), the second is timed. -> (its loss, this rank's gradients,
+    every rank's (Events, peak alive, W queue's peak, A, most bytes kept))."""
     (chunk,) = pipe.split_model(model, rank, p)
     if schedule == "zb1":
         split_weight_grads(chunk)
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        kwargs = dict(embed_group=embed_group)
-        result = sched.pipeline_step([chunk], batch, m, schedule, **kwargs)
+    model.zero_grad(set_to_none=True)
+    _, kept = measured_step(chunk, batch, m, schedule, embed_group)
+    model.zero_grad(set_to_none=True)
+    result = sched.pipeline_step([chunk], batch, m, schedule, embed_group=embed_group)
     grads = {n: q.grad.clone() for n, q in chunk.named_parameters()}
     queue = getattr(chunk, "weight_grads", None)
-    mine = (result.events, result.peak_in_flight, queue.peak_bytes if queue else 0)
+    w_peak = queue.peak_bytes if queue else 0
+    mine = (result.events, result.peak_in_flight, w_peak, kept.first, kept.peak)
     gathered = [None] * p
     dist.all_gather_object(gathered, mine)
     loss = result.loss.clone()
@@ -343,9 +472,14 @@ def measure(schedule: str, model, rank: int, p: int, m: int, batch, embed_group)
     return loss, grads, gathered
 
 
+def mib(values) -> str:
+    return " ".join(f"{v / 2**20:.2f}" for v in values)
+
+
 def compare(rank: int, p: int, m: int, device, embed_group, where: str) -> dict:
     """1F1B and ZB-H1 on one batch of m microbatches, each checked against one
-    process, each row printed. -> {title: measured timeline}."""
+    process, each row printed with the bytes kept beside their formula.
+    -> {title: measured timeline}."""
     torch.manual_seed(0)  # the same model on every rank, cut afterwards
     config = dict(n_layer=8, n_head=4, n_embd=256, block_size=64, vocab_size=256)
     model = model_lib.GPT(model_lib.GPTConfig(**config)).to(device)  # 05b's
@@ -354,30 +488,43 @@ def compare(rank: int, p: int, m: int, device, embed_group, where: str) -> dict:
     ref_loss.backward()
     named = model.named_parameters(remove_duplicate=False)  # lm_head: the tied copy
     ref = {n: q.grad.clone() for n, q in named}
+    b = batch[0].size(0) // m
     print0(f"\np={p} stages on {where}; m={m} microbatches of (b, T) = (4, 64), C=256")
     print0(f"{'':6}{'step':>8}{'bubble':>8}{'simulated':>10}{'formula':>8}", end="")
-    print0("  peak alive per stage  W MiB kept per stage")
+    print0("  peak alive    MiB kept for backward per stage")
     timelines = {}
+    kept = {}
     for schedule in ("1f1b", "zb1"):
         loss, grads, gathered = measure(schedule, model, rank, p, m, batch, embed_group)
         diff = pipe.max_difference(grads, ref)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         assert abs(loss - ref_loss) < 1e-5, f"{schedule}: the loss differs"
         assert diff < 1e-5, f"{schedule}: gradients differ from one process"
-        timeline = [events for events, _, _ in gathered]
+        timeline = [g[0] for g in gathered]
         simulated = bubble_rate(sched.simulate(schedule, p, m)[1])  # t_w = t_b / 2
         text = (
             f"{schedule:<6}{span(timeline) * 1e3:>6.0f}ms{bubble_rate(timeline):>8.0%}"
         )
         text += f"{simulated:>10.1%}{bubble_formula(schedule, p, m):>8.1%}"
-        w_bytes = [w for _, _, w in gathered]
-        mib = " ".join(f"{w / 2**20:.2f}" for w in w_bytes)
-        print0(f"{text}  {[peak for _, peak, _ in gathered]}{'':10}{mib}")
-        b = batch[0].size(0) // m
+        print0(f"{text}  {[g[1] for g in gathered]}  {mib(g[4] for g in gathered)}")
         want = [peak_w_bytes(model.config, b, 64, p, m, r) for r in range(p)]
         zb = schedule == "zb1"
-        assert w_bytes == (want if zb else [0] * p), "W bytes differ from the formula"
-        timelines[f"{schedule}, m={m}: measured on {where}"] = timeline
+        w_peaks = [g[2] for g in gathered]
+        assert w_peaks == (want if zb else [0] * p), "W bytes differ from the formula"
+        acts = [g[3] for g in gathered]  # A: the same in both schedules
+        kept[schedule] = [g[4] for g in gathered]
+        title = f"{schedule}, m={m}: measured on {where}, {span(timeline) * 1e3:.0f} ms"
+        timelines[f"{title} (simulated bubble/ideal {simulated:.1%})"] = timeline
+    w = [stage_w_bytes(model.config, b, 64, p, r) for r in range(p)]  # a microbatch
+    for schedule, measured in kept.items():
+        formula = [
+            kept_bytes_formula(schedule, p, m, r, acts[r], w[r]) for r in range(p)
+        ]
+        assert measured == formula, f"{schedule}: bytes kept {measured} != {formula}"
+    extra = [z - o for z, o in zip(kept["zb1"], kept["1f1b"])]
+    print0(f"a microbatch's A (saved by its forward), MiB: {mib(acts)}")
+    print0(f"  its W (kept from B to W, w_bytes_formula): {mib(w)}")
+    print0(f"zb1 - 1f1b: {mib(extra)} MiB = r·W on stage r (= the formula's, measured)")
     return timelines
 
 
@@ -389,23 +536,40 @@ def demo(args, rank: int, p: int, device) -> None:
         config = dict(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=256)
         stage_check(model_lib.GPTConfig(**config), *model_lib.byte_batches(32, 4))
     embed_group = pipe.embedding_group([list(range(p))])
-    where = f"{os.cpu_count()} CPU cores" if device.type == "cpu" else "a GPU each"
+    cores = os.cpu_count() or p
+    where = f"{cores} CPU cores" if device.type == "cpu" else "a GPU each"
     measured = {}
     for m in args.microbatches:
         measured[m] = compare(rank, p, m, device, embed_group, where)
     print0("\nBoth equal one process (loss and every gradient < 1e-5).")
-    print0("bubble: idle over busy time of the step as it ran (bubble/ideal);")
-    print0("simulated: the plan under NCCL's rule, t_f = t_B = t_W; formula: (p-1)/m")
-    print0("for 1F1B, (p-1)/(3m) for ZB-H1. W MiB: the queue's peak, equal to")
-    print0("min(r+1, m) microbatches of w_bytes_formula on stage r. peak alive:")
-    print0("microbatches forwarded and not yet through W (1F1B: through B); one that")
-    print0("waits for its W keeps only what W reads. b of the ideal is b/(1+b) of the")
-    print0("step: 05b's 42.9% for 1F1B at p = 4, m = 4 is this 75.0%.")
-    if p > (os.cpu_count() or p):  # More ranks than cores: they time-share them.
-        print0(f"{p} ranks time-share {os.cpu_count()} cores: measured != simulated.")
+    print0(
+        "bubble: idle over busy time of the step as it ran (bubble/ideal); simulated:"
+    )
+    print0("the plan under NCCL's rule, t_f = t_B = t_W; formula: (p-1)/m for 1F1B,")
+    print0("(p-1)/(3m) for ZB-H1 (b of the ideal is b/(1+b) of the step: 05b's 42.9%")
+    print0(
+        "for 1F1B at p = 4, m = 4 is this 75.0%). peak alive: microbatches forwarded"
+    )
+    print0("and not yet through W (1F1B: B). MiB kept: what autograd saved and the W")
+    print0("queue holds, the most at the end of an action, equal to the formula 1F1B")
+    print0("(p-r)·A, ZB-H1 (p-r)·A + r·W on stage r (m >= p): stage 0 the same, every")
+    head = 4 * 64 * 256 * 4  # the head's dY: (b, T, V) fp32
+    print0(f"later one more. The last stage's W holds the head's dY, {head:,} bytes")
+    gpt2 = 4 * 1024 * 50_304 * 2 / 1e6  # b = 4, T = 1,024, V = 50,304, bf16
+    print0(f"here ({gpt2:,.0f} MB at b = 4 and GPT-2's T and V in bf16), for each of")
+    print0(f"the p-1 = {p - 1} microbatches waiting for their W.")
+    if p > cores:  # More ranks than cores: they time-share them.
+        print0(f"{p} ranks time-share {cores} cores: one rank's idle time is another's")
+        print0("compute, so the measured times do not show the simulator's bubbles.")
     if args.plot and rank == 0:
-        path = Path("docs") / f"pipeline_zb1_p{p}.png"
-        plot_timelines(measured[max(measured)], path)
+        path = Path("out/pipeline") / f"pipeline_zb1_p{p}.png"
+        titled = measured[max(measured)]
+        if p > cores:
+            note = (
+                f"; {p} ranks time-share {cores} cores: a filled bubble saves no time"
+            )
+            titled = {title + note: timeline for title, timeline in titled.items()}
+        plot_timelines(titled, path)
         print0(f"wrote {path}")
 
 

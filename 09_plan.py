@@ -57,6 +57,7 @@ import functools
 import importlib
 import sys
 
+from support import config as train_config
 from support import gpus, plan_report
 from support.gpus import get_gpu
 from support.meta import shapes_only
@@ -68,6 +69,7 @@ model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
 pp_lib = importlib.import_module("05_pipeline")
 sched_lib = importlib.import_module("05b_schedules")
+zb_lib = importlib.import_module("05c_zero_bubble")
 recompute_lib = importlib.import_module("06b_recompute")
 zero_lib = importlib.import_module("07_zero")
 cp_lib = importlib.import_module("08_context_parallel")
@@ -280,26 +282,11 @@ def activation_bytes(
         copies += parts["rest_copies"] // lay.tp if s == S - 1 else 0
     if lay.pp == 1:  # accumulation: one microbatch at a time
         return chunk_bytes[0] + copies, 1
+    a = BYTES[dtype]  # zb1 (05c): after B, a microbatch keeps only what W reads
+    w = zb_lib.stage_w_bytes(config, b, T // lay.cp, lay.pp, pp_rank, a, lay.tp)
     args = (lay.schedule, lay.pp, m, lay.virtual_stages, pp_rank, tuple(chunk_bytes))
-    peak, alive = _peak(*args)
+    peak, alive = sched_lib.peak_kept(*args, w)
     return peak + copies, alive
-
-
-@functools.lru_cache(maxsize=4096)
-def _peak(schedule, p, m, v, rank, chunk_bytes) -> tuple[int, int]:
-    """The most bytes alive as the rank runs 05b's schedule_steps (a forward stashes a
-    microbatch's activations, its backward frees them), and the microbatches then."""
-    alive = 0
-    count = 0
-    peak = (0, 0)
-    freed = "W" if schedule == "zb1" else "B"  # zb1: at most, all alive until its W
-    for step in sched_lib.schedule_steps(schedule, p, m, v, rank):
-        for a in step:
-            sign = 1 if a.op == "F" else -(a.op == freed)
-            alive += sign * chunk_bytes[a.chunk]
-            count += sign
-            peak = max(peak, (alive, count))
-    return peak
 
 
 # ------------------------------------------------------------ collectives per rank
@@ -370,8 +357,9 @@ def collective_bytes(
 
 
 # ------------------------------------------------------------ the plan
-def check_layout(config, layout: Layout, batch: int, n_gpus: int) -> int:
-    """PlanError (one line) unless the layout can run; -> microbatches per step."""
+def check_layout(config, layout: Layout, batch: int, n_gpus: int, **run) -> int:
+    """PlanError (one line) unless the layout can run; -> microbatches per step.
+    run: plan's dtype, lora_rank and loss, which zb1's refusals read."""
     lay = layout
     problem = plan_report.grid_problem(lay, batch, n_gpus)
     if problem:
@@ -386,7 +374,11 @@ def check_layout(config, layout: Layout, batch: int, n_gpus: int) -> int:
         schedule = lay.schedule if lay.pp > 1 else "1f1b"
         sched_lib.check_config(schedule, lay.pp, m, lay.virtual_stages, config.n_layer)
         assert lay.recompute in recompute_lib.RECOMPUTE, f"recompute {lay.recompute!r}"
-    except AssertionError as e:
+        if schedule == "zb1":  # train.py's refusals, its one list (support/config)
+            zb1 = train_config.TrainConfig(recompute=lay.recompute, cp=lay.cp, **run)
+            zb1.sequence_parallel = lay.sequence_parallel
+            train_config.check_zero_bubble(zb1)
+    except (AssertionError, train_config.ConfigError) as e:
         raise PlanError(str(e)) from None
     return m
 
@@ -416,7 +408,8 @@ def plan(
     spec = get_gpu(gpu)
     T = seq_len or config.block_size
     lay = layout
-    m = check_layout(config, layout, batch, n_gpus)
+    run = dict(dtype=dtype, lora_rank=lora_rank, loss=loss)  # zb1's refusals read them
+    m = check_layout(config, layout, batch, n_gpus, **run)
     if T % (2 * lay.cp):
         raise PlanError(f"T={T} does not split into 2cp = {2 * lay.cp} zigzag chunks")
     if loss not in ("plain", "chunked") or loss == "chunked" and lay.tp > 1:

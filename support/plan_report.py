@@ -164,7 +164,9 @@ def layouts(config, batch: int, n_gpus: int, gpus_per_node: int, T=None):
         if config.n_head % tp or pp > config.n_layer or T % (2 * cp):
             continue
         schedules = (
-            [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)] if pp > 1 else [("1f1b", 1)]
+            [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb1", 1)]
+            if pp > 1
+            else [("1f1b", 1)]
         )
         zeros = [0] if dp * cp == 1 else ([0, 1, 2] if pp > 1 else [0, 1, 2, 3])
         per_rank = batch // dp

@@ -14,11 +14,50 @@ from tests.test_train import (  # noqa: F401 - fixtures: data_dir, reference
     _train_configs,
     assert_same_curve,
     data_dir,
+    metrics,
     reference,
     train,
 )
 
 PP2 = ["--pp", "2", "--micro-batch-size", "2", "--schedule", "zb1"]
+EVAL = ["--eval-interval", "2"]  # evaluates at steps 0, 2 and the end (3)
+
+
+def _train_and_val(rank, world, data, tmp, configs):
+    """train.main once per config in one spawned world; rank 0: (train, val) rows."""
+    out = []
+    for name, extra in configs:
+        out_dir = f"{tmp}/{name}"
+        train.main(BASE + EVAL + ["--data-dir", data, "--out-dir", out_dir] + extra)
+        torch.distributed.barrier()
+        out.append((metrics(out_dir), metrics(out_dir, "val")) if rank == 0 else None)
+    return out
+
+
+def test_zb1_on_4_stages_trains_and_evaluates_as_one_process(data_dir, tmp_path):  # noqa: F811
+    """pp 4 (one of the 4 blocks a stage), m = 4 and 8: the loss, grad-norm and
+    validation curves of one process (the batch of 8 as one microbatch), within
+    assert_same_curve's fp32 rounding tolerance."""
+    ref = tmp_path / "one-process"
+    one = ["--micro-batch-size", "8", "--data-dir", data_dir, "--out-dir", str(ref)]
+    train.main(BASE + EVAL + one)
+    ref_rows = (metrics(ref), metrics(ref, "val"))
+    pp4 = ["--pp", "4", "--schedule", "zb1"]
+    configs = [
+        ("pp4-zb1-m4", pp4 + ["--micro-batch-size", "2"]),
+        ("pp4-zb1-m8", pp4 + ["--micro-batch-size", "1"]),
+    ]
+    results = run_ranks(
+        _train_and_val, 4, data_dir, str(tmp_path), configs, timeout=600
+    )
+    assert [r["step"] for r in ref_rows[1]] == [0, 2, 3]
+    for (name, _), (rows, val) in zip(configs, results[0]):
+        assert_same_curve(rows, ref_rows[0], name)
+        as_curve = [
+            [{"step": r["step"], "loss": r["val_loss"], "grad_norm": 0} for r in v]
+            for v in (val, ref_rows[1])
+        ]
+        assert_same_curve(*as_curve, f"{name}, evaluation")
 
 
 def test_zb1_on_2_ranks_follows_one_process(data_dir, tmp_path, reference):  # noqa: F811
@@ -78,12 +117,23 @@ def test_zb1_with_zero_and_tp_on_4_ranks(data_dir, tmp_path, reference):  # noqa
             "--sequence-parallel with --schedule zb1: W would keep",
         ),
         (
-            PP2 + ["--dp", "2", "--micro-batch-size", "1", "--grad-compression", "fp16"],
+            PP2
+            + ["--dp", "2", "--micro-batch-size", "1", "--grad-compression", "fp16"],
             4,
             "--grad-compression with --schedule zb1: 03b's hooks",
         ),
     ],
-    ids=["pp1", "fp16", "recompute", "lora", "chunked", "compile", "virtual", "sp", "compression"],
+    ids=[
+        "pp1",
+        "fp16",
+        "recompute",
+        "lora",
+        "chunked",
+        "compile",
+        "virtual",
+        "sp",
+        "compression",
+    ],
 )
 def test_unsupported_flags_fail_with_one_line(data_dir, argv, world, message):  # noqa: F811
     cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir] + argv)

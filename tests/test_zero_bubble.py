@@ -56,8 +56,7 @@ def _schedules(rank, p):
             for schedule in ("1f1b", "zb1"):
                 chunks = split_chunks(make_model(), rank, p, schedule)
                 batch = make_batch(MICRO * m)
-                kw = dict(embed_group=embed_group)
-                res = pp.pipeline_step(chunks, batch, m, schedule, **kw)
+                res, kept = zb.measured_step(chunks[0], batch, m, schedule, embed_group)
                 queue = getattr(chunks[0], "weight_grads", None)
                 out[(schedule, m)] = dict(
                     loss=res.loss,
@@ -65,6 +64,8 @@ def _schedules(rank, p):
                     peak=res.peak_in_flight,
                     events=res.events,
                     w_bytes=queue.peak_bytes if queue else 0,
+                    acts=kept.first,
+                    kept=kept.peak,
                 )
             chunks[0].zero_grad(set_to_none=True)
             res = pp.pipeline_step(chunks, batch, m, "zb1", forward_only=True)
@@ -163,9 +164,52 @@ def test_one_stage_defers_every_matrix_bit_for_bit_and_keeps_the_formulas_bytes(
     zb.stage_check(config, make_batch(4))
 
 
+def test_w_adds_each_gradient_into_grad_before_computing_the_next():
+    """W holds one weight's gradient at a time: each dW (logged when computed) is added
+    into .grad (logged by a post-accumulate hook) before the next dW is computed. The
+    tied wte/lm_head, both on this one stage, is added once, after both of its dWs."""
+    (chunk,) = split_chunks(make_model(n_layer=2), 0, 1)
+    queue = chunk.weight_grads
+    queue.mb = 0
+    x, y = make_batch(2)
+    chunk.loss_fn(chunk(x), y, "sum").backward()  # B
+    names = {q: n for n, q in chunk.named_parameters()}
+    log = []
+    for q in chunk.parameters():
+        q.register_post_accumulate_grad_hook(lambda q: log.append(("add", names[q])))
+
+    def logged(fn, name):
+        def grad_fn(*tensors):
+            log.append(("dW", name))
+            return fn(*tensors)
+
+        return grad_fn
+
+    work = queue.pending[0]
+    queue.pending[0] = [(q, logged(fn, names[q]), t) for q, fn, t in work]
+    queue.run(0)  # W
+    tied = "transformer.wte.weight"
+    untied = [entry for entry in log if entry[1] != tied]
+    assert untied == [(op, n) for _, n in untied[::2] for op in ("dW", "add")]
+    assert [op for op, n in log if n == tied] == ["dW", "dW", "add"]
+    assert len(untied) == 2 * (len(work) - 2)  # every deferred weight but the tied
+
+
+def test_a_padding_idx_embedding_is_refused():
+    """nn.Embedding passes padding_idx to F.embedding positionally: 0 must be refused
+    too (SplitEmbedding's dW would count the padding row)."""
+    table = torch.nn.Embedding(10, 4, padding_idx=0)
+    queue = zb.WeightGradQueue()
+    with zb.DeferWeightGrads(queue, table.parameters()):
+        with pytest.raises(AssertionError, match="no padding_idx"):
+            table(torch.tensor([[1, 0]]))
+
+
 def test_bf16_split_equals_autocasts_linear():
     """Under bf16 autocast the split casts as autocast does (x, W, b to bf16, saved
-    cast): the loss and every gradient equal autograd's own autocast run."""
+    cast): the loss and every gradient equal autograd's own autocast run, and the queue
+    keeps w_bytes_formula's bytes with a = 2 (bf16 X and dY), r = 4 (the embeddings'
+    dY, in the fp32 residual stream)."""
     model = make_model(n_layer=2)
     x, y = make_batch(4)
     with torch.autocast("cpu", torch.bfloat16):
@@ -179,6 +223,9 @@ def test_bf16_split_equals_autocasts_linear():
         scale = ref[n].abs().max().item()
         torch.testing.assert_close(q.grad, ref[n], rtol=0, atol=2e-2 * scale)
     torch.testing.assert_close(res.loss, loss.detach(), rtol=1e-2, atol=0)
+    b, T = x.size(0) // 2, x.size(1)
+    bf16 = zb.w_bytes_formula(model.config, b, T, 2, True, True, a=2, r=4)
+    assert chunk.weight_grads.peak_bytes == bf16
 
 
 def test_one_process_zb1_is_gradient_accumulation_and_a_missing_w_or_split_fails():
@@ -255,8 +302,9 @@ def test_the_lessons_picture_is_the_simulators():
 def test_zb1_passes_nccls_rule_and_its_bubble_is_a_third_of_1f1bs():
     """p <= 8, m <= 16: the zb1 plan (and its evaluation's) completes under NCCL's rule;
     every rank runs each of its m B's and W's once, each W after its B; at most p
-    microbatches are forwarded and not yet through W on any stage; and for m >= p the
-    simulated bubble over ideal time is (p-1)/(3m) with t_f = t_B = t_W, 1F1B's (p-1)/m."""
+    microbatches are forwarded and not yet through W on any stage; the simulated bubble
+    is 05b's bubble_formula (m < p too: (2p-1-m)/(2m+2p-1) of the step), and for m >= p
+    over ideal time (p-1)/(3m) with t_f = t_B = t_W, 1F1B's (p-1)/m."""
     for p in range(1, 9):
         for m in range(1, 17):
             orders, sim = pp.simulate("zb1", p, m)  # raises if a group would hang
@@ -272,6 +320,8 @@ def test_zb1_passes_nccls_rule_and_its_bubble_is_a_third_of_1f1bs():
                 for a in order:
                     alive += {"F": 1, "B": 0, "W": -1}[a.op]
                     assert alive <= p, (p, m, order)
+            formula = pp.bubble_formula(p, m, 1, "zb1")  # m < p too
+            assert pipe.bubble_fraction(sim) == pytest.approx(formula), (p, m)
             if m >= p:
                 _, one_f = pp.simulate("1f1b", p, m)
                 assert bubble_rate(sim) == pytest.approx((p - 1) / (3 * m)), (p, m)
@@ -316,6 +366,25 @@ def test_executed_order_peak_and_w_bytes(p):
 
 
 @pytest.mark.parametrize("p", [2, 4])
+def test_bytes_kept_per_stage_are_the_formulas(p):
+    """At the end of every action, what autograd saved and the W queue holds: at most
+    kept_bytes_formula's on every stage, with A measured after the stage's first
+    forward (the same in both schedules) and W = w_bytes_formula. m >= p: 1F1B keeps
+    (p-r)·A, ZB-H1 (p-r)·A + r·W: the same on stage 0, more on every later stage."""
+    config = make_model().config
+    for m in (p, 2 * p):
+        for r, ranks in enumerate(_world(p)):
+            W = zb.stage_w_bytes(config, MICRO, 8, p, r)
+            for schedule in ("1f1b", "zb1"):
+                got = ranks["zb"][(schedule, m)]
+                assert got["acts"] == ranks["zb"][("1f1b", m)]["acts"]
+                want = zb.kept_bytes_formula(schedule, p, m, r, got["acts"], W)
+                assert got["kept"] == want, (schedule, m, r)
+            one_f = ranks["zb"][("1f1b", m)]["kept"]
+            assert got["kept"] == one_f + r * W, (m, r)  # closed form
+
+
+@pytest.mark.parametrize("p", [2, 4])
 def test_same_as_torch_distributed_pipelining(p):
     """ScheduleInterleavedZeroBubble, one stage a rank: its actions (F, I for our B, W)
     are our zb1 table's, in order, and its loss and gradients ours."""
@@ -343,10 +412,12 @@ def test_dp_times_pp_syncs_once_in_the_last_w():
         assert_matches_reference(stages, ref_loss, ref_grads, f"dp x pp zb1 {pipeline}")
 
 
-def test_the_planner_knows_zb1s_bubble():
-    """09_plan's bubble time for zb1 is 05b's (p-1)/(3m+p-1) of the step: for m >= p,
-    a third of 1F1B's idle time (p-1)/m of the compute, the same compute; its memory
-    counts a microbatch alive until W, never below 1F1B's."""
+def test_the_planner_knows_zb1s_bubble_and_memory():
+    """09_plan's bubble for zb1 is 05b's bubble_formula: a third of 1F1B's idle time
+    per unit of compute for m >= p ((p-1)/(3m) against (p-1)/m), and at m < p the
+    simulated (2p-1-m)/(2m+2p-1) of the step. Its activations per stage are 1F1B's plus
+    r·W (05c's measured composition), W = w_bytes_formula in bf16 (a = 2): a microbatch
+    waiting for its W keeps what W reads, not its activations."""
     plan_lib = importlib.import_module("09_plan")
     from support.plan_report import Layout
 
@@ -354,10 +425,72 @@ def test_the_planner_knows_zb1s_bubble():
     plans = {}
     for schedule in ("1f1b", "zb1"):
         layout = Layout(pp=4, micro_batch=4, schedule=schedule)
-        plans[schedule] = plan_lib.plan(config, layout, 64, "h200", 4)
-    one_f = plans["1f1b"].time
-    zb1 = plans["zb1"].time
-    assert zb1["compute"] == one_f["compute"]
-    assert one_f["bubble"] == pytest.approx(one_f["compute"] * 3 / 16)  # (p-1)/m
-    assert zb1["bubble"] == pytest.approx(one_f["bubble"] / 3)
-    assert plans["zb1"].memory["total"] >= plans["1f1b"].memory["total"]
+        plans[schedule] = plan_lib.plan(config, layout, 64, "h200", 4)  # m = 16
+    for schedule, idle in (("1f1b", 3 / 16), ("zb1", 3 / 48)):
+        t = plans[schedule].time
+        assert t["bubble"] == pytest.approx(t["compute"] * idle), schedule
+    for r in range(4):
+        acts = [plans[s].ranks[r]["memory"]["activations"] for s in ("1f1b", "zb1")]
+        W = zb.stage_w_bytes(config, 4, 1024, 4, r, a=2)
+        assert acts[1] == acts[0] + r * W, r
+    short = plan_lib.plan(
+        config, Layout(pp=4, micro_batch=4, schedule="zb1"), 8, "h200", 4
+    )
+    t = short.time  # m = 2 < p = 4
+    assert t["bubble"] / (t["bubble"] + t["compute"]) == pytest.approx(5 / 11)
+
+
+PLANNED = dict(pp=2, micro_batch=4, schedule="zb1")
+
+
+@pytest.mark.parametrize(
+    "layout, run, refused",
+    [
+        (dict(recompute="full"), {}, "--recompute"),
+        (dict(recompute="selective"), {}, "--recompute"),
+        (dict(cp=2), {}, "--cp"),
+        (dict(tp=2, sequence_parallel=True), {}, "--sequence-parallel"),
+        ({}, dict(lora_rank=4), "--lora-rank"),
+        ({}, dict(loss="chunked"), "--loss chunked"),
+        ({}, dict(dtype="fp16"), "--dtype fp16"),
+        (dict(tp=2, dp=2, zero=2), dict(dtype="fp32"), None),  # what train.py runs
+    ],
+    ids=["full", "selective", "cp", "sp", "lora", "chunked", "fp16", "supported"],
+)
+def test_the_planner_refuses_what_train_refuses_with_zb1(layout, run, refused):
+    """09's check_layout refuses a zb1 layout exactly when train.py does, with its
+    line: both read support/config's one list (train.py's --compile and
+    --grad-compression are no planner input: 09 plans neither)."""
+    plan_lib = importlib.import_module("09_plan")
+    from support import config as train_config
+    from support.plan_report import Layout
+
+    lay = Layout(**{**PLANNED, **layout})
+    n = lay.dp * lay.tp * lay.pp * lay.cp
+    cfg = train_config.TrainConfig(**run)
+    for name in ("recompute", "cp", "tp", "dp", "pp", "sequence_parallel"):
+        setattr(cfg, name, getattr(lay, name))
+    config = plan_lib.model_config("gpt2")
+    if refused is None:
+        train_config.check_zero_bubble(cfg)
+        plan_lib.plan(config, lay, 16, "h200", n, **run)  # no PlanError
+        return
+    with pytest.raises(train_config.ConfigError) as train_says:
+        train_config.check_zero_bubble(cfg)
+    with pytest.raises(plan_lib.PlanError) as plan_says:
+        plan_lib.plan(config, lay, 16, "h200", n, **run)
+    assert str(plan_says.value) == str(train_says.value)
+    assert str(train_says.value).startswith(f"{refused} with --schedule zb1")
+
+
+def test_the_search_tries_zb1_when_pp_is_above_1():
+    """09's search plans zb1 on every grid with pp > 1 that it can run on (cp 1)."""
+    plan_lib = importlib.import_module("09_plan")
+    config = plan_lib.model_config("gpt2")
+    plans = plan_lib.search(config, 16, "h200", 4)
+    layouts = [p.layout for p in plans]
+    zb1 = {(lay.pp, lay.dp, lay.tp) for lay in layouts if lay.schedule == "zb1"}
+    pipelines = {
+        (lay.pp, lay.dp, lay.tp) for lay in layouts if lay.pp > 1 and lay.cp == 1
+    }
+    assert zb1 == pipelines and len(zb1) > 1
