@@ -274,6 +274,13 @@ TRAINER_OVERHEAD = (_OVER_64 + _OVER_32) / 2
 # under torch.compile, where the calibrating runs ran: there it is an upper bound.
 SELECTIVE_SLOWDOWN = 67.6 / 49.8
 
+# Eager mode's time: a zero-bubble step (05c, `--schedule zb1`) runs uncompiled, since
+# train.py refuses `--compile` with it. Measured on one H200, GPT-2 124M, bf16 autocast
+# (docs/results.md): compiled 515,639 tok/s at B = 32, eager 328,679 at B = 16 (the
+# precision table). The batches differ; compiled B = 64 runs within 1% of B = 32, so
+# the batch explains little of the 1.57x.
+EAGER_SLOWDOWN = 515_639 / 328_679
+
 
 def width_efficiency(points=ROOFLINE["matmul"]) -> tuple[float, float]:
     """(e_max, knee) of e(C) = e_max C / (C + knee) through the two measured (C, FLOP/s)
