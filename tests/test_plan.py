@@ -815,6 +815,8 @@ def test_the_mpt_rows_are_gpt2_shaped():
 PLANNING_SAMPLES = [
     "python 09_plan.py --model gpt2-xl --gpus 16 --gpus-per-node 8 --gpu h100 "
     "--tokens 10e9 --price 2.5",
+    "python 09_plan.py --model gpt2 --n-layer 24 --n-head 24 --n-embd 2304 "
+    "--vocab-size 51200 --block-size 2048 --gpus 8 --batch-size 512 --top 2",
     "python train.py --config recipes/gpt2-124m-8gpu.toml --plan",
 ]
 REPO = Path(__file__).resolve().parent.parent
