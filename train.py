@@ -43,7 +43,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from support import checkpoint, config, distributed, recipe, run_log, sharding, vocab
+from support import checkpoint, config, distributed, recipe, run_log, vocab
 from support import export as export_lib
 from support import grid as grid_lib
 from support import run as run_lib
@@ -370,9 +370,8 @@ def new_model(model_config: dict):
 
 
 def export(run_dir) -> Path:
-    """Merge the newest readable checkpoint's (tp, pp) shards into RUN_DIR/model.pt."""
-    tp = (sharding.tp_layout, sharding.merge_tensors)  # How 04 cut a tensor; the join.
-    lessons = (*tp, model_lib.merge_lora, new_model, data_lib.get_tokenizer)
+    """Assemble the newest readable checkpoint's weights into RUN_DIR/model.pt."""
+    lessons = (model_lib.merge_lora, new_model, data_lib.get_tokenizer)
     return export_lib.export(run_dir, *lessons)
 
 

@@ -1,18 +1,28 @@
-"""Checkpoint files (a folder per step, a shard per rank) and the ranks' votes on them.
+"""Checkpoint files (a folder per step, a file per rank) and the ranks' votes on them.
 
 OUT/checkpoints/step_0000042/ holds rank_00000.pt, rank_00001.pt, ... and meta.json. A
-save writes into step_N.partial/ and renames it only once every shard and meta.json are
+save writes into step_N.partial/ and renames it only once every file and meta.json are
 on disk, so a folder without the suffix is complete: a crash leaves a .partial folder,
 never a torn checkpoint. The last K complete ones are kept.
 
+Each distinct piece of state is written once. Weights and AdamW's moments that DP and
+CP replicas hold alike are written by DP rank 0 and CP rank 0 of each (pp, tp)
+coordinate; under ZeRO each rank writes the pieces of its own shards (ZeRO-3 without
+gathering a weight). Every piece is recorded by its global name, global shape and the
+slice it holds: its TP cut (dim, chunks, tp rank, tp) and a range of that cut,
+flattened. Loading assembles each tensor from the pieces of every file, then cuts what
+this rank holds in its own layout: a run resumes on another (dp, tp, pp, cp, zero).
+Every rank's file also holds its RNG streams and PowerSGD's state (restored on the same
+layout only), the scaler, the step and the config.
+
 Loading needs every rank to agree on one checkpoint: rank 0's listing is shared, each
-rank votes whether its shard reads (MIN: all must), and a damaged newest checkpoint
+rank votes whether the files read (MIN: all must), and a damaged newest checkpoint
 falls back to the previous one on all ranks together. A preemption signal to any rank
-stops all ranks at the same step (MAX). A shard holds all that a train.Run needs to go
-on bit for bit (shard_of, restore); this file reads the Run's parts, never a lesson.
+stops all ranks at the same step (MAX). This file reads a train.Run's parts, never a
+lesson.
 """
 
-import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -25,19 +35,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from support import sharding, vocab
 from support.config import ConfigError, TrainConfig, flag_name
 from support.distributed import print0
 from support.files import atomic_write, fsync_dir
 
-# The flags that fix a checkpoint's shards (found by global rank, shaped by ZeRO and the
-# virtual stages) and its batches (the seed and the batch's shape): a resume keeps them.
+# The flags a resume keeps: the batches (the seed and the batch's shape), PowerSGD's and
+# LoRA's state. The layout (RESHARDED) may change: loading cuts the pieces anew.
 LAYOUT_FLAGS = (
-    "dp",
-    "tp",
-    "pp",
-    "cp",
-    "virtual_stages",
-    "zero",
     "seed",
     "batch_size",
     "micro_batch_size",
@@ -47,6 +52,7 @@ LAYOUT_FLAGS = (
     "lora_rank",
     "lora_alpha",
 )
+RESHARDED = ("dp", "tp", "pp", "cp", "virtual_stages", "zero")
 
 
 def ckpt_root(out_dir) -> Path:
@@ -84,15 +90,21 @@ def check_out_dir(cfg: TrainConfig) -> None:
 
 
 def check_resume_layout(cfg: TrainConfig) -> None:
-    """--resume continues the newest readable checkpoint with its LAYOUT_FLAGS."""
+    """--resume continues the newest readable checkpoint with its LAYOUT_FLAGS and its
+    token files (if it records their fingerprint), on any layout; PowerSGD's per-rank
+    state, on its own layout only."""
     for ckpt in complete_checkpoints(cfg.out_dir):
         try:
-            saved = json.loads((ckpt / "meta.json").read_text())["config"]
+            meta = json.loads((ckpt / "meta.json").read_text())
+            saved = meta["config"]
         except (OSError, ValueError, KeyError):
             continue  # A damaged meta.json: load_newest names it and falls back too.
         # A flag newer than the checkpoint takes its default.
         saved = {**asdict(TrainConfig()), **saved}
-        for key in LAYOUT_FLAGS:
+        keys = LAYOUT_FLAGS
+        if cfg.grad_compression == "powersgd":  # Q and residuals: one per rank
+            keys = (*RESHARDED, *LAYOUT_FLAGS)
+        for key in keys:
             if saved[key] == getattr(cfg, key):
                 continue
             name = flag_name(key)
@@ -101,7 +113,31 @@ def check_resume_layout(cfg: TrainConfig) -> None:
             was += f", this run has {name} {now}"
             fix = f"resume with the same {name} (or a new --out-dir)"
             raise ConfigError(f"--resume: {was}; {fix}")
+        was = meta.get("data_fingerprint")
+        now = data_fingerprint(cfg.data_dir) if was else None
+        if was and now != was:
+            where = f"--data-dir {cfg.data_dir} holds other token files"
+            fix = "resume with the data it trained on (or a new --out-dir)"
+            raise ConfigError(f"--resume: {where} than {ckpt} trained on: {fix}")
         return  # Only the newest readable checkpoint counts; none: a fresh start.
+
+
+def data_fingerprint(data_dir) -> str | None:
+    """The token files a run reads, as a hash: the tokenizer, each shard's name and token
+    count, and the first and last MiB of each one's bytes (cheap at any size; a file
+    re-made from other text differs there). None: no meta.json (no data yet)."""
+    path = Path(data_dir) / "meta.json"
+    if not path.is_file():
+        return None
+    meta = json.loads(path.read_text())
+    h = hashlib.sha256(json.dumps([meta.get("tokenizer"), meta["shards"]]).encode())
+    for split in sorted(meta["shards"]):
+        for shard in meta["shards"][split]:
+            with open(Path(data_dir) / shard["file"], "rb") as f:
+                h.update(f.read(1 << 20))
+                f.seek(max(0, os.fstat(f.fileno()).st_size - (1 << 20)))
+                h.update(f.read())
+    return h.hexdigest()
 
 
 def agree(value: float, op, world: int, device) -> float:
@@ -183,15 +219,38 @@ def all_or_none(action, what: str, world: int, device) -> None:
         raise RuntimeError(f"{what} failed on another rank (its error is above)")
 
 
+def read_files(ckpt, rank: int, reading: list | None = None) -> dict:
+    """A checkpoint's files for one rank: its own (the first one's if the world grew) as
+    a dict, with `index` added: (global name, state) -> the pieces of every file. Files
+    are memory-mapped: a piece's bytes are read when they are copied out. `reading`
+    gets each path before it is read (the one that failed is the last)."""
+    reading = [] if reading is None else reading
+    reading.append(ckpt / "meta.json")
+    meta = json.loads(reading[-1].read_text())
+    files = [ckpt / shard_name(r) for r in range(meta.get("world", 1))]
+    index = {}
+    scalars = {}  # name -> AdamW's step (every file that holds a piece of it says it)
+    mine = None
+    for r, path in enumerate(files):
+        reading.append(path)
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        for piece in data["pieces"]:
+            index.setdefault((piece["name"], piece["state"]), []).append(piece)
+        scalars.update(data["scalars"])
+        if r == rank or (r == 0 and rank >= len(files)):
+            mine = data
+    return {**mine, "index": index, "scalars": scalars, "meta": meta}
+
+
 def load_newest(out_dir, rank: int, world: int, device, restore) -> dict | None:
     """The newest checkpoint every rank can read, restored by `restore(shard)`.
 
     A file that cannot be read is named and the previous checkpoint tried, all ranks
-    agreeing. A shard that reads but does not fit (`restore` raises: another model) is
-    no damage to fall back from: every rank hears of it and the run stops. `restore`
+    agreeing. A checkpoint that reads but does not fit (`restore` raises: another model)
+    is no damage to fall back from: every rank hears of it and the run stops. `restore`
     runs no collective (a rank that raised would miss it: a hang); what it returns, if
-    anything, runs on every rank after the vote. Shards load to the CPU, since RNG
-    states must stay CPU tensors. Returns the shard, or None.
+    anything, runs on every rank after the vote. Files load to the CPU, since RNG states
+    must stay CPU tensors. Returns this rank's file (read_files), or None.
     """
     names = [[d.name for d in complete_checkpoints(out_dir)]]
     if world > 1:
@@ -201,14 +260,13 @@ def load_newest(out_dir, rank: int, world: int, device, restore) -> dict | None:
     who = f"[rank {rank}]"
     for name in names[0]:
         ckpt = ckpt_root(out_dir) / name
-        path = ckpt / "meta.json"
+        reading = []
         try:
-            json.loads(path.read_text())["step"]  # Export and the layout check read it.
-            path = ckpt / shard_name(rank)
-            shard = torch.load(path, map_location="cpu", weights_only=True)
+            shard = read_files(ckpt, rank, reading)
             ok = 1.0
         except Exception as e:  # noqa: BLE001 - any unreadable file: name it, go on.
             error = f"{type(e).__name__}: {str(e)[:120]}"
+            path = reading[-1]
             what = f"{who} checkpoint file {path} is unreadable ({error})"
             print(f"{what}; trying the previous one")
             ok = 0.0
@@ -218,7 +276,7 @@ def load_newest(out_dir, rank: int, world: int, device, restore) -> dict | None:
         try:
             then = restore(shard)
         except Exception as e:  # noqa: BLE001 - all ranks must hear of it, or hang.
-            print(f"{who} {path} does not fit this run: {str(e)[:200]}")
+            print(f"{who} {ckpt} does not fit this run: {str(e)[:200]}")
             ok = 0.0
         if agree(ok, dist.ReduceOp.MIN, world, device) < 1.0:
             raise SystemExit(
@@ -238,33 +296,265 @@ def powersgd_states(chunks) -> list:
     return [h for h in hooks if hasattr(h, "state_dict")]  # PowerSGD: the stateful hook
 
 
+# ------------------------------------------- pieces: a tensor's slice, by global name
+# The layout keys a file's RNG streams and PowerSGD state belong to.
+RANK_ROLE = ("dp", "tp", "pp", "cp", "virtual_stages")
+# AdamW's hyperparameters that belong to the device, not to the run.
+DEVICE_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def global_names(run, skip_copies: bool) -> dict:
+    """id(parameter) -> its name in one process's GPT. A later pipeline stage's copy of
+    the tied embedding (05: lm_head.weight) is wte's; skip_copies leaves it out (the
+    first stage writes it)."""
+    names = {}
+    for module in run.modules():
+        tied = run.gpt_config.tie_embeddings
+        holds_wte = "wte" in module.transformer
+        for name, p in module.named_parameters():
+            if tied and name == "lm_head.weight" and not holds_wte:
+                if skip_copies:
+                    continue
+                name = "transformer.wte.weight"
+            names[id(p)] = name
+    return names
+
+
+def tp_cut(name: str, grid) -> list | None:
+    """[dim, chunks, tp rank, tp] of 04's cut of a tensor on this rank, or None."""
+    layout = sharding.tp_layout(name) if grid.tp > 1 else None
+    return None if layout is None else [*layout, grid.tp_rank, grid.tp]
+
+
+def on_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns exactly its bytes (torch.save writes a view's whole
+    storage): t itself when it already is one, else a copy."""
+    t = t.detach()
+    whole = t.untyped_storage().nbytes() == t.nbytes and t.storage_offset() == 0
+    if t.device.type == "cpu" and whole:
+        return t
+    return t.to("cpu", copy=True)
+
+
+def piece(name, state, p, tensor, grid, span=None) -> dict:
+    """One slice of a global tensor: `tensor` is [a, b) = span of this rank's TP cut of
+    `name` (p: the parameter, for the cut's shape), flattened; None: all of it."""
+    cut = tp_cut(name, grid)
+    shape = list(p.shape)
+    if cut:
+        shape[cut[0]] *= cut[3]
+    return dict(name=name, state=state, shape=shape, tp=cut, range=span, tensor=tensor)
+
+
+def distinct_pieces(run) -> tuple[list, dict]:
+    """This rank's pieces of the distinct state, and the optimizer's scalars by name.
+
+    ZeRO: the pieces of this rank's shards (its slice of each flat's weights and AdamW
+    moments: no gathering), and what no flat holds (frozen weights) from DP and CP rank
+    0. No ZeRO: DP and CP rank 0 write every weight and its AdamW state; the others,
+    whose copies are alike, write none. A tensor 04 does not cut (LayerNorms, wpe, a
+    row-parallel bias) is TP rank 0's to write.
+    """
+    grid = run.grid
+    first = grid.dp_rank == 0 and grid.cp_rank == 0
+    names = global_names(run, skip_copies=True)
+    if grid.tp_rank > 0:  # What 04 does not cut, every TP rank holds alike: rank 0's.
+        names = {i: n for i, n in names.items() if tp_cut(n, grid)}
+    pieces = []
+    scalars = {}
+    flats = run.optimizer.flats if run.cfg.zero else []
+    in_flats = {id(p) for f in flats for p in f.params}
+    for f in flats:
+        state = run.optimizer.local.state.get(f.shard, {})
+        for p, o in f.offset.items():
+            a = max(o, f.lo)  # p ∩ [lo, lo + S) is [a, b): its piece of the shard
+            b = min(o + p.numel(), f.lo + f.S)
+            if a >= b or id(p) not in names:
+                continue
+            name = names[id(p)]
+            span = [a - o, b - o]
+            for key, t in [("param", f.shard), *state.items()]:
+                if t.dim() == 0:
+                    scalars.setdefault(name, {})[key] = t.item()
+                    continue
+                t = on_cpu(t[a - f.lo : b - f.lo])
+                pieces.append(piece(name, key, p, t, grid, span))
+    for module in run.modules() if first else []:
+        for p in module.parameters():
+            if id(p) in in_flats or id(p) not in names:
+                continue
+            name = names[id(p)]
+            state = {} if run.cfg.zero else run.optimizer.state.get(p, {})
+            for key, t in [("param", p), *state.items()]:
+                if t.dim() == 0:
+                    scalars.setdefault(name, {})[key] = t.item()
+                    continue
+                pieces.append(piece(name, key, p, on_cpu(t), grid))
+    return pieces, scalars
+
+
+def assemble(pieces: list) -> torch.Tensor:
+    """A global tensor from its pieces: each TP cut filled from its ranges, the cuts
+    merged as 04 splits them. Raises if any element is in no piece (a piece held twice
+    is harmless here: the save's byte count is what keeps the writers distinct)."""
+    head = pieces[0]
+    cut = head["tp"]
+    n = cut[3] if cut else 1
+    shape = list(head["shape"])
+    if cut:
+        shape[cut[0]] //= n
+    numel = torch.Size(shape).numel()
+    cuts = [head["tensor"].new_empty(numel) for _ in range(n)]
+    filled = torch.zeros(n, numel, dtype=torch.bool)
+    for pc in pieces:
+        r = pc["tp"][2] if cut else 0
+        a, b = pc["range"] or (0, numel)
+        cuts[r][a:b] = pc["tensor"].reshape(-1)
+        filled[r, a:b] = True
+    if not filled.all():
+        where = f"{head['name']} ({head['state']})"
+        missing = int((~filled).sum())
+        raise ValueError(f"{where}: {missing} of {n * numel} elements in no piece")
+    cuts = [c.view(shape) for c in cuts]
+    return sharding.merge_tensors(cuts, *cut[:2]) if cut else cuts[0]
+
+
+def fit_rows(t: torch.Tensor, shape: list, name: str) -> torch.Tensor:
+    """A global tensor at another TP's vocabulary padding: wte's zero rows (64·tp of
+    them, support/vocab) cut or added. Any other difference does not fit."""
+    if list(t.shape) == list(shape):
+        return t
+    if name not in vocab.KEYS or list(t.shape[1:]) != list(shape[1:]):
+        raise ValueError(f"{name}: checkpoint shape {list(t.shape)}, here {shape}")
+    if t.size(0) > shape[0]:
+        return t[: shape[0]]
+    return torch.cat([t, t.new_zeros(shape[0] - t.size(0), *t.shape[1:])])
+
+
+def local_tensor(index: dict, name: str, state: str, p, grid) -> torch.Tensor:
+    """What this rank holds of `name`'s `state` (the shape of p, its TP cut): the global
+    tensor assembled from the checkpoint's pieces, fitted, then cut as 04 cuts it."""
+    pieces = index.get((name, state))
+    if not pieces:
+        raise ValueError(f"the checkpoint holds no {state} of {name}")
+    cut = tp_cut(name, grid)
+    shape = list(p.shape)
+    if cut:
+        shape[cut[0]] *= cut[3]
+    full = fit_rows(assemble(pieces), shape, name)
+    return sharding.shard_tensor(full, *cut) if cut else full
+
+
+def state_kinds(index: dict, name: str) -> list:
+    """The optimizer's per-element states saved for `name` (AdamW: its two moments)."""
+    return sorted(k for n, k in index if n == name and k != "param")
+
+
+def load_optimizer(opt, params: list, states: list, saved_groups: list) -> None:
+    """A torch optimizer's state_dict rebuilt: `states[i]` for params[i] (None: none),
+    the saved hyperparameters (lr, betas, ...) but this run's device settings."""
+    sd = opt.state_dict()
+    slots = [i for g in sd["param_groups"] for i in g["params"]]
+    found = {i: s for i, s in zip(slots, states, strict=True) if s is not None}
+    for g, saved in zip(sd["param_groups"], saved_groups, strict=True):
+        g.update({k: v for k, v in saved.items() if k not in DEVICE_KEYS})
+    opt.load_state_dict({"state": found, "param_groups": sd["param_groups"]})
+
+
+def check_names(saved: set, names: dict, run) -> None:
+    """Raise unless the checkpoint's weights are this model's: no block past its
+    n_layer, and, where this rank holds the whole model (pp 1), exactly its names."""
+    layers = run.gpt_config.n_layer
+    blocks = [n.split(".") for n in saved if n.startswith("transformer.h.")]
+    beyond = sorted({int(b[2]) for b in blocks if int(b[2]) >= layers})
+    if beyond:
+        raise ValueError(
+            f"the checkpoint holds block {beyond[0]}; this GPT has {layers}"
+        )
+    here = set(names.values())
+    if run.grid.pp == 1 and saved != here:
+        extra = sorted(saved - here)[:3]
+        missing = sorted(here - saved)[:3]
+        raise ValueError(f"the checkpoint holds {extra}, not {missing}")
+
+
+def restore_model(run, index: dict, scalars: dict, saved_groups: list):
+    """Weights and AdamW's state from the pieces into this rank's layout. ZeRO: into
+    each flat's shard (its weights, its moments) and frozen weights; no ZeRO: into each
+    parameter and torch's AdamW."""
+    names = global_names(run, skip_copies=False)
+    check_names({n for n, state in index if state == "param"}, names, run)
+    grid = run.grid
+    opt = run.optimizer
+    flats = opt.flats if run.cfg.zero else []
+    in_flats = {id(p) for f in flats for p in f.params}
+
+    def state_of(name, p, span=None):
+        kinds = state_kinds(index, name)
+        out = {k: torch.tensor(v) for k, v in scalars.get(name, {}).items()}
+        for k in kinds:
+            t = local_tensor(index, name, k, p, grid)
+            out[k] = t if span is None else t.reshape(-1)[span[0] : span[1]]
+        return out
+
+    with torch.no_grad():
+        for module in run.modules():
+            for p in module.parameters():
+                if id(p) not in in_flats:
+                    t = local_tensor(index, names[id(p)], "param", p, grid)
+                    p.copy_(t)
+        if not run.cfg.zero:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            states = [state_of(names[id(p)], p) or None for p in params]
+            load_optimizer(opt, params, states, saved_groups)
+            return
+        states = {}
+        for f in flats:
+            shard = torch.zeros(f.S, dtype=f.shard.dtype)
+            mine = {}
+            for p, o in f.offset.items():
+                a = max(o, f.lo)
+                b = min(o + p.numel(), f.lo + f.S)
+                if a >= b:
+                    continue
+                name = names[id(p)]
+                w = local_tensor(index, name, "param", p, grid).reshape(-1)
+                shard[a - f.lo : b - f.lo] = w[a - o : b - o]
+                for k, t in state_of(name, p, [a - o, b - o]).items():
+                    if t.dim() == 0:
+                        mine[k] = t
+                        continue
+                    mine.setdefault(k, torch.zeros(f.S, dtype=t.dtype))
+                    mine[k][a - f.lo : b - f.lo] = t
+            f.shard.copy_(shard)
+            states[id(f.shard)] = mine or None
+        local = [p for g in opt.local.param_groups for p in g["params"]]
+        ordered = [states.get(id(p)) for p in local]
+        load_optimizer(opt.local, local, ordered, saved_groups)
+        for g, saved in zip(opt.param_groups, saved_groups, strict=True):
+            g.update(
+                {k: v for k, v in saved.items() if k not in (*DEVICE_KEYS, "params")}
+            )
+
+
 def shard_of(run, step: int) -> dict:
-    """This rank's shard of a train.Run: its model chunks' weights, the optimizer, the
-    loss scaler, the RNG streams, PowerSGD's state, the step and the config.
+    """This rank's file of a train.Run: its pieces of the distinct state (distinct_pieces)
+    and its own RNG streams and PowerSGD state, the scaler, the step and the config.
 
     Dropout's generators are saved: the default one (and CUDA's), and 04's per-rank
-    tracker. Python's and NumPy's go unused (01's loader has its own). ZeRO-3 holds 1/N
-    of each weight: each chunk is gathered, and DP rank 0 (CP rank 0: the CP ranks hold
-    copies) keeps a CPU copy for --export
-    (a resume reads the optimizer's shards instead).
+    tracker. Python's and NumPy's go unused (01's loader has its own).
     """
     cfg = run.cfg
     rng = {"torch": torch.get_rng_state()}
     if run.device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(run.device)
     tp_rng = getattr(run.modules()[0], "tp_rng", None)
-    models = []
-    for chunk, module in zip(run.chunks, run.modules()):
-        gather = chunk.gathered() if cfg.zero == 3 else contextlib.nullcontext()
-        with gather:
-            state = module.state_dict()
-            first = run.grid.dp_rank == 0 and run.grid.cp_rank == 0
-            if cfg.zero == 3 and first:
-                state = {k: v.to("cpu", copy=True) for k, v in state.items()}
-            elif cfg.zero == 3:
-                state = {}
-            models.append(state)
-    shard = {"model": models, "optimizer": run.optimizer.state_dict()}
+    pieces, scalars = distinct_pieces(run)
+    shard = {"pieces": pieces, "scalars": scalars}
+    groups = run.optimizer.param_groups
+    shard["param_groups"] = [
+        {k: v for k, v in g.items() if k != "params"} for g in groups
+    ]
     shard["scaler"] = run.scaler.state_dict()
     shard["rng"] = rng
     shard["tp_rng"] = None if tp_rng is None else tp_rng.state_dict()
@@ -276,40 +566,38 @@ def shard_of(run, step: int) -> dict:
 
 
 def restore(run, shard: dict):
-    """A shard back into a train.Run, with no collective; raises if it does not fit
-    (another model). Returns what is left for every rank to run once all agree that it
-    fits: ZeRO-1/2's all-gather of the weights, or None."""
-    for module, state in zip(run.modules(), shard["model"], strict=True):
-        if run.cfg.zero < 3:  # ZeRO-3: the optimizer's shards are the weights.
-            # Copies into the parameters, on their device.
-            module.load_state_dict(state)
-    if run.cfg.zero:  # The all-gather after the vote: a rank that raised skips it.
-        run.optimizer.load_state_dict(shard["optimizer"], gather=False)
-    else:  # To each parameter's device.
-        run.optimizer.load_state_dict(shard["optimizer"])
+    """A checkpoint (read_files: this rank's file, every file's pieces) into a train.Run,
+    with no collective; raises if it does not fit (another model). Returns what is left
+    for every rank to run once all agree that it fits: ZeRO-1/2's all-gather of the
+    weights, or None. The RNG streams and PowerSGD's state come back on the layout they
+    were saved on; on another, this run's own (a new run's) go on."""
+    restore_model(run, shard["index"], shard["scalars"], shard["param_groups"])
     if shard["scaler"]:
         run.scaler.load_state_dict(shard["scaler"])
-    states = powersgd_states(run.chunks)
-    for p, state in zip(states, shard.get("powersgd", []), strict=True):
-        p.load_state_dict(state)
-    if shard["tp_rng"] is not None:
-        run.modules()[0].tp_rng.load_state_dict(shard["tp_rng"])
-    torch.set_rng_state(shard["rng"]["torch"])
-    if "cuda" in shard["rng"]:
-        torch.cuda.set_rng_state(shard["rng"]["cuda"], run.device)
+    saved = shard["config"]
+    if all(saved.get(k) == getattr(run.cfg, k) for k in RANK_ROLE):
+        states = powersgd_states(run.chunks)
+        for p, state in zip(states, shard.get("powersgd", []), strict=True):
+            p.load_state_dict(state)
+        if shard["tp_rng"] is not None:
+            run.modules()[0].tp_rng.load_state_dict(shard["tp_rng"])
+        torch.set_rng_state(shard["rng"]["torch"])
+        if "cuda" in shard["rng"]:
+            torch.cuda.set_rng_state(shard["rng"]["cuda"], run.device)
     return run.optimizer.gather_weights if run.cfg.zero else None
 
 
 def save_checkpoint(run, step: int) -> None:
-    """Save a train.Run at `step`: every rank's shard, and rank 0's meta.json."""
+    """Save a train.Run at `step`: every rank's file, and rank 0's meta.json."""
     cfg = run.cfg
     grid = run.grid
 
-    def meta():  # Rank 0's, once the shards are written (see save).
+    def meta():  # Rank 0's, once the files are written (see save).
         fields = {"world": grid.world, "dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}
-        fields["cp"] = cfg.cp  # Export reads the shards of grid (p, 0, 0, t).
+        fields["cp"] = cfg.cp
         fields["model_config"] = asdict(run.gpt_config)
         fields["tokenizer"] = tokenizer_name(cfg.data_dir)
+        fields["data_fingerprint"] = data_fingerprint(cfg.data_dir)
         fields["config"] = asdict(cfg)
         return fields
 

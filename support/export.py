@@ -3,17 +3,17 @@
 model.pt holds the model's config and state dict (02_model.GPT's), the step, and the
 tokenizer: a name ("gpt2", "char") or a trained BPE's vocabulary, merges and special
 tokens, so that it samples from any folder. This file knows the files; train.py builds
-the model, and passes in 04's tp_layout and merge_tensors for the merge. Its
-vocabulary is padded to a multiple of 64 rows, whatever tp trained it (support/vocab).
+the model. The weights are assembled from the checkpoint's pieces (support/checkpoint),
+whatever layout wrote them. Its vocabulary is padded to a multiple of 64 rows, whatever
+tp trained it (support/vocab).
 """
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from support.checkpoint import read_newest, shard_name
+from support.checkpoint import assemble, read_files, read_newest
 from support.files import atomic_write
 from support.vocab import trim_rows
 
@@ -33,40 +33,32 @@ def merge_shards(state_dicts, tp_layout, merge_tensors) -> dict:
     return full
 
 
-def read_model(ckpt, merge) -> tuple[dict, dict]:
+def read_model(ckpt) -> tuple[dict, dict]:
     """A checkpoint folder -> (its meta.json, the whole model's state dict).
 
-    Stage p's TP ranks at DP and CP rank 0 sit at grid (p, 0, 0, t): global rank
-    p·dp·cp·tp + t (cp: 1 in a checkpoint older than --cp).
-    `merge(state_dicts)` joins one chunk's TP shards (merge_shards, with 04's layout).
+    Each weight is assembled on the CPU, one at a time, from the pieces every file
+    holds of it (its TP cuts, its ZeRO ranges: support/checkpoint's slice map); the
+    files are memory-mapped, so AdamW's moments beside them are never read. The tied
+    lm_head.weight is wte's tensor, as in 02's state dict.
     """
-    meta = json.loads((ckpt / "meta.json").read_text())
-    dp = meta["dp"]
-    tp = meta["tp"]
-    cp = meta.get("cp", 1)
+    shard = read_files(ckpt, rank=0)
+    meta = shard["meta"]
     full = {}
-    for p in range(meta["pp"]):
-        files = [ckpt / shard_name(p * dp * cp * tp + t) for t in range(tp)]
-        # mmap: only the model's bytes are read, not the optimizer's beside them.
-        shards = [torch.load(f, "cpu", weights_only=True, mmap=True) for f in files]
-        shards = [shard["model"] for shard in shards]
-        for chunk_states in zip(*shards):  # The stage's chunks, each split over TP.
-            full.update(merge(chunk_states))
+    for (name, state), pieces in shard["index"].items():
+        if state == "param":
+            full[name] = assemble(pieces)
+    if meta["model_config"].get("tie_embeddings"):
+        full["lm_head.weight"] = full["transformer.wte.weight"]
     return meta, full
 
 
-def export(run_dir, tp_layout, merge_tensors, fold_lora, build_model, get_tokenizer):
-    """Merge the newest readable checkpoint's (tp, pp) shards into RUN_DIR/model.pt.
+def export(run_dir, fold_lora, build_model, get_tokenizer):
+    """Assemble the newest readable checkpoint's weights into RUN_DIR/model.pt.
 
-    The lessons' parts come in: 04's `tp_layout` and `merge_tensors` (merge_shards),
-    02's `fold_lora(state_dict, scale)` (merge_lora), `build_model(config)` (a plain GPT
-    from a config dict) and 01's `get_tokenizer`.
+    The lessons' parts come in: 02's `fold_lora(state_dict, scale)` (merge_lora),
+    `build_model(config)` (a plain GPT from a config dict) and 01's `get_tokenizer`.
     """
-
-    def merge(state_dicts):
-        return merge_shards(state_dicts, tp_layout, merge_tensors)
-
-    meta, full = read_newest(run_dir, lambda ckpt: read_model(ckpt, merge))
+    meta, full = read_newest(run_dir, read_model)
     config = meta["config"]
     if config.get("lora_rank"):  # LoRA's factors folded in: W + (alpha / r)·B·A.
         full = fold_lora(full, config["lora_alpha"] / config["lora_rank"])
