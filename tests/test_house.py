@@ -156,3 +156,43 @@ def test_importing_and_counting_leave_torch_dynamo_out():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+# A docs page opens with "# Title", a blank line, then a sentence that starts with PURPOSE.
+PURPOSE = "Why this page: "
+
+
+def docs_problems(root: Path) -> list[str]:
+    """Each docs/*.md must be linked from the README, as [text](docs/NAME.md), and open
+    with `# Title`, a blank line, and a line starting with PURPOSE: the reason the page
+    exists. A README link to a page that does not exist is a problem too."""
+    readme = (root / "README.md").read_text()
+    linked = set(re.findall(r"\]\(docs/([^)#\s]+\.md)", readme))
+    pages = {p.name: p for p in (root / "docs").glob("*.md")}
+    unlinked = sorted(pages.keys() - linked)
+    missing = sorted(linked - pages.keys())
+    problems = [f"docs/{name} is not linked from the README" for name in unlinked]
+    problems += [f"the README links docs/{name}, which does not exist" for name in missing]
+    for name, page in sorted(pages.items()):
+        head = page.read_text().split("\n")[:3]
+        opens = len(head) == 3 and head[0].startswith("# ") and head[1] == ""
+        if not (opens and head[2].startswith(PURPOSE)):
+            opening = f"'# Title', '', '{PURPOSE}...'"
+            problems.append(f"docs/{name} does not open with {opening}")
+    return sorted(problems)
+
+
+def test_every_docs_page_is_linked_and_says_why_it_exists():
+    assert docs_problems(ROOT) == []
+
+
+def test_the_docs_check_can_fail(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("[a](docs/a.md) [gone](docs/gone.md)\n")
+    (tmp_path / "docs" / "a.md").write_text(f"# A\n\n{PURPOSE}it is linked.\n")
+    (tmp_path / "docs" / "b.md").write_text("# B\n\nNo reason given.\n")
+    assert docs_problems(tmp_path) == [
+        "docs/b.md does not open with '# Title', '', 'Why this page: ...'",
+        "docs/b.md is not linked from the README",
+        "the README links docs/gone.md, which does not exist",
+    ]
