@@ -234,9 +234,11 @@ def read_files(ckpt, rank: int, reading: list | None = None) -> dict:
     for r, path in enumerate(files):
         reading.append(path)
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        for piece in data["pieces"]:
+        # A file from before the pieces (2026-11-29) holds none: it does not fit (one
+        # line from load_newest), rather than reading as damage and starting at step 0.
+        for piece in data.get("pieces", []):
             index.setdefault((piece["name"], piece["state"]), []).append(piece)
-        scalars.update(data["scalars"])
+        scalars.update(data.get("scalars", {}))
         if r == rank or (r == 0 and rank >= len(files)):
             mine = data
     return {**mine, "index": index, "scalars": scalars, "meta": meta}

@@ -258,3 +258,17 @@ def test_resume_refuses_other_token_files_in_one_line(dp4, data_dir, tmp_path): 
         checkpoint.check_resume_layout(cfg)
     message = str(err.value)
     assert "holds other token files" in message and "\n" not in message, message
+
+
+def test_a_checkpoint_from_before_the_pieces_stops_in_one_line(data_dir, tmp_path):  # noqa: F811
+    """A rank file of the old format (a 'model' state dict, no pieces) is no damage to fall
+    back from: read as one, --resume found no readable checkpoint and started at step 0."""
+    argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "1"]
+    train.main(argv)
+    path = checkpoint.complete_checkpoints(tmp_path)[0] / checkpoint.shard_name(0)
+    old = torch.load(path, weights_only=True)
+    del old["pieces"], old["scalars"]
+    old["model"] = [{}]
+    torch.save(old, path)
+    with pytest.raises(SystemExit, match="does not fit this run"):
+        train.main(argv[:-1] + ["2", "--resume"])
