@@ -50,7 +50,7 @@ from support import run as run_lib
 from support.config import ConfigError, TrainConfig, parse_args
 from support.prefetch import Prefetcher
 from support.run import Run
-from support.schedule import LR_SCHEDULES, lr_at  # The LR: warm-up, then a decay.
+from support.lr_schedule import LR_SCHEDULES, lr_at  # warm-up, then a decay
 
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
