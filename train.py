@@ -7,8 +7,8 @@ Long sequences are cut over --cp ranks, K and V passed around a ring in attentio
 Checkpoint (resumable bit for bit), evaluate, log and measure every step. Or fine-tune
 GPT-2's weights (--init-from): all of them, or LoRA's factors only (--lora-rank, 02).
 
-The grid is arange(world).view(pp, dp, cp, tp): TP and CP peers share a node and its
-NVLink, and only pipeline sends cross nodes. For --dp 2 --tp 2 --pp 2 on 8 GPUs:
+The grid is arange(world).view(pp, dp, cp, tp), built by support/grid.py: TP and CP
+peers share a node's NVLink, and only pipeline sends cross nodes. --dp 2 --tp 2 --pp 2:
 
                    tp_rank 0   tp_rank 1
     pp 0, dp 0  |  rank 0      rank 1    |  embeddings + the first half of the blocks,
