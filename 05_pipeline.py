@@ -40,8 +40,9 @@ tokens between the matrices; here a rank holds whole layers and talks only to it
 neighbours, so PP can stretch across nodes. Left out on purpose, for 05b_schedules.py:
 schedules as tables (interleaved 1F1B), the check that no plan hangs under NCCL, the
 simulator, and the step train.py runs (mixed precision, a loss scale, 03's DP around
-each stage). Left out of both: DualPipe, unbalanced stages, freeing sent outputs early,
-overlapping messages with compute.
+each stage). For 05c_zero_bubble.py: the B/W split, ZB-H1. Left out of all three:
+DualPipe, unbalanced stages, freeing sent outputs early, overlapping messages with
+compute.
 """
 
 import importlib

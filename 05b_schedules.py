@@ -9,8 +9,9 @@ of its chunks. Four tables, one executor (`pipeline_step`):
     interleaved   rank r holds stages r, r+p, ... (v chunks, Megatron-LM 2104.04473):
                   forwards go round the ring p microbatches at a time per chunk,
                   warm-up 2(p-r-1) + (v-1)p, each steady step a forward AND a backward
-    zb1           1F1B's, each backward split into B (input gradient) and W (weights'),
-                  the W's moved into the cool-down's idle slots (ZB-H1: 05c teaches it)
+    zb1           1F1B's, each backward split into B (input gradient) and W (weights'):
+                  B's go first; stage r defers r W's and runs each where it would
+                  wait (`zero_bubble_order`; ZB-H1: 05c teaches it)
 
     bubble = (p - 1) / (v·m + p - 1)        fill and drain shrink v times, for v
                                             times the messages (05's, at v·m)

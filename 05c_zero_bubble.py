@@ -2,48 +2,69 @@
 that nobody waits for (ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism",
 arXiv 2401.10241).
 
-A linear layer y = x Wᵀ + b has a backward of two matmuls of different urgency:
+A linear layer y = x Wᵀ + bias has a backward of two matmuls of different urgency:
 
     B:  dX = dY W        the stage before this one waits for it
-    W:  dW = dYᵀ X       nobody needs it until the optimizer step (and db = Σ dY)
+    W:  dW = dYᵀ X       nobody needs it until the optimizer step (nor the bias's Σ dY)
 
 So B runs at once and sends dX upstream, while (X, dY) wait in a queue that a later W
-drains into .grad, in the idle slots where 1F1B waits for gradients to come back. With
-t_f = t_B = t_W (B and W each half of 05's backward), stage r of ZB-H1 at p=4, m=8
-(the simulator's timeline; Fi, Bi, Wi: microbatch i; . idle):
+drains into .grad, in the idle slots where 1F1B waits for gradients to come back. On
+05b's simulator's clock, p=4, m=8: a slot is t_f, a backward takes t_b = 2·t_f (B0--:
+1F1B's, two slots), and split, B and W take t_f each (Fi, Bi, Wi: microbatch i; .
+idle). 1F1B (above) ends after 33 slots, ZB-H1 (below) after 27; the ideal is 24:
+
+    r0 F0F1F2F3 . . . . . .B0--F4B1--F5B2--F6B3--F7B4-- .B5-- .B6-- .B7--
+    r1  .F0F1F2 . . . .B0--F3B1--F4B2--F5B3--F6B4--F7B5-- .B6-- .B7--
+    r2  . .F0F1 . .B0--F2B1--F3B2--F4B3--F5B4--F6B5--F7B6-- .B7--
+    r3  . . .F0B0--F1B1--F2B2--F3B3--F4B4--F5B5--F6B6--F7B7--
 
     r0 F0F1F2F3 . . .B0W0F4B1W1F5B2W2F6B3W3F7B4W4B5W5B6W6B7W7
     r1  .F0F1F2 . .B0F3B1W0F4B2W1F5B3W2F6B4W3F7B5W4B6W5B7W6W7
     r2  . .F0F1 .B0F2B1F3B2W0F4B3W1F5B4W2F6B5W3F7B6W4B7W5W6W7
     r3  . . .F0B0F1B1F2B2F3B3W0F4B4W1F5B5W2F6B6W3F7B7W4W5W6W7
 
-1F1B's order and warm-up; stage r lets its first r B's go without a W, then runs
-after each B the W of the oldest B still waiting (W_i after B_{i+r}), and its last r
-W's in the cool-down, where 1F1B idles. A stage then holds at most p microbatches
-forwarded and not yet through W, like 1F1B's first stage (05b's peak counts those;
-the waiting ones keep only what W reads). The bubble as a share of the ideal (busy)
-time, for m >= p (b of the ideal is b/(1+b) of the step, 05b's convention):
+ZB-H1 keeps 1F1B's order and warm-up; stage r lets its first r B's go without a W,
+then runs after each B the W of the oldest B still waiting (W_i after B_{i+r}), and
+its last r W's in the cool-down, where 1F1B idles. A stage then holds at most p
+microbatches forwarded and not yet through W, like 1F1B's first stage (05b's peak
+counts those; the waiting ones keep only what W reads). The bubble x, idle time over
+the ideal (busy) time, the paper's bubble rate, for m >= p:
 
-    1F1B  (p-1)(t_f + t_B + t_W) / (m (t_f + t_B + t_W))  = (p-1)/m
-    ZB-H1 (p-1)(t_f + t_B - t_W) / (m (t_f + t_B + t_W))  = (p-1)/(3m)   equal times
+    1F1B  x = (p-1)(t_f + t_B + t_W) / (m (t_f + t_B + t_W))  = (p-1)/m
+    ZB-H1 x = (p-1)(t_f + t_B - t_W) / (m (t_f + t_B + t_W))  = (p-1)/(3m)   equal times
+
+As a share of the step, x/(1+x): (p-1)/(m+p-1) and (p-1)/(3m+p-1), 05b's
+bubble_formula, which 09 uses. ZB-H1 saves two t_W a stage: W is off the backward's
+path, so the gradient crosses each stage in t_B and the fill shrinks by (p-1)·t_W (W
+right after each B everywhere: x = 25.0% at m=8, simulated); and the later stages put
+their W's off to the cool-down, so their B's come sooner: another (p-1)·t_W.
 
 The cost: what W reads, each linear's X and dY (the embeddings' ids and dY), lives
-from B to W, W bytes a microbatch (`w_bytes_formula`). With A bytes saved by a forward,
-stage r keeps at most (p-r)·A under 1F1B, (p-r)·A + r·W under ZB-H1 (measured beside
-it): stage 0 the same, each later stage more, the last p-1 W's, each with the head's
-(b, T, V) dY. W is nearly A (both hold every linear's X), so ZB-H1 has 1F1B's memory
-as the most over its stages (the paper's claim), not stage by stage.
+from B to W: Q bytes a microbatch (`w_bytes_formula`; a: bytes of a matmul operand,
+4 in fp32; the embeddings' dY is in the fp32 residual stream, 4C + 8 with the id):
+
+    Q = a·b·T·(16C·L + [last stage] (C + V)) + [first stage] (b·T + T)(4C + 8)
+
+With A bytes saved by a forward, stage r keeps at most (p-r)·A under 1F1B and
+(p-r)·A + r·Q under ZB-H1 (measured beside it): stage 0 the same, each later one more.
+ZB-H1's most is stage 0's p·A if no stage's A or Q exceeds stage 0's A. Here Q ≈ A
+(both hold every linear's X): ZB-H1's most is 2% over 1F1B's. With a large vocabulary
+the last stage's Q holds the head's (b, T, V) dY, p-1 times: for GPT-2 124M at pp 4,
+b 4, m 8 in bf16, 09 plans 3.23 GiB on the last stage under zb1 against 1.31 GiB,
+1F1B's most. The paper's equal-memory claim assumes equal stages.
 
 Launch:  python 05c_zero_bubble.py [--ranks 4] [--plot]    (relaunches in torchrun)
          torchrun --standalone --nproc_per_node=4 05c_zero_bubble.py
 
 What changed from 05b: a third action, W, in its tables ("zb1"); its executor calls
 the W runner of a chunk split here (`split_weight_grads`), which trains train.py's
---schedule zb1. Left out on purpose: ZB-H2 (more warm-up forwards, up to 2p-1
-microbatches alive on the first stage: about twice 1F1B's activations, for no bubble
-at all) and ZB-V (two chunks a rank in a V, p microbatches of activations, like
-ZB-H1's, and no bubble, at interleaving's extra messages), the paper's optimizer
-post-validation, and DualPipe.
+--schedule zb1, eager (torch.compile does not trace the function mode: 09 charges its
+kernels eager's 1.57x) and without --recompute, --loss chunked, SP, CP, LoRA, fp16 or
+gradient compression (support/config's check_zero_bubble). Left out on purpose: ZB-H2
+(more warm-up forwards, up to 2p-1 microbatches alive on the first stage: about twice
+1F1B's activations, for no bubble at all) and ZB-V (two chunks a rank in a V, p
+microbatches of activations, like ZB-H1's, and no bubble, at interleaving's extra
+messages), the paper's optimizer post-validation, and DualPipe.
 """
 
 import argparse
@@ -61,6 +82,7 @@ from torch.overrides import TorchFunctionMode
 from support import distributed
 from support.distributed import print0
 from support.gantt import plot_timelines
+from support.zero_bubble import KeptBytes, ReadAfterEachAction, mib, view_key
 
 model_lib = importlib.import_module("02_model")  # GPT, GPTConfig, byte_batches
 pipe = importlib.import_module("05_pipeline")  # split_model, bubble_fraction
@@ -74,7 +96,7 @@ def linear_weight_grad(x, dy):
 
 
 def bias_grad(dy):
-    """db = Σ dY over every token: (out,)."""
+    """The bias's gradient, Σ dY over every token: (out,)."""
     return dy.reshape(-1, dy.size(-1)).sum(0)
 
 
@@ -84,12 +106,37 @@ def embedding_weight_grad(ids, dy, rows: int):
     return grad.index_add_(0, ids.reshape(-1), dy.reshape(-1, dy.size(-1)))
 
 
-def view_key(t) -> tuple:
-    """One kept tensor: its storage, offset and shape. Two microbatches' ids are views of
-    one batch, each kept for its own W: counted by view, not by storage."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+# ------------------------------------------------ simple first: W as a list of closures
+class NaiveSplitLinear(torch.autograd.Function):
+    """y = x Wᵀ + bias, whose backward returns dX only: dW and the bias's gradient go
+    to the list `later` as closures, for W to run."""
+
+    @staticmethod
+    def forward(ctx, x, linear, later):
+        ctx.save_for_backward(x)
+        ctx.linear = linear  # a Module, not a tensor: autograd does not see its weights
+        ctx.later = later
+        return F.linear(x, linear.weight, linear.bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        weight = ctx.linear.weight
+        ctx.later.append((weight, lambda: linear_weight_grad(x, dy)))
+        ctx.later.append((ctx.linear.bias, lambda: bias_grad(dy)))
+        return dy @ weight, None, None  # B: dX only
 
 
+def naive_weight_pass(later: list) -> None:
+    """W, naively: p.grad += fn() for each closure B left, then forget them."""
+    for param, fn in later:
+        param.grad = fn() if param.grad is None else param.grad + fn()
+    later.clear()
+
+
+# The real split's W is ONE autograd pass chaining the gradients: 03's and 07's hooks
+# fire in it and DP syncs once, as in a backward (the naive loop fires none), and each
+# gradient is added into .grad before the next is computed: one held at a time.
 class WeightGradQueue:
     """A stage's deferred weight gradients: B(mb) queues them, W(mb) runs them."""
 
@@ -269,18 +316,19 @@ def split_for_schedule(chunks: list, schedule: str) -> list:
     return chunks
 
 
-def w_bytes_formula(config, b, T, layers, first, last, a=4, r=4, tp=1) -> int:
+def w_bytes_formula(config, b, T, layers, first, last, a=4, res=4, tp=1) -> int:
     """Bytes one microbatch leaves in a stage's queue from its B to its W. Per block,
     X of c_attn, c_proj, c_fc, c_proj (C, C/tp, C, 4C/tp) and their dY (3C/tp, C, 4C/tp,
     C): 16C numbers a token at tp 1; the head's X and dY, C + V/tp; the embeddings'
     int64 ids and dY, for the b·T tokens (wte) and the T positions (wpe). a: bytes of a
-    matmul's saved operand and of its dY (autocast's dtype: 2 in bf16); r: of the
-    residual stream, which the embeddings' dY is in (fp32 under autocast)."""
+    matmul's saved operand and of its dY (autocast's dtype: 2 in bf16); res: of the
+    residual stream, which the embeddings' dY is in (fp32 under autocast). Q in the
+    module's docstring."""
     C = config.n_embd
     V = config.padded_vocab_size // tp
     matmuls = b * T * (4 * C + 12 * C // tp) * layers
     matmuls += b * T * (C + V) if last else 0
-    embeddings = (b * T + T) * (C * r + 8) if first else 0
+    embeddings = (b * T + T) * (C * res + 8) if first else 0
     return a * matmuls + embeddings
 
 
@@ -297,69 +345,10 @@ def peak_w_bytes(config, b: int, T: int, p: int, m: int, r: int) -> int:
     return min(r + 1, m) * stage_w_bytes(config, b, T, p, r)
 
 
-# What a stage keeps for its backward, measured: the tensors autograd saved (counted by
-# saved_tensors_hooks while autograd keeps them) and what its W queue holds, each
-# tensor once, read at the end of every action. Parameters are model state: not counted.
-class Held:
-    """A tensor autograd saved: it counts in `live` while autograd keeps this object."""
-
-    def __init__(self, tensor, live: dict):
-        self.tensor = tensor
-        self.key = view_key(tensor)
-        self.live = live
-        live.setdefault(self.key, [tensor.nbytes, 0])[1] += 1
-
-    def __del__(self):
-        self.live[self.key][1] -= 1
-        if not self.live[self.key][1]:
-            del self.live[self.key]
-
-
-class KeptBytes:
-    """A stage's bytes kept for backward: .first after its first forward (one
-    microbatch's activations, A) and .peak, the most at the end of any action."""
-
-    def __init__(self, chunk):
-        self.queue = getattr(chunk, "weight_grads", None)
-        self.params = {q.untyped_storage().data_ptr() for q in chunk.parameters()}
-        self.live = {}  # view_key -> [bytes, saved copies alive]
-        self.first = None
-        self.peak = 0
-
-    def hooks(self):
-        """Count every tensor autograd saves inside."""
-        unpack = lambda held: held.tensor  # noqa: E731
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, unpack)
-
-    def pack(self, tensor) -> Held:
-        return Held(tensor, self.live)
-
-    def read(self) -> int:
-        """The bytes kept now; the first and the most so far are kept."""
-        views = {key: n for key, (n, _) in self.live.items()}
-        views.update(self.queue.kept() if self.queue else {})
-        now = sum(n for key, n in views.items() if key[0] not in self.params)
-        self.first = now if self.first is None else self.first
-        self.peak = max(self.peak, now)
-        return now
-
-
-class MeasuredMicrobatches(sched.Microbatches):
+# What a stage keeps for its backward, measured (support/zero_bubble.py): the tensors
+# autograd saved and what its W queue holds, each once, at the end of every action.
+class MeasuredMicrobatches(ReadAfterEachAction, sched.Microbatches):
     """05b's step, reading the stage's KeptBytes at the end of every F, B and W."""
-
-    def forward(self, mb, inp, chunk=0):
-        out = super().forward(mb, inp, chunk)
-        self.kept.read()
-        return out
-
-    def backward(self, mb, grad, chunk=0, sync=True):
-        out = super().backward(mb, grad, chunk, sync)
-        self.kept.read()
-        return out
-
-    def weight(self, mb, chunk=0, sync=True):
-        super().weight(mb, chunk, sync)
-        self.kept.read()
 
 
 def measured_step(chunk, batch, m: int, schedule: str, embed_group=None):
@@ -371,23 +360,32 @@ def measured_step(chunk, batch, m: int, schedule: str, embed_group=None):
     return step.result(), step.kept
 
 
-def kept_bytes_formula(schedule: str, p: int, m: int, r: int, A: int, W: int) -> int:
+def kept_bytes_formula(schedule: str, p: int, m: int, r: int, A: int, Q: int) -> int:
     """Stage r's most bytes kept for backward at the end of an action, as 05b's order
-    runs: A for each microbatch forwarded and not yet through B, W for each through B
-    and not yet through W (zb1). For m >= p (and W <= A): 1F1B (p-r)·A; ZB-H1
-    (p-r)·A + r·W, the same on stage 0, r·W more on stage r."""
-    return sched.peak_kept(schedule, p, m, 1, r, (A,), W)[0]
+    runs: A for each microbatch forwarded and not yet through B, Q for each through B
+    and not yet through W (zb1). For m >= p (and Q <= A): 1F1B (p-r)·A; ZB-H1
+    (p-r)·A + r·Q, the same on stage 0, r·Q more on stage r."""
+    return sched.peak_kept(schedule, p, m, 1, r, (A,), Q)[0]
 
 
 # ------------------------------------------------------------------------ the demo
 def one_linear_check() -> None:
-    """ONE linear: dX at B, dW and db at W, bit for bit autograd's (fp32)."""
+    """ONE linear: dX at B, dW and db at W, bit for bit autograd's (fp32), split the
+    naive way (a list of closures), then the real way (the queue)."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 96)
     x = torch.randn(4, 16, 64, requires_grad=True)  # (b, T, in)
     dy = torch.randn(4, 16, 96)  # (b, T, out): what the next layer sends back
     linear(x).backward(dy)
     ref = [x.grad, linear.weight.grad, linear.bias.grad]
+    linear.zero_grad(set_to_none=True)
+    x.grad = None
+    later = []
+    NaiveSplitLinear.apply(x, linear, later).backward(dy)  # B: dX only
+    assert linear.weight.grad is None, "B must leave the weight gradient to W"
+    naive_weight_pass(later)  # W
+    naive = [x.grad, linear.weight.grad, linear.bias.grad]
+    assert all(map(torch.equal, naive, ref)), "the naive split differs from autograd"
     linear.zero_grad(set_to_none=True)
     x.grad = None
     queue = WeightGradQueue()
@@ -400,7 +398,7 @@ def one_linear_check() -> None:
     got = [x.grad, linear.weight.grad, linear.bias.grad]
     assert all(map(torch.equal, got, ref)), "the split differs from autograd"
     print("one linear (4, 16, 64) -> 96: B gives dX, W gives dW and db later,")
-    print("  each bit for bit autograd's (fp32): torch.equal")
+    print("  each bit for bit autograd's (fp32), naive and real: torch.equal")
 
 
 def stage_check(config, batch) -> None:
@@ -429,6 +427,9 @@ def stage_check(config, batch) -> None:
     b, T = batch[0].shape
     formula = w_bytes_formula(config, b, T, config.n_layer, True, True)
     print(f"  kept from B to W: {kept:,} bytes measured, {formula:,} by the formula")
+    V = config.padded_vocab_size
+    sizes = f"b={b}, T={T}, C={config.n_embd}, L={config.n_layer}, V={V}"
+    print(f"    Q = 4·(b·T·16C·L + b·T·(C+V)) + (b·T+T)(4C+8) at {sizes}")
     assert kept == formula, "the queue's bytes differ from w_bytes_formula"
 
 
@@ -446,8 +447,10 @@ def span(timeline) -> float:
 
 
 def bubble_formula(schedule: str, p: int, m: int) -> float:
-    """Bubble over ideal time, t_f = t_B = t_W, m >= p: (p-1)/m, or (p-1)/(3m)."""
-    return (p - 1) / (3 * m if schedule == "zb1" else m)
+    """Bubble over ideal time x = f/(1-f), from f, 05b's share of the step (m < p too):
+    t_f = t_B = t_W, m >= p: (p-1)/m for 1F1B, (p-1)/(3m) for ZB-H1."""
+    f = sched.bubble_formula(p, m, 1, schedule)
+    return f / (1 - f)
 
 
 def measure(schedule: str, model, rank: int, p: int, m: int, batch, embed_group):
@@ -472,10 +475,6 @@ def measure(schedule: str, model, rank: int, p: int, m: int, batch, embed_group)
     return loss, grads, gathered
 
 
-def mib(values) -> str:
-    return " ".join(f"{v / 2**20:.2f}" for v in values)
-
-
 def compare(rank: int, p: int, m: int, device, embed_group, where: str) -> dict:
     """1F1B and ZB-H1 on one batch of m microbatches, each checked against one
     process, each row printed with the bytes kept beside their formula.
@@ -490,8 +489,12 @@ def compare(rank: int, p: int, m: int, device, embed_group, where: str) -> dict:
     ref = {n: q.grad.clone() for n, q in named}
     b = batch[0].size(0) // m
     print0(f"\np={p} stages on {where}; m={m} microbatches of (b, T) = (4, 64), C=256")
-    print0(f"{'':6}{'step':>8}{'bubble':>8}{'simulated':>10}{'formula':>8}", end="")
+    print0(f"{'':6}{'step':>8}{'measured':>9}{'simulated':>10}{'formula':>8}", end="")
     print0("  peak alive    MiB kept for backward per stage")
+    cores = os.cpu_count() or p
+    if p > cores:  # More ranks than cores: they time-share them.
+        print0(f"{p} ranks time-share {cores} cores: the measured columns are not the")
+        print0("schedule's; compare simulated and formula")
     timelines = {}
     kept = {}
     for schedule in ("1f1b", "zb1"):
@@ -503,7 +506,7 @@ def compare(rank: int, p: int, m: int, device, embed_group, where: str) -> dict:
         timeline = [g[0] for g in gathered]
         simulated = bubble_rate(sched.simulate(schedule, p, m)[1])  # t_w = t_b / 2
         text = (
-            f"{schedule:<6}{span(timeline) * 1e3:>6.0f}ms{bubble_rate(timeline):>8.0%}"
+            f"{schedule:<6}{span(timeline) * 1e3:>6.0f}ms{bubble_rate(timeline):>9.0%}"
         )
         text += f"{simulated:>10.1%}{bubble_formula(schedule, p, m):>8.1%}"
         print0(f"{text}  {[g[1] for g in gathered]}  {mib(g[4] for g in gathered)}")
@@ -523,8 +526,8 @@ def compare(rank: int, p: int, m: int, device, embed_group, where: str) -> dict:
         assert measured == formula, f"{schedule}: bytes kept {measured} != {formula}"
     extra = [z - o for z, o in zip(kept["zb1"], kept["1f1b"])]
     print0(f"a microbatch's A (saved by its forward), MiB: {mib(acts)}")
-    print0(f"  its W (kept from B to W, w_bytes_formula): {mib(w)}")
-    print0(f"zb1 - 1f1b: {mib(extra)} MiB = r·W on stage r (= the formula's, measured)")
+    print0(f"  its Q (kept from B to W, w_bytes_formula): {mib(w)}")
+    print0(f"zb1 - 1f1b: {mib(extra)} MiB = r·Q on stage r (= the formula's, measured)")
     return timelines
 
 
@@ -542,41 +545,46 @@ def demo(args, rank: int, p: int, device) -> None:
     for m in args.microbatches:
         measured[m] = compare(rank, p, m, device, embed_group, where)
     print0("\nBoth equal one process (loss and every gradient < 1e-5).")
-    print0(
-        "bubble: idle over busy time of the step as it ran (bubble/ideal); simulated:"
-    )
-    print0("the plan under NCCL's rule, t_f = t_B = t_W; formula: (p-1)/m for 1F1B,")
-    print0("(p-1)/(3m) for ZB-H1 (b of the ideal is b/(1+b) of the step: 05b's 42.9%")
-    print0(
-        "for 1F1B at p = 4, m = 4 is this 75.0%). peak alive: microbatches forwarded"
-    )
-    print0("and not yet through W (1F1B: B). MiB kept: what autograd saved and the W")
-    print0("queue holds, the most at the end of an action, equal to the formula 1F1B")
-    print0("(p-r)·A, ZB-H1 (p-r)·A + r·W on stage r (m >= p): stage 0 the same, every")
+    print0("measured: idle over busy time of the step as it ran, the bubble x over")
+    print0("the ideal; simulated: the plan under NCCL's rule, t_f = t_B = t_W;")
+    print0("formula: 05b's share of the step f, as x = f/(1-f) (05b's 42.9% for")
+    print0("1F1B at p = 4, m = 4 is this 75.0%). peak alive: microbatches forwarded")
+    print0("and not yet through W (1F1B: B). MiB kept: what autograd saved and the")
+    print0("W queue holds, the most at the end of an action, = the formula 1F1B")
+    print0("(p-r)·A, ZB-H1 (p-r)·A + r·Q (m >= p). The last stage's Q holds the")
     head = 4 * 64 * 256 * 4  # the head's dY: (b, T, V) fp32
-    print0(f"later one more. The last stage's W holds the head's dY, {head:,} bytes")
     gpt2 = 4 * 1024 * 50_304 * 2 / 1e6  # b = 4, T = 1,024, V = 50,304, bf16
-    print0(f"here ({gpt2:,.0f} MB at b = 4 and GPT-2's T and V in bf16), for each of")
-    print0(f"the p-1 = {p - 1} microbatches waiting for their W.")
-    if p > cores:  # More ranks than cores: they time-share them.
-        print0(f"{p} ranks time-share {cores} cores: one rank's idle time is another's")
-        print0("compute, so the measured times do not show the simulator's bubbles.")
+    print0(f"head's dY, {head:,} bytes here ({gpt2:,.0f} MB at b = 4 and GPT-2's T")
+    print0(f"and V in bf16), for each of the p-1 = {p - 1} waiting for their W.")
     if args.plot and rank == 0:
+        print0(f"wrote {plot_simulated(p, max(args.microbatches))}")
         path = Path("out/pipeline") / f"pipeline_zb1_p{p}.png"
         titled = measured[max(measured)]
         if p > cores:
-            note = (
-                f"; {p} ranks time-share {cores} cores: a filled bubble saves no time"
-            )
-            titled = {title + note: timeline for title, timeline in titled.items()}
+            note = f"; {p} ranks time-share {cores} cores: step times do not compare"
+            titled = {title + note: tl for title, tl in titled.items()}
         plot_timelines(titled, path)
         print0(f"wrote {path}")
+
+
+def plot_simulated(p: int, m: int) -> Path:
+    """1F1B above ZB-H1, simulated on one clock (t_f = t_B = t_W = 1, 1F1B's backward
+    t_b = 2), as one PNG, each chart titled with its bubble. -> the file's path."""
+    titled = {}
+    for schedule in ("1f1b", "zb1"):
+        timeline = sched.simulate(schedule, p, m)[1]
+        x = f"bubble {bubble_rate(timeline):.1%} of the ideal time"
+        titled[f"{schedule}: simulated, {span(timeline):.0f} slots, {x}"] = timeline
+    path = Path("out/pipeline") / f"pipeline_zb1_simulated_p{p}_m{m}.png"
+    xlabel = "time in units of one stage's forward (t_f = t_B = t_W = 1, messages free)"
+    plot_timelines(titled, path, 1.0, xlabel)
+    return path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(ranks=4)  # p: one stage each
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8], help="m")
-    parser.add_argument("--plot", action="store_true", help="draw the measured Gantt")
+    parser.add_argument("--plot", action="store_true", help="draw the Gantt charts")
 
 
 def check(args, p: int) -> None:  # 8 blocks must fill p stages

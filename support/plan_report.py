@@ -8,7 +8,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from support.gpus import GPUS, plannable
+from support.gpus import GPUS, plannable, roofline_seconds
 from support.shape import SHAPE, shape_problem, shape_text
 
 GIB = 2**30
@@ -290,6 +290,26 @@ def describe(p) -> list[str]:
         ring = "08's ring computes its blocks by hand in fp32"
         lines.append(f"not modelled: {ring} (bench/bench_ring_kernel.py)")
     return lines
+
+
+def print_roofline(gpu: str, fit: dict, dtype: str, counts: tuple) -> float:
+    """09's worked example: gpus.roofline_seconds' four terms, each alone (the others
+    zeroed), printed beside their formulas filled in. -> their sum, in seconds."""
+    seconds = []
+    for keep in ((0,), (1,), (3, 4), (5,)):  # matmuls, attention, L·C and V, Ψ stepped
+        alone = [n if i in (2, *keep) else 0 for i, n in enumerate(counts)]
+        seconds.append(roofline_seconds(GPUS[gpu], fit, dtype, *alone)[0])
+    e = fit["e_max"] * counts[2] / (counts[2] + fit["knee"])  # e(C) at this width
+    beta = f"{fit['layer_bytes']:.0f}·L·C + {fit['vocab_bytes']:.1f}·V"
+    rows = (
+        f"matmuls   6Ψ·tokens / (peak · e({counts[2]:.0f}) = {e:.3f})",
+        f"attention 12·L·C·T·tokens / (peak · {fit['attention']:.3f})",
+        f"memory    ({beta})·tokens / HBM",
+        f"AdamW     {fit['param_bytes']:.1f} B·Ψ / HBM",
+    )
+    for row, t in zip(rows, seconds):
+        print(f"    {row:<48}{t * 1e3:5.1f} ms")
+    return sum(seconds)
 
 
 def print_search(plans: list, args, fit_share: float, config, count_params) -> None:

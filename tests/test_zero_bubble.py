@@ -208,7 +208,7 @@ def test_a_padding_idx_embedding_is_refused():
 def test_bf16_split_equals_autocasts_linear():
     """Under bf16 autocast the split casts as autocast does (x, W, b to bf16, saved
     cast): the loss and every gradient equal autograd's own autocast run, and the queue
-    keeps w_bytes_formula's bytes with a = 2 (bf16 X and dY), r = 4 (the embeddings'
+    keeps w_bytes_formula's bytes with a = 2 (bf16 X and dY), res = 4 (the embeddings'
     dY, in the fp32 residual stream)."""
     model = make_model(n_layer=2)
     x, y = make_batch(4)
@@ -224,7 +224,7 @@ def test_bf16_split_equals_autocasts_linear():
         torch.testing.assert_close(q.grad, ref[n], rtol=0, atol=2e-2 * scale)
     torch.testing.assert_close(res.loss, loss.detach(), rtol=1e-2, atol=0)
     b, T = x.size(0) // 2, x.size(1)
-    bf16 = zb.w_bytes_formula(model.config, b, T, 2, True, True, a=2, r=4)
+    bf16 = zb.w_bytes_formula(model.config, b, T, 2, True, True, a=2, res=4)
     assert chunk.weight_grads.peak_bytes == bf16
 
 
@@ -286,17 +286,22 @@ def test_p2_m2_by_hand():
     assert bubble_rate(sim) == pytest.approx(1 / 6)
 
 
-def test_the_lessons_picture_is_the_simulators():
-    """05c's docstring draws ZB-H1 at p=4, m=8, one slot per unit of time: it is the
-    simulated timeline, slot by slot."""
+def test_the_lessons_pictures_are_the_simulators():
+    """05c's docstring draws 1F1B, then ZB-H1, at p=4, m=8 on one clock, a slot per
+    t_f (1F1B's backward fills two: B0--): each is the simulated timeline, slot by
+    slot, 33 and 27 slots long."""
     doc = zb.__doc__.splitlines()
     rows = [line[7:] for line in doc if re.match(r"    r\d ", line)]
-    _, sim = pp.simulate("zb1", 4, 8)
-    for r, events in enumerate(sim):
-        drawn = [" ."] * int(max(e.end for e in events))
-        for e in events:
-            drawn[int(e.start)] = f"{e.op}{e.mb}"
-        assert rows[r] == "".join(drawn), r
+    assert len(rows) == 8
+    for picture, schedule in enumerate(("1f1b", "zb1")):
+        _, sim = pp.simulate(schedule, 4, 8)
+        for r, events in enumerate(sim):
+            drawn = [" ."] * int(max(e.end for e in events))
+            for e in events:
+                drawn[int(e.start)] = f"{e.op}{e.mb}"
+                drawn[int(e.start) + 1 : int(e.end)] = ["--"] * int(e.end - e.start - 1)
+            assert rows[4 * picture + r] == "".join(drawn), (schedule, r)
+        assert zb.span(sim) == {"1f1b": 33, "zb1": 27}[schedule]
 
 
 def test_zb1_passes_nccls_rule_and_its_bubble_is_a_third_of_1f1bs():
@@ -322,6 +327,8 @@ def test_zb1_passes_nccls_rule_and_its_bubble_is_a_third_of_1f1bs():
                     assert alive <= p, (p, m, order)
             formula = pp.bubble_formula(p, m, 1, "zb1")  # m < p too
             assert pipe.bubble_fraction(sim) == pytest.approx(formula), (p, m)
+            x = zb.bubble_formula("zb1", p, m)  # 05c's, over the ideal: m < p too
+            assert bubble_rate(sim) == pytest.approx(x), (p, m)
             if m >= p:
                 _, one_f = pp.simulate("1f1b", p, m)
                 assert bubble_rate(sim) == pytest.approx((p - 1) / (3 * m)), (p, m)
