@@ -20,7 +20,7 @@ The model of one step, per GPU (Ψ parameters, N = dp·cp ranks sharing ZeRO's s
               (6Ψ a token, 02) / (peak · e(C/tp)), e(w) = e_max·w/(w + knee); attention
               (12·L·C·T a token) / (peak · its share); memory-bound bytes (β_L·L·C +
               β_V·V a token; AdamW's per Ψ) / HBM; x 1.36 under selective recomputation,
-              x 1.57 under zb1 (eager, measured); + train.py's loop, m x 7.5 ms
+              x 1.57 eager (zb1, no --compile; measured); + train.py's loop, m x 7.5 ms
     bubble  = (p - 1)/(v·m + p - 1); zb1: (p - 1)/(3m + p - 1)       (05, 05b, 05c)
     TP      = each block's f and g, the embedding's g (first stage), the head's f and
               the loss (last), on the critical path                  (04)
@@ -49,8 +49,8 @@ What changed from 08_context_parallel.py: nothing runs; the lessons' formulas, 0
 ring among them, are summed. Left out on purpose: TP and PP messages overlapping
 compute, offload, fp8, fragmentation (a plan fits in 90% of the memory), eager mode's
 temporaries (the fitted runs were compiled), selective recomputation and zb1 compiled
-(train.py cannot compile zb1), TP's replicated LayerNorms (no SP), latency (8-byte
-all-reduces: free).
+(train.py cannot compile zb1), TP's replicated LayerNorms (no SP), collectives' latency
+and NCCL's share of a link (docs/planning.md says where the model extrapolates).
 """
 
 import argparse
@@ -61,7 +61,7 @@ import sys
 
 from support import config as train_config
 from support import gpus, plan_report
-from support.gpus import get_gpu
+from support.gpus import get_gpu, link_of
 from support.meta import shapes_only
 from support.plan_report import Layout, Plan, layouts
 from support.run import adamw_groups
@@ -111,7 +111,7 @@ def _flops(config_items: tuple, T: int) -> int:
 def calibrate(dtype: str, gpu: str) -> dict:
     """The roofline's constants (support/gpus.fit_roofline), fitted on the measured runs
     of gpus.CALIBRATION: bf16 on any GPU on the H200's, fp32 and the CPU on one each."""
-    row = gpus.CALIBRATION["cpu" if gpu == "cpu" else dtype]
+    row = gpus.CALIBRATION[gpus.calibration_row(dtype, gpu)]
     runs = []
     for preset, b, tokens_per_s, shape in row["runs"]:
         config = model_config(preset, **shape)
@@ -272,23 +272,24 @@ def activation_bytes(
     S = lay.pp * lay.virtual_stages
     n = config.n_layer
     chunk_bytes = []
-    copies = 0
     for c in range(lay.virtual_stages):
         s = c * lay.pp + pp_rank  # 05's split: stage s holds these blocks
         layers = (s + 1) * n // S - s * n // S
         size = layers * parts["layer"]
         size += parts["embed"] if s == 0 else 0
         size += parts["head"] if s == S - 1 else 0
+        # Autocast's bf16 weight copies: 05b runs each forward in its own autocast
+        # context, so each microbatch saves its own until its B (torch.compile may
+        # recompute the casts in backward instead: not modelled).
+        size += layers * parts["layer_copies"] // lay.tp
+        size += parts["rest_copies"] // lay.tp if s == S - 1 else 0
         chunk_bytes.append(size)
-        copies += layers * parts["layer_copies"] // lay.tp
-        copies += parts["rest_copies"] // lay.tp if s == S - 1 else 0
     if lay.pp == 1:  # accumulation: one microbatch at a time
-        return chunk_bytes[0] + copies, 1
+        return chunk_bytes[0], 1
     a = BYTES[dtype]  # zb1 (05c): after B, a microbatch keeps only what W reads
     w = zb_lib.stage_w_bytes(config, b, T // lay.cp, lay.pp, pp_rank, a, lay.tp)
     args = (lay.schedule, lay.pp, m, lay.virtual_stages, pp_rank, tuple(chunk_bytes))
-    peak, alive = sched_lib.peak_kept(*args, w)
-    return peak + copies, alive
+    return sched_lib.peak_kept(*args, w)
 
 
 # ------------------------------------------------------------ collectives per rank
@@ -385,13 +386,6 @@ def check_layout(config, layout: Layout, batch: int, n_gpus: int, **run) -> int:
     return m
 
 
-def _link(gpu, size: int, stride: int, gpus_per_node: int) -> float:
-    """A group's slowest link: NVLink if its `size` ranks, `stride` apart, share a
-    node, else the network."""
-    inside = size == 1 or size * stride <= gpus_per_node
-    return gpu.nvlink if inside else gpu.network
-
-
 def plan(
     config,
     layout: Layout,
@@ -404,15 +398,17 @@ def plan(
     lora_rank: int = 0,
     loss: str = "plain",
     trainer: bool = True,
+    compiled: bool = True,
 ) -> Plan:
     """The memory (its fullest GPU) and time of a step of `batch` sequences of T;
-    loss: "plain" (02's) or "chunked" (06b's); trainer=False: the lean step alone."""
+    loss: "plain" (02's) or "chunked" (06b's); trainer=False: the lean step alone;
+    compiled=False (train.py without --compile; zb1 always): eager's kernels."""
     spec = get_gpu(gpu)
     T = seq_len or config.block_size
     lay = layout
     run = dict(dtype=dtype, lora_rank=lora_rank, loss=loss)  # zb1's refusals read them
     m = check_layout(config, layout, batch, n_gpus, **run)
-    if T % (2 * lay.cp):
+    if lay.cp > 1 and T % (2 * lay.cp):  # 08's zigzag; cp 1 splits nothing
         raise PlanError(f"T={T} does not split into 2cp = {2 * lay.cp} zigzag chunks")
     if loss not in ("plain", "chunked") or loss == "chunked" and lay.tp > 1:
         raise PlanError(f"loss {loss!r}: plain, or chunked at tp 1 (06b's)")
@@ -439,7 +435,8 @@ def plan(
     fit = calibrate(dtype, gpu.lower())
     kernels, attention = gpus.roofline_seconds(spec, fit, dtype, *counts)
     kernels *= gpus.SELECTIVE_SLOWDOWN if lay.recompute == "selective" else 1.0
-    kernels *= gpus.EAGER_SLOWDOWN if lay.schedule == "zb1" else 1.0  # uncompiled
+    compiled = compiled and lay.schedule != "zb1"  # train.py cannot compile zb1
+    kernels *= gpus.eager_slowdown(dtype, gpu, compiled)
     loop = m * gpus.TRAINER_OVERHEAD if trainer and gpu.lower() != "cpu" else 0.0
     t = dict(compute=kernels + loop)
     bubble = sched_lib.bubble_formula(lay.pp, m, lay.virtual_stages, lay.schedule)
@@ -458,21 +455,22 @@ def plan(
 
 def wire_seconds(spec, gpus_per_node, lay, groups, compute, attention, m) -> dict:
     """Seconds of a rank's step on each group's wire that compute does not hide (see
-    the top). PP's tied gradient: an all-reduce of 2 ranks, its bytes once. A
-    microbatch's backward: 2/3 of its compute. ZeRO-3's m windows hide 1/m each."""
+    the top). PP's tied gradient: an all-reduce of 2 ranks, its bytes once. DP hides
+    behind a microbatch's backward, 2/3 of its compute; zb1's sync fires in the chunk's
+    last W (05c), 1/3 of it. ZeRO-3's m windows hide 1/m each."""
     tp = groups["tp"]
     wire = 2 * tp["all_reduce"] + tp["all_gather"] + tp["reduce_scatter"]
-    t = dict(tp=(lay.tp - 1) / lay.tp * wire / _link(spec, lay.tp, 1, gpus_per_node))
+    t = dict(tp=(lay.tp - 1) / lay.tp * wire / link_of(spec, lay.tp, 1, gpus_per_node))
     stride = lay.tp * lay.cp * lay.dp  # a pipeline's neighbours are a grid slice apart
     pp = groups["pp"]["send"] + groups["pp"]["all_reduce"]
-    t["pp"] = pp / _link(spec, lay.pp, stride, gpus_per_node)
-    ring = groups["cp"]["ring"] / _link(spec, lay.cp, lay.tp, gpus_per_node)
+    t["pp"] = pp / link_of(spec, lay.pp, stride, gpus_per_node)
+    ring = groups["cp"]["ring"] / link_of(spec, lay.cp, lay.tp, gpus_per_node)
     t["cp"] = max(0.0, ring - attention)
     N = lay.dp * lay.cp
     overlapped, exposed = _dp_wire(lay.zero, groups["dp"], N)
-    link = _link(spec, N, lay.tp, gpus_per_node)
+    link = link_of(spec, N, lay.tp, gpus_per_node)
     windows = m if lay.zero == 3 else 1
-    backward = 2 / 3 * compute / m  # a microbatch's backward
+    backward = compute / m * (1 / 3 if lay.schedule == "zb1" else 2 / 3)
     unhidden = windows * max(0.0, overlapped / windows / link - backward)
     t["dp"] = unhidden + exposed / link
     return t
@@ -501,7 +499,8 @@ def plan_run(cfg, gpt_config, gpu: str, gpus_per_node: int = 8) -> Plan:
     n = layout.dp * layout.tp * layout.pp * layout.cp
     options = (gpus_per_node, gpt_config.block_size, dtype, cfg.lora_rank)
     loss = getattr(cfg, "loss", "plain")
-    return plan(gpt_config, layout, cfg.batch_size, gpu, n, *options, loss=loss)
+    kw = dict(loss=loss, compiled=cfg.compile)  # eager is train.py's default
+    return plan(gpt_config, layout, cfg.batch_size, gpu, n, *options, **kw)
 
 
 # ------------------------------------------------------------ the search
@@ -585,7 +584,8 @@ def main(argv=None) -> None:
         cluster = (args.gpu, args.gpus, args.gpus_per_node)
         options = (args.seq_len, args.dtype, args.lora_rank, args.loss)
         plans = search(config, args.batch_size, *cluster, *options)
-        if not plans:
+        if not plans:  # the plainest layout's refusal says why, else:
+            plan(config, Layout(dp=args.gpus), args.batch_size, *cluster, *options)
             raise PlanError(f"no layout of {args.model} divides {args.gpus} GPUs")
         if not any(p.fits for p in plans):
             need = min(p.memory["total"] for p in plans) / GIB

@@ -511,7 +511,7 @@ def check_data(cfg: TrainConfig, T: int, loader_class) -> None:
     `loader_class` is 01's DataLoader: building one runs its own checks (a batch larger
     than the data, a missing shard).
     """
-    if T % (2 * cfg.cp):  # 08's zigzag: 2·cp chunks, rank r holds r and 2·cp-1-r.
+    if cfg.cp > 1 and T % (2 * cfg.cp):  # 08's zigzag: 2·cp chunks (r and 2·cp-1-r)
         what = f"--block-size {T}: --cp {cfg.cp} cuts a sequence in {2 * cfg.cp} chunks"
         raise ConfigError(f"{what}; use a multiple of {2 * cfg.cp}")
     if cfg.sequence_parallel and (T // cfg.cp) % cfg.tp:  # A rank's T/cp, with CP.

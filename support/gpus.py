@@ -6,10 +6,11 @@ devices' peak. train.py counts 02_model.flops_per_token per token; this file say
 hardware could do. Peaks are dense (no 2:4 sparsity doubling), fp16/bf16 with fp32
 accumulation, as PyTorch uses. Bandwidths are per GPU and per direction, in bytes/s:
 NVLink's "900 GB/s" on a datasheet is both directions together, 450 GB/s each way. Memory
-is what the card reports (nvidia-smi's MiB, torch's total_memory), not the datasheet's
-round "80 GB". No network here: every figure is cited from the datasheet or printout named
-in its row's comment, as published, not fetched. The "cpu" row is this project's 2-core VM,
-an estimate said as one. Rows without memory (an older or a desktop card) give MFU only:
+is what the card reports (nvidia-smi's MiB), not the datasheet's round "80 GB"; torch's
+total_memory reports a few hundred MiB less, which 09's 90% margin covers. No network
+here: every figure is cited from the datasheet or printout named in its row's comment,
+as published, not fetched. The "cpu" row is this project's 2-core VM, an estimate said
+as one. Rows without memory (an older or a desktop card) give MFU only:
 09 cannot plan them.
 
 The step's time on a GPU is a roofline, each part at that GPU's own limit (09_plan.py sums
@@ -68,8 +69,10 @@ GPUS = {
     ),
     # The same datasheet, H100 PCIe: 756.5 dense bf16, 51 fp32, 80 GB HBM2e at 2.0 TB/s,
     # 300-350 W; no NVSwitch: GPUs reach each other over PCIe Gen5 x16, 128 GB/s both
-    # ways (an NVLink bridge joins pairs only). 81,559 MiB and 350 W: nvidia-smi
-    # printouts of the card. Network: one 400 Gb/s NIC a GPU assumed, as DGX H100.
+    # ways (an NVLink bridge joins pairs only): 64 GB/s one way is the raw rate, ~50
+    # achievable after the protocol's overhead (not measured). 81,559 MiB and 350 W:
+    # nvidia-smi printouts of the card. Network: one 400 Gb/s NIC a GPU assumed, as DGX
+    # H100.
     "h100-pcie": GPU(
         "H100 PCIe",
         _peaks(756.5e12, 378e12, 51e12),
@@ -119,12 +122,13 @@ GPUS = {
         "NVIDIA A100 datasheet (SXM4 40GB); DGX A100 datasheet",
     ),
     # NVIDIA Blackwell datasheet, HGX B200 at 1,000 W (the per-GPU table in
-    # glennklockwood.com/garden/processors/B200): 2,250 dense bf16, 1,100 tf32, 80 fp32;
+    # glennklockwood.com/garden/processors/B200): 2,250 dense bf16, 1,100 tf32; fp32 75
+    # (HGX B200 lists 600 for 8 GPUs; GB200's 1,200 W part is the 80 quoted elsewhere);
     # HBM3e at 8 TB/s; NVLink 5 1.8 TB/s both ways. DGX B200: 8x 400 Gb/s. 183,359 MiB
     # and 1,000 W: nvidia-smi printouts of "NVIDIA B200".
     "b200": GPU(
         "B200",
-        _peaks(2250e12, 1100e12, 80e12),
+        _peaks(2250e12, 1100e12, 75e12),
         183_359 * MIB,
         8.0 * TB,
         900 * GB,
@@ -134,7 +138,8 @@ GPUS = {
     ),
     # AMD Instinct MI300X data sheet: 1,307.4 dense bf16, 653.7 tf32, 163.4 fp32 (matrix),
     # 192 GB HBM3 at 5.3 TB/s, 7 Infinity Fabric links of 64 GB/s each way to the other
-    # seven GPUs (RCCL spreads a ring's channels over them: 448 GB/s), 750 W. Network: a
+    # seven GPUs; 448 GB/s assumes RCCL spreads one ring's channels over all 7 links (a
+    # ring's neighbour is one link, 64 GB/s, unless it does), 750 W. Network: a
     # 400 Gb/s NIC a GPU, as the 8-GPU platforms ship. 205,822,885,888 B = 196,288 MiB:
     # rocm-smi's "VRAM Total Memory (B)".
     "mi300x": GPU(
@@ -212,6 +217,13 @@ def get_gpu(name: str) -> GPU:
     return GPUS[key]
 
 
+def link_of(gpu: GPU, size: int, stride: int, gpus_per_node: int) -> float:
+    """A group's slowest link (09's): NVLink if its `size` ranks, `stride` apart in the
+    grid, share a node, else the network."""
+    inside = size == 1 or size * stride <= gpus_per_node
+    return gpu.nvlink if inside else gpu.network
+
+
 def mfu(
     tokens_per_s, flops_per_token, n_devices, peak_flops_per_device
 ) -> float | None:
@@ -249,12 +261,15 @@ ROOFLINE = dict(
 # bench_mixed_precision.py, eager, B = 16; cpu: train.py's main job, 500 steps of
 # 32 x 128 tokens on the 2-core VM): the whole step at one share of the peak.
 SMALL_BPE = dict(vocab_size=4096, block_size=128)  # the main job's model
+# compiled: whether the runs were (bf16's under torch.compile; fp32's, the CPU's eager).
 CALIBRATION = {
     "bf16": dict(
-        gpu="h200", runs=(("gpt2", 32, 515_639, {}), ("gpt2-medium", 32, 194_643, {}))
+        gpu="h200",
+        runs=(("gpt2", 32, 515_639, {}), ("gpt2-medium", 32, 194_643, {})),
+        compiled=True,
     ),
-    "fp32": dict(gpu="h200", runs=(("gpt2", 16, 54_461, {}),)),
-    "cpu": dict(gpu="cpu", runs=(("small", 32, 8_500, SMALL_BPE),)),
+    "fp32": dict(gpu="h200", runs=(("gpt2", 16, 54_461, {}),), compiled=False),
+    "cpu": dict(gpu="cpu", runs=(("small", 32, 8_500, SMALL_BPE),), compiled=False),
 }
 
 # train.py's loop over the lean step, a microbatch (docs/results.md, one H200, GPT-2
@@ -280,6 +295,18 @@ SELECTIVE_SLOWDOWN = 67.6 / 49.8
 # precision table). The batches differ; compiled B = 64 runs within 1% of B = 32, so
 # the batch explains little of the 1.57x.
 EAGER_SLOWDOWN = 515_639 / 328_679
+
+
+def calibration_row(dtype: str, gpu: str) -> str:
+    """CALIBRATION's key that a plan in `dtype` on `gpu` is fitted on."""
+    return "cpu" if gpu.lower() == "cpu" else dtype
+
+
+def eager_slowdown(dtype: str, gpu: str, compiled: bool) -> float:
+    """The factor on a step's kernels run without torch.compile (train.py's default,
+    and zb1 always): EAGER_SLOWDOWN where the fitted runs were compiled, else 1."""
+    fitted_compiled = CALIBRATION[calibration_row(dtype, gpu)]["compiled"]
+    return EAGER_SLOWDOWN if fitted_compiled and not compiled else 1.0
 
 
 def width_efficiency(points=ROOFLINE["matmul"]) -> tuple[float, float]:

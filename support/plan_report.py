@@ -15,6 +15,9 @@ GIB = 2**30
 MIB = 2**20
 KNOBS = ("tp", "pp", "cp", "zero", "recompute", "micro_batch", "schedule")
 RECOMPUTE = ("none", "selective", "full")  # 06b's modes, least recomputation first
+# The rows a measured run checks: the H200's own (fitted on), the published A100 and
+# H100 runs (docs/planning.md), and the CPU's (fitted on). Others are extrapolated.
+CHECKED = ("h200", "a100", "h100", "cpu")
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ def grid_problem(lay: Layout, batch: int, n_gpus: int) -> str | None:
         return f"zero {lay.zero} needs a stage 0-3, dp > 1 and, at 3, pp 1"
     if lay.sequence_parallel and lay.tp == 1:
         return "sequence parallelism needs tp > 1"
+    if lay.schedule == "zb1" and lay.pp == 1:  # train.py's line (support/config)
+        return "--schedule zb1 splits PP's backward, but --pp is 1: it would do nothing"
     return None
 
 
@@ -161,7 +166,7 @@ def layouts(config, batch: int, n_gpus: int, gpus_per_node: int, T=None):
         dp = n_gpus // (tp * pp * cp)
         if n_gpus % (tp * pp * cp) or tp * cp > gpus_per_node or batch % dp:
             continue
-        if config.n_head % tp or pp > config.n_layer or T % (2 * cp):
+        if config.n_head % tp or pp > config.n_layer or cp > 1 and T % (2 * cp):
             continue
         schedules = (
             [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zb1", 1)]
@@ -325,6 +330,9 @@ def print_search(plans: list, args, fit_share: float, config, count_params) -> N
     what = f"{args.gpus} x {args.gpu} ({args.gpus_per_node} a node)"
     T = config.block_size
     print(f"on {what}, batch {args.batch_size} x {T}, {args.dtype}:")
+    if args.gpu.lower() not in CHECKED:  # docs/planning.md, "Checked against ..."
+        fitted = "e(C) and the bytes a token are the H200's"
+        print(f"no published run checks the {args.gpu} row: {fitted}")
     share = f"{fit_share:.0%} of {size(gpu.memory)}"
     print(f"{len(plans)} layouts, {len(fit)} fit in {share}; the fastest:")
     for i, p in enumerate(fit[: args.top]):

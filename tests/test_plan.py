@@ -13,12 +13,14 @@ and one step runs. Then, per rank:
   among them;
 - the bytes kept for backward at the pipeline's peak, counted as 06b counts them
   (support/activations.saved_activation_bytes per chunk, replayed in the order the
-  step's Events ran), are within 10% of plan's, and the microbatches alive then equal
-  05's count.
+  step's Events ran; zb1's W queue from each B to its W, which equals 05c's
+  stage_w_bytes at tp 1 and 2), are within 5% of plan's (10% under full
+  recomputation), and the microbatches alive then equal 05's count. Two layouts run
+  under CPU autocast in bf16: autocast's weight copies, one per microbatch in flight.
 Then each time and memory term is computed by hand on a small GPT and compared. The GPU
 half checks plan against the H200 runs in docs/results.md (hard-coded, each with its
 source line: they are measurements, not outputs of the planner): the runs the roofline
-is not fitted on within 10%.
+is not fitted on within 5% (tokens/s) and 10% (memory).
 """
 
 import importlib
@@ -48,6 +50,7 @@ sched_lib = importlib.import_module("05b_schedules")
 recompute_lib = importlib.import_module("06b_recompute")
 zero_lib = importlib.import_module("07_zero")
 cp_lib = importlib.import_module("08_context_parallel")
+zb_lib = importlib.import_module("05c_zero_bubble")
 
 Layout = plan_lib.Layout
 CONFIG = dict(n_layer=4, n_head=4, n_embd=64, block_size=32, vocab_size=256)
@@ -78,6 +81,9 @@ LAYOUTS = {
         "pp full": Layout(pp=2, micro_batch=B, recompute="full"),
         "cp": Layout(cp=2, micro_batch=B),
         "cp full": Layout(cp=2, micro_batch=B, recompute="full"),
+        "pp zb1": Layout(pp=2, micro_batch=B, schedule="zb1"),
+        "pp bf16": Layout(pp=2, micro_batch=B),
+        "pp zb1 bf16": Layout(pp=2, micro_batch=B, schedule="zb1"),
     },
     4: {
         "dp zero 3": Layout(dp=4, zero=3, micro_batch=B),
@@ -85,8 +91,10 @@ LAYOUTS = {
         "pp 1f1b": Layout(pp=4, micro_batch=B),
         "tp pp": Layout(tp=2, pp=2, micro_batch=B),
         "tp pp sp": Layout(tp=2, pp=2, micro_batch=B, sequence_parallel=True),
+        "tp pp zb1": Layout(tp=2, pp=2, micro_batch=B, schedule="zb1"),
     },
 }
+BF16 = {"pp bf16", "pp zb1 bf16"}  # run under CPU autocast (05b's dtype), planned bf16
 
 
 def gpt_config():
@@ -166,6 +174,7 @@ def build(layout: Layout, rank: int, world: int):
         cp_lib.apply_context_parallel(model, grid.cp_group)
     if layout.pp > 1:
         chunks = pp_lib.split_model(model, grid.pp_rank, grid.pp, layout.virtual_stages)
+        zb_lib.split_for_schedule(chunks, layout.schedule)  # zb1: B and W split (05c)
         tied = [pp_lib.tied_parameter(c) for c in chunks]
         opt = torch.optim.AdamW(adamw_groups(chunks, tied, 0.1), **kw)
         return nn.ModuleList(chunks), chunks, opt, grid
@@ -182,8 +191,9 @@ def rows_sent(layout: Layout) -> int:
     return T // layout.tp if layout.sequence_parallel else T
 
 
-def step(layout, chunks, batch, grid):
-    """One step's forward and backward; -> (bytes kept for backward, Events or None)."""
+def step(layout, chunks, batch, grid, dtype=None):
+    """One step's forward and backward; -> (bytes kept for backward, Events or None).
+    dtype: autocast's in 05b's forwards (a pipeline's only here)."""
     if layout.cp > 1:  # 08's cp_step, its forward counted: this rank's zigzag chunks
         model = chunks[0]
         rank = grid.cp_rank
@@ -196,6 +206,7 @@ def step(layout, chunks, batch, grid):
     if layout.pp > 1:
         m = len(batch[0]) // B
         kw = dict(embed_group=grid.embed_group, act_shape=(B, rows_sent(layout), C))
+        kw["dtype"] = dtype
         args = (chunks, batch, m, layout.schedule, grid.pp_group)
         return None, sched_lib.pipeline_step(*args, **kw)
     (_, loss), kept = saved_activation_bytes(lambda: chunks[0](*batch))
@@ -203,24 +214,35 @@ def step(layout, chunks, batch, grid):
     return kept, None
 
 
-def chunk_bytes(chunk, batch, layout) -> int:
-    """Bytes one microbatch keeps for backward in one pipeline chunk (06b's count)."""
+def chunk_bytes(chunk, batch, layout, dtype=None) -> tuple[int, int]:
+    """(bytes one microbatch keeps for backward in one pipeline chunk (06b's count),
+    the bytes 05c's W queue then keeps from its B to its W (0 unless split)), its
+    forward under its own autocast context, as 05b runs each."""
     x, y = (t[:B] for t in batch)
     rows = rows_sent(layout)
     inp = x if chunk.is_first else torch.zeros(B, rows, C, requires_grad=True)
 
     def forward():
-        out = chunk(inp)
+        with torch.autocast("cpu", dtype or torch.bfloat16, enabled=dtype is not None):
+            out = chunk(inp)
         return chunk.loss_fn(out, y, "sum") if chunk.is_last else out
 
-    return saved_activation_bytes(forward)[1]
+    out, kept = saved_activation_bytes(forward)
+    queue = getattr(chunk, "weight_grads", None)
+    if queue is None:
+        return kept, 0
+    out.backward(torch.ones_like(out))  # B: the queue fills with what W reads
+    w = queue.nbytes()
+    for mb in list(queue.pending):  # W (keyed by the step's last mb), emptying it
+        queue.run(mb)
+    return kept, w
 
 
-def measure(rank: int, world: int, layout: Layout) -> dict:
+def measure(rank: int, world: int, layout: Layout, dtype=None) -> dict:
     module, chunks, opt, grid = build(layout, rank, world)
     rows = batch_size(layout) // layout.dp  # DP: this rank's rows
     batches = model_lib.byte_batches(T, rows, 2, seed=grid.dp_rank)
-    step(layout, chunks, batches[0], grid)  # AdamW's state exists after one
+    step(layout, chunks, batches[0], grid, dtype)  # AdamW's state exists after one
     opt.step()
     opt.zero_grad(set_to_none=True)
     gathered = [0]  # ZeRO-3: 07's whole flats alive, seen at every module's forward
@@ -232,7 +254,7 @@ def measure(rank: int, world: int, layout: Layout) -> dict:
     for m in module.modules() if layout.zero == 3 else []:
         m.register_forward_hook(sample)
     with Counter() as counter:
-        kept, result = step(layout, chunks, batches[1], grid)
+        kept, result = step(layout, chunks, batches[1], grid, dtype)
         memory = zero_lib.memory_per_rank(module, opt)  # after backward, as 07 counts
         opt.step()
     memory["gathered"] = max(gathered)
@@ -240,26 +262,30 @@ def measure(rank: int, world: int, layout: Layout) -> dict:
     if result is None:
         out.update(activations=kept, alive=1)
         return out
-    sizes = [chunk_bytes(c, batches[1], layout) for c in chunks]
+    sizes = [chunk_bytes(c, batches[1], layout, dtype) for c in chunks]
     alive = 0
     peak = 0
-    for e in result.events:  # the order the step ran its forwards and backwards in
-        alive += sizes[e.chunk] if e.op == "F" else -sizes[e.chunk]
+    for e in result.events:  # the order the step ran its F, B (and zb1's W) in
+        kept, w = sizes[e.chunk]
+        alive += {"F": kept, "B": w - kept, "W": -w}[e.op]
         peak = max(peak, alive)
     out.update(activations=peak, alive=result.peak_in_flight)
+    out["w"] = [w for _, w in sizes]
     return out
 
 
-def _case(layout):
+def _case(layout, dtype):
     def case(rank, world):
-        return measure(rank, world, layout)
+        return measure(rank, world, layout, dtype)
 
     return case
 
 
 def world_cases(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    cases = {name: _case(layout) for name, layout in LAYOUTS[world].items()}
+    items = LAYOUTS[world].items()
+    dtype = {True: torch.bfloat16, False: None}
+    cases = {name: _case(lay, dtype[name in BF16]) for name, lay in items}
     return run_cases(rank, world, cases)
 
 
@@ -275,7 +301,8 @@ def test_plan_equals_the_bytes_of_real_steps(world):
     for name, layout in LAYOUTS[size].items():
         got = case_results(per_rank, name)
         args = (config, layout, batch_size(layout), "cpu", size)
-        p = plan_lib.plan(*args, seq_len=T, dtype="fp32")
+        dtype = "bf16" if name in BF16 else "fp32"
+        p = plan_lib.plan(*args, seq_len=T, dtype=dtype)
         for rank, measured in enumerate(got):
             pp_rank = rank // (size // layout.pp)  # the grid's slowest axis
             want = p.ranks[pp_rank]
@@ -292,14 +319,22 @@ def test_plan_equals_the_bytes_of_real_steps(world):
                 expected["all_reduce"] += expected.pop("reduce_scatter")
                 expected["reduce_scatter"] = 0
             assert measured["collectives"] == expected, f"{where}: collectives"
-            # 10%: 06b's formula is exact for a whole GPT; a TP rank's loss keeps a few
-            # (B, T)-sized tensors it does not list (the vocab-parallel max and sums).
+            # 06b's formula is exact for a whole GPT; a TP rank's loss keeps a few
+            # (B, T)-sized tensors it does not list (the vocab-parallel max and sums),
+            # and SP's split of them is counted whole: 5% (seen: at most 2.9%, tp sp at
+            # world 4). Full recomputation keeps little, so those small gaps weigh
+            # more: 10% (seen: 7.9%, tp sp full; 5.1%, pp full's stage 0).
             predicted = want["memory"]["activations"]
             kept = measured["activations"]
-            assert abs(kept - predicted) <= 0.1 * kept, (
+            tolerance = 0.1 if layout.recompute == "full" else 0.05
+            assert abs(kept - predicted) <= tolerance * kept, (
                 f"{where}: {kept} vs {predicted}"
             )
             assert measured["alive"] == want["in_flight"], f"{where}: in flight"
+            if layout.schedule == "zb1":  # 05c's W queue, each TP rank's share too
+                a = plan_lib.BYTES[dtype]
+                shape = (B, T, layout.pp, pp_rank, a, layout.tp)
+                assert measured["w"] == [zb_lib.stage_w_bytes(config, *shape)], where
 
 
 # ------------------------------------------------------------ the GPU runs
@@ -332,8 +367,10 @@ def test_plan_predicts_the_h200_runs_within_10_percent(
     preset, batch, tokens_per_s, peak_gib
 ):
     p = h200_plan(preset, batch)
-    # 10%: the project's target for runs the planner was not calibrated on.
-    assert abs(p.tokens_per_s / tokens_per_s - 1) <= 0.10, p.tokens_per_s
+    # 5% on tokens/s: they hold at 1.3% (124M, B = 64) and 3.6% (large); the project's
+    # target for runs the planner was not fitted on is 10%. Memory within 10%: large's
+    # plan is 6.6% over its allocator's 40.4 GiB (124M's 0.7%).
+    assert abs(p.tokens_per_s / tokens_per_s - 1) <= 0.05, p.tokens_per_s
     assert abs(p.memory["total"] / 2**30 / peak_gib - 1) <= 0.10, p.memory["total"]
 
 
@@ -429,6 +466,33 @@ def test_selective_costs_its_measured_time():
     assert ratio == pytest.approx(67.6 / 49.8, rel=1e-12)
 
 
+def test_a_run_without_compile_is_charged_eagers_kernels():
+    """train.py runs eager unless --compile (zb1 always): plan_run reads cfg.compile, so
+    gpt2-medium pp 4 1f1b's kernels cost EAGER_SLOWDOWN more without it (the bubble
+    scales with them); zb1 costs the same either way. Where the fitted run was eager
+    (the CPU's), no factor."""
+    from support.config import TrainConfig
+
+    config = plan_lib.model_config("gpt2-medium")
+    rates = {}
+    for schedule in ("1f1b", "zb1"):
+        for compiled in (False, True):
+            kw = dict(pp=4, micro_batch_size=4, batch_size=64, compile=compiled)
+            cfg = TrainConfig(model="gpt2-medium", schedule=schedule, **kw)
+            rates[schedule, compiled] = plan_lib.plan_run(cfg, config, "h200")
+    loop = 16 * gpus.TRAINER_OVERHEAD
+    eager, fast = (rates["1f1b", c].time["compute"] - loop for c in (False, True))
+    assert eager == pytest.approx(fast * gpus.EAGER_SLOWDOWN, rel=1e-12)
+    zb1 = [rates["zb1", c].tokens_per_s for c in (False, True)]
+    assert zb1[0] == zb1[1]
+    cpu = plan_lib.model_config("tiny")
+    on_cpu = [
+        plan_lib.plan(cpu, Layout(micro_batch=8), 8, "cpu", 1, dtype="fp32", compiled=c)
+        for c in (False, True)
+    ]
+    assert on_cpu[0].time == on_cpu[1].time
+
+
 def test_ring_bytes_and_memory_of_cp_follow_08():
     """cp 4 x tp 2 on gpt2 at T = 4,096: the ring's bytes are 08's formula by hand
     (E = b T/cp C/tp, forward 2(cp-1)E·2, backward that + 2cp·E·4), every layer and
@@ -459,7 +523,7 @@ def test_chunked_loss_keeps_no_logits():
         dp=1, tp=1, pp=1, zero=0, recompute="none", micro_batch_size=8, batch_size=8
     )
     cfg.__dict__.update(schedule="1f1b", virtual_stages=1, sequence_parallel=False)
-    cfg.__dict__.update(dtype="bf16", lora_rank=0, loss="chunked")
+    cfg.__dict__.update(dtype="bf16", lora_rank=0, loss="chunked", compile=False)
     run = plan_lib.plan_run(cfg, config, "h100")  # train.py's --loss chunked
     assert run.memory == chunked.memory
     best = plan_lib.search(config, 8, "h100", 1, loss="chunked")[0]
@@ -635,6 +699,59 @@ def test_dp_time_of_each_zero_stage(zero):
     assert small_plan(layout, 1).time["dp"] == pytest.approx(want, rel=1e-9)
 
 
+def test_zb1_hides_dp_behind_the_last_w_alone():
+    """zb1 (05c) syncs a chunk's gradients in its last W, a third of a microbatch's
+    compute, not after a whole backward (2/3): beside 1F1B (fp32: the same kernels,
+    the CPU-fitted H100's eager share), dp 2 x pp 2 on the network shows 1/3 more."""
+    plans = {}
+    for schedule in ("1f1b", "zb1"):
+        layout = Layout(dp=2, pp=2, micro_batch=B, schedule=schedule)
+        plans[schedule] = small_plan(layout, 1)
+    assert plans["zb1"].time["compute"] == plans["1f1b"].time["compute"]
+    third = compute_by_hand(layout) / M / 3
+    dp = [plans[s].time["dp"] for s in ("1f1b", "zb1")]
+    assert dp[0] > 0  # partly hidden under 1F1B: the difference is the whole third
+    assert dp[1] - dp[0] == pytest.approx(third, rel=1e-9)
+
+
+def test_zb1_at_pp_1_and_an_odd_block_at_cp_1_are_what_train_py_says():
+    """train.py refuses --schedule zb1 at --pp 1 (support/config); 09 with its line.
+    An odd --block-size splits into no zigzag chunks, but cp 1 splits nothing: both
+    plan it, and 09's search finds layouts for it."""
+    from support import config as train_config
+
+    config = plan_lib.model_config("gpt2")
+    cfg = train_config.TrainConfig(schedule="zb1")
+    with pytest.raises(train_config.ConfigError) as train_says:
+        train_config.check_combinations(cfg)
+    with pytest.raises(plan_lib.PlanError) as plan_says:
+        plan_lib.plan(config, Layout(schedule="zb1", micro_batch=8), 8, "h100", 1)
+    assert str(plan_says.value) == str(train_says.value)
+    train_config.check_data(train_config.TrainConfig(), 1023, lambda *a, **k: None)
+    plan_lib.plan(config, Layout(micro_batch=8), 8, "h100", 1, seq_len=1023)
+    assert plan_lib.search(config, 8, "h100", 1, seq_len=1023)
+    with pytest.raises(train_config.ConfigError, match="--cp 2 cuts a sequence"):
+        train_config.check_data(train_config.TrainConfig(cp=2), 1023, None)
+
+
+def test_when_no_layout_runs_09_says_why(capsys):
+    """Every layout refused (7 GPUs: 12 heads, 6 blocks, T = 1,024 and a batch of 8
+    split over none): 09 prints the plainest layout's reason in one line."""
+    argv = ["--model", "gpt2", "--n-layer", "6", "--gpus", "7", "--batch-size", "8"]
+    with pytest.raises(SystemExit):
+        plan_lib.main(argv)
+    assert "batch 8 is not micro_batch 1 x dp 7 x m" in capsys.readouterr().err
+
+
+def test_09_says_when_no_published_run_checks_the_gpu(capsys):
+    """e(C) and the bytes a token are the H200's fit on every row: only the H200, A100
+    and H100 rows have a measured run beside them (docs/planning.md)."""
+    for gpu, unchecked in (("mi300x", True), ("h100", False)):
+        plan_lib.main(["--model", "gpt2", "--gpus", "1", "--gpu", gpu, "--top", "1"])
+        said = "no published run checks the " in capsys.readouterr().out
+        assert said == unchecked, gpu
+
+
 def test_logits_on_the_last_stage_and_zero_3_holds_the_root_and_two_blocks():
     """The loss's fp32 (b, T, V/tp) logits on the last stage only. ZeRO-3 (07) keeps
     the root gathered through backward and gathers a block while prefetching the next:
@@ -657,7 +774,9 @@ def test_every_micro_batch_that_divides_the_batch_per_dp_rank_is_tried():
 def test_memory_is_what_the_card_reports():
     """nvidia-smi's MiB (support/gpus cites each). gpt2-large at micro-batch 30 on
     one A100 80GB needs 69.4 GiB: over 90% of the datasheet's 80e9 B (67.1 GiB), within
-    90% of the 81,920 MiB the card reports (72.0 GiB): it fits."""
+    90% of the 81,920 MiB the card reports (72.0 GiB): it fits. The list below is a copy
+    of the table's figures, so it pins them against an accidental edit but cannot catch
+    a figure copied wrong from its printout: the comments cite each source instead."""
     MiB = 2**20
     keys = ("h100", "h200", "a100", "a100-40gb", "h100-pcie", "b200", "mi300x")
     cards = [gpus.GPUS[k].memory / MiB for k in keys]
