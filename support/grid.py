@@ -124,14 +124,23 @@ def bound_to_device() -> bool:
     return dist.group.WORLD.bound_device_id is not None
 
 
+def world_timeout():
+    """The timeout init_process_group gave the world (support/distributed passes
+    train.py's --timeout-minutes): a group made without one waits torch's default
+    instead, 10 minutes on NCCL and 30 on gloo, however short the world's."""
+    world = dist.group.WORLD
+    return world._get_backend(world._device_types[0]).options._timeout
+
+
 def new_groups(rank_lists: list):
     """Groups of the ranks in each list (disjoint lists), made in one world-wide call
     when bound (see the top): -> this rank's group, or None if it is in none. Every rank
     passes the same lists."""
+    timeout = world_timeout()  # Not torch's default: the world's (--timeout-minutes).
     if bound_to_device():
-        return dist.split_group(split_ranks=rank_lists)  # one ncclCommSplit
+        return dist.split_group(split_ranks=rank_lists, timeout=timeout)  # one split
     rank = dist.get_rank()
-    groups = [dist.new_group(members) for members in rank_lists]  # no collective here
+    groups = [dist.new_group(m, timeout=timeout) for m in rank_lists]  # no collective
     return next((g for g, m in zip(groups, rank_lists) if rank in m), None)
 
 

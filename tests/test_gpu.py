@@ -15,7 +15,10 @@ own step (`gpu_tests`) on a GPU. About 15 s on an H200.
    (torch.cuda.set_sync_debug_mode("warn") during each step that neither logs, evaluates nor
    checkpoints; tests/test_train_sync.py counts the calls on a CPU, this is the GPU's word);
 8. support/prefetch.py on CUDA: the batches it copied ahead on its side stream equal 01's
-   DataLoader's, in order and after a jump (a resume), on this GPU.
+   DataLoader's, in order and after a jump (a resume), on this GPU;
+9. support/grid.py on NCCL bound to the GPU: its groups come from dist.split_group with the
+   world's timeout (one GPU: one rank's split; two GPUs: build_grid's layouts, one split a
+   dimension, each group the formula's ranks and working).
 """
 
 import importlib
@@ -23,10 +26,15 @@ import signal
 import threading
 import traceback
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
+from tests.test_grid import NAMES, expected_groups, members
 
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
@@ -36,6 +44,9 @@ gpus = importlib.import_module("support.gpus")
 data_lib = importlib.import_module("01_data")
 train = importlib.import_module("train")
 Prefetcher = importlib.import_module("support.prefetch").Prefetcher
+distributed = importlib.import_module("support.distributed")
+grid_lib = importlib.import_module("support.grid")
+pipe = importlib.import_module("05_pipeline")
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.skipif(
@@ -221,3 +232,76 @@ def test_prefetch_on_cuda_matches_the_loader(char_data, device):
                 assert g.equal(w), f"step {step}"
     finally:
         ahead.close()
+
+
+GRID_TIMEOUT_S = 90.0  # the world's: torch's default for a group is 10 minutes on NCCL
+GRID_LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (pp, dp, tp) on 2 ranks
+
+
+def _grid_on_nccl(rank, world):
+    """NCCL bound to this rank's GPU (support/distributed's init, as train.py's): one rank
+    splits the world into [[0]]; two build each of GRID_LAYOUTS's grids. For each: whether
+    the world is bound, the timeout each split_group got, each group's ranks, its NCCL
+    timeout and an all-reduce of ones over it (its size: the communicator works)."""
+    distributed.init_distributed(GRID_TIMEOUT_S)
+    real_split, splits = dist.split_group, []
+
+    def split_group(*args, **kwargs):
+        splits.append(kwargs.get("timeout"))
+        return real_split(*args, **kwargs)
+
+    def facts(groups: dict) -> dict:
+        out = {}
+        for name, group in groups.items():
+            if group is None:
+                continue
+            ones = torch.ones(1, device="cuda")
+            dist.all_reduce(ones, group=group)
+            backend = group._get_backend(torch.device("cuda"))
+            out[name] = (members(group), backend.options._timeout, int(ones.item()))
+        return out
+
+    dist.split_group = split_group
+    try:
+        bound = dist.group.WORLD.bound_device_id is not None
+        if world == 1:  # build_grid makes no group at world 1: split the world itself.
+            return {"one": (bound, list(splits), facts({"g": grid_lib.new_groups([[0]])}))}
+        out = {}
+        for pp, dp, tp in GRID_LAYOUTS:
+            del splits[:]
+            grid = grid_lib.build_grid(pp, dp, tp, rank, world, pipe.embedding_group)
+            groups = {name: getattr(grid, name) for name in NAMES}
+            out[pp, dp, tp] = (bound, list(splits), facts(groups))
+        return out
+    finally:
+        dist.split_group = real_split
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_grid_splits_nccl_with_the_worlds_timeout(world):
+    """Bound to a GPU (init_process_group's device_id), support/grid makes each dimension's
+    groups in one dist.split_group, passing the world's timeout: every group's NCCL
+    communicator holds GRID_TIMEOUT_S, not torch's 10 minutes, and sums over its ranks.
+    At 2 ranks each layout's groups are tests/test_grid.py's formula's, one split a
+    dimension (tp, dp, pp, and the embedding pairs at pp 2). tests/test_grid.py checks the
+    same on gloo with split_group faked; this is NCCL's own word."""
+    found = torch.cuda.device_count()
+    if found < world:
+        pytest.skip(f"needs {world} GPUs (NCCL runs one rank a GPU), found {found}")
+    want_timeout = timedelta(seconds=GRID_TIMEOUT_S)
+    results = run_ranks(_grid_on_nccl, world, init=False, timeout=180)
+    for rank, res in enumerate(results):
+        for layout, (bound, splits, groups) in res.items():
+            assert bound, f"{layout}: the world is not bound to a GPU"
+            assert splits and all(t == want_timeout for t in splits), f"{layout}: {splits}"
+            for name, (ranks, timeout, total) in groups.items():
+                assert timeout == want_timeout, f"{layout} {name}: {timeout}"
+                assert total == len(ranks), f"{layout} {name}: summed {total} over {ranks}"
+            if layout == "one":
+                assert groups["g"][0] == [0], groups
+                continue
+            pp, dp, tp = layout
+            want = expected_groups(rank, pp, dp, 1, tp)  # None: no group (cp, embed_group)
+            got = {k: v[0] for k, v in groups.items()}
+            assert got == {k: v for k, v in want.items() if v}, f"{layout}, rank {rank}"
+            assert len(splits) == 3 + (pp > 1), f"{layout}: {len(splits)} world-wide calls"

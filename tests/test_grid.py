@@ -14,11 +14,13 @@ refuses an unbound world), recording what each rank passed; the unbound path is 
 
 import importlib
 import itertools
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from support import grid as grid_lib
-from tests.distributed import run_ranks
+from tests.distributed import GRACE_S, run_ranks
 
 pipe = importlib.import_module("05_pipeline")
 
@@ -135,3 +137,62 @@ def test_every_dimension_is_one_world_wide_split_and_the_groups_are_the_old_ones
             assert embed_lists == calls[0][2][1], "pp 2: the pairs are the PP groups"
         if pp == 4:
             assert embed_lists == [[0, 6], [1, 7]], embed_lists
+
+
+def _build_on_the_world(rank, world):
+    """A (pp 2) grid on 2 ranks, unbound, then with the world's own bound_device_id set (the
+    check bound_to_device reads; the helper itself not replaced), dist.split_group faked as
+    in _build_all. For each: the groups' ranks and the timeout every new_group and
+    split_group was given."""
+    real_new_group, real_split = dist.new_group, dist.split_group
+    world_pg = dist.group.WORLD
+    calls = []
+
+    def unbound_new_group(ranks):  # Bound, new_group would split the world: gloo cannot.
+        device, world_pg.bound_device_id = world_pg.bound_device_id, None
+        try:
+            return real_new_group(ranks)
+        finally:
+            world_pg.bound_device_id = device
+
+    def new_group(ranks, timeout=None, **kwargs):
+        calls.append(("new_group", timeout))
+        return unbound_new_group(ranks)
+
+    def split_group(parent_pg=None, split_ranks=None, timeout=None, **kwargs):
+        calls.append(("split_group", timeout))
+        made = [unbound_new_group(r) for r in split_ranks]
+        return next((g for g, r in zip(made, split_ranks) if rank in r), None)
+
+    dist.new_group, dist.split_group = new_group, split_group
+    out = {}
+    try:
+        for bound in (False, True):
+            # Any GPU index: a gloo world only holds it (split_group is faked).
+            world_pg.bound_device_id = torch.device("cuda:0") if bound else None
+            del calls[:]
+            grid = grid_lib.build_grid(2, 1, 1, rank, world, pipe.embedding_group)
+            out[bound] = ({name: members(getattr(grid, name)) for name in NAMES}, list(calls))
+    finally:
+        world_pg.bound_device_id = None
+        dist.new_group, dist.split_group = real_new_group, real_split
+    return out
+
+
+def test_a_bound_world_splits_and_every_group_waits_the_worlds_timeout():
+    """The world's own bound_device_id (not the helper bound_to_device) picks the path: set,
+    each dimension is one split_group (tp, dp, pp and the embedding pairs: 4) and no
+    new_group; unset, new_group only. Either way every call carries the world's timeout
+    (run_ranks's, 55 s here), not torch's default (10 minutes on NCCL, 30 on gloo), so a
+    hung DP, PP or TP collective fails as soon as a world-wide one would. The groups are the
+    formula's on both paths."""
+    timeout = 60.0
+    results = run_ranks(_build_on_the_world, 2, timeout=timeout)
+    world_timeout = timedelta(seconds=max(5.0, timeout - GRACE_S))  # run_ranks's own rule
+    for rank, res in enumerate(results):
+        for bound, op in ((False, "new_group"), (True, "split_group")):
+            groups, calls = res[bound]
+            assert groups == expected_groups(rank, 2, 1, 1, 1), f"bound {bound}"
+            assert {o for o, _ in calls} == {op}, f"bound {bound}: {calls}"
+            assert all(t == world_timeout for _, t in calls), f"bound {bound}: {calls}"
+        assert len(res[True][1]) == 4, res[True][1]
