@@ -215,9 +215,12 @@ def test_resume_on_another_layout_continues_as_that_layout_would(dp4, data_dir, 
     3..5. Same weights, AdamW state, step and data position: the losses, gradient norms
     and final weights equal the source's to fp32 rounding (both layouts equal one process
     to rounding; 3 AdamW steps keep that below 1e-4 relative on a loss of ~5, test_train's
-    tolerance). Moments lost on the way, or a batch skipped, are off by far more. The
-    resumed ranks read the global batch of each step as the new dp cuts it, which is the
-    batch the source read: 01's windows are a function of (seed, step), not of dp."""
+    tolerance). Moments lost on the way, or a batch skipped, are off by far more: the loss
+    equality is what proves the resumed run read the source's batches (its data position).
+    The windows check at the end proves less: that 01's loader, by itself, deals each step's
+    global batch alike at the old dp and the new (its windows are a function of (seed,
+    step), not of dp), so the new layout CAN read the source's batches; it reads no batch
+    the resumed run took."""
     tmp, _ = dp4
     if world == 1:
         resumed, out = _resume(0, 1, data_dir, str(tmp), source, flags)
@@ -234,6 +237,7 @@ def test_resume_on_another_layout_continues_as_that_layout_would(dp4, data_dir, 
     theirs = torch.load(tmp / source / "model.pt", weights_only=True)["model"]
     for key, value in theirs.items():
         torch.testing.assert_close(mine[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    # 01's loader alone (see above): the resumed run's batches are proven by the losses.
     for step in (3, 4, 5):
         assert windows(step, new_dp, data_dir) == windows(step, old_dp, data_dir), step
 

@@ -484,15 +484,16 @@ class Counted:
 
 
 def case_in_flight(rank, world):
-    """ZeRO-2 and 3 at in_flight K = 1, 2, 3, one backward each: at each reduce-scatter's
-    launch, how many are in flight, it included (launched and not yet waited: counted by
-    wrapping 07's comm, not read from 07's own list), whether backward was still running,
-    and then the gradient pieces."""
+    """ZeRO-2 and 3 at in_flight K = 1, 2 (not set: the default) and 3, one backward each:
+    at each reduce-scatter's launch, how many are in flight, it included (launched and not
+    yet waited: counted by wrapping 07's comm, not read from 07's own list), whether
+    backward was still running, and then the gradient pieces."""
     out = {}
     for stage in (2, 3):
         for k in (1, 2, 3):
             model, wrapper, opt = make(stage)
-            wrapper.in_flight = k
+            if k != 2:  # K = 2 is left to 07's default, what train.py's wrappers get.
+                wrapper.in_flight = k
             in_flight = [0]  # launched, not yet waited
             seen = []
             real = opt.comm.reduce_scatter
@@ -1021,8 +1022,10 @@ def test_zero2_and_3_keep_up_to_in_flight_reduce_scatters_going_at_once(world):
     i-th launch (i = 1..6) the reduce-scatters launched and not yet waited, it included, are
     min(i, K): 07 waits for the oldest only when K are going, so at K = 2 two are in flight
     from the second launch on (before, the gradient hook waited for the previous one first:
-    always 1). Every launch is inside backward; none is left unwaited after it; and the
-    gradient pieces are the same bits at every K (the same sums, only waited later)."""
+    always 1). K = 2 is ZeroDataParallel's default, never set here nor by train.py: a
+    default of 1 makes K = 2's counts 1s, and fails. Every launch is inside backward; none is
+    left unwaited after it; and the gradient pieces are the same bits at every K (the same
+    sums, only waited later)."""
     for res in results(world, "in_flight"):
         for stage in (2, 3):
             for k in (1, 2, 3):
