@@ -50,9 +50,9 @@ import regex
 import tiktoken
 import torch
 
-from support import data_flags, sources, splitmix, token_files
 from support import files as files_lib
-from support.sources import split_document, val_cut
+from support.data import data_flags, sources, splitmix, token_files
+from support.data.sources import split_document, val_cut
 
 # GPT-2's pre-tokenization, as tiktoken's: 's 't 're 've 'm 'll 'd, ?letters, ?digits,
 # ?other symbols, trailing whitespace, whitespace before a space, a single whitespace.

@@ -46,8 +46,8 @@ from pathlib import Path
 import numpy as np
 import regex
 
-from support import data_flags
-from support.splitmix import splitmix64
+from support.data import data_flags
+from support.data.splitmix import splitmix64
 
 data = importlib.import_module("01_data")  # prepare, run: the pipeline this cleans
 

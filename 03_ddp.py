@@ -49,8 +49,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from support import distributed
+from support.ddp.gloo_exit import Collectives
 from support.distributed import print0
-from support.gloo_exit import Collectives
 
 model_lib = importlib.import_module("02_model")
 
@@ -175,7 +175,7 @@ class DataParallel(nn.Module):
         # Every collective and hook goes through comm, for one workaround: gloo's worker
         # thread can hold the last reference to a finished collective, and freeing it at
         # interpreter exit aborted 1 in ~15 ZeRO-2 exits on torch 2.13.0 in our CI
-        # (commits 898a44c, 58afab9; support/gloo_exit.py). comm keeps handles a while,
+        # (commits 898a44c, 58afab9; support/ddp/gloo_exit.py). comm keeps handles a while,
         # holds the hooks weakly (a dropped wrapper stops sending) and, once the wrapper
         # is freed, removes them and empties the buckets.
         buffers = [b.buffer for b in self.buckets]

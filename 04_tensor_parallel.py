@@ -53,9 +53,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from support import sharding
 from support.distributed import print0, run_on_ranks
-from support.sharding import gather_logits, relative_diff, shard_param
+from support.tensor_parallel import sharding
+from support.tensor_parallel.sharding import gather_logits, relative_diff, shard_param
 
 model_lib = importlib.import_module("02_model")
 merge_tensors = sharding.merge_tensors  # train.py and the tests call these via 04

@@ -45,10 +45,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from support import sharding
-from support.activations import saved_activation_bytes
 from support.distributed import print0, run_on_ranks
-from support.sharding import relative_diff
+from support.tensor_parallel import sharding
+from support.tensor_parallel.activations import saved_activation_bytes
+from support.tensor_parallel.sharding import relative_diff
 
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")

@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from support import distributed
 from support.distributed import print0
-from support.gantt import plot_timelines
+from support.pipeline.gantt import plot_timelines
 
 pipe = importlib.import_module("05_pipeline")  # split_model, Microbatches, the loops
 model_lib = importlib.import_module("02_model")  # GPT, GPTConfig, byte_batches

@@ -60,7 +60,7 @@ What changed from 05b: a third action, W, in its tables ("zb1"); its executor ca
 the W runner of a chunk split here (`split_weight_grads`), which trains train.py's
 --schedule zb1, eager (torch.compile does not trace the function mode: 09 charges its
 kernels eager's 1.57x) and without --recompute, --loss chunked, SP, CP, LoRA, fp16 or
-gradient compression (support/config's check_zero_bubble). Left out on purpose: ZB-H2
+gradient compression (support/train/config's check_zero_bubble). Left out on purpose: ZB-H2
 (more warm-up forwards, up to 2p-1 microbatches alive on the first stage: about twice
 1F1B's activations, for no bubble at all) and ZB-V (two chunks a rank in a V, p
 microbatches of activations, like ZB-H1's, and no bubble, at interleaving's extra
@@ -81,8 +81,8 @@ from torch.overrides import TorchFunctionMode
 
 from support import distributed
 from support.distributed import print0
-from support.gantt import plot_timelines
-from support.zero_bubble import KeptBytes, ReadAfterEachAction, mib, view_key
+from support.pipeline.gantt import plot_timelines
+from support.pipeline.zero_bubble import KeptBytes, ReadAfterEachAction, mib, view_key
 
 model_lib = importlib.import_module("02_model")  # GPT, GPTConfig, byte_batches
 pipe = importlib.import_module("05_pipeline")  # split_model, bubble_fraction
@@ -345,7 +345,7 @@ def peak_w_bytes(config, b: int, T: int, p: int, m: int, r: int) -> int:
     return min(r + 1, m) * stage_w_bytes(config, b, T, p, r)
 
 
-# What a stage keeps for its backward, measured (support/zero_bubble.py): the tensors
+# What a stage keeps for its backward, measured (support/pipeline/zero_bubble.py): the tensors
 # autograd saved and what its W queue holds, each once, at the end of every action.
 class MeasuredMicrobatches(ReadAfterEachAction, sched.Microbatches):
     """05b's step, reading the stage's KeptBytes at the end of every F, B and W."""

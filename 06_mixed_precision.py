@@ -64,8 +64,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from support.precision import GradScalerState
-from support.precision import fp32 as _fp32
+from support.mixed_precision.precision import GradScalerState
+from support.mixed_precision.precision import fp32 as _fp32
 
 model_lib = importlib.import_module("02_model")
 
@@ -105,7 +105,7 @@ class DynamicLossScaler(GradScalerState):
                                         # steps in a row: S *= growth
 
     It makes GradScaler's decisions; its getters and state_dict keys are GradScaler's
-    (support/precision.py). With enabled=False (for bf16 and fp32) it does nothing:
+    (support/mixed_precision/precision.py). With enabled=False (for bf16 and fp32) it does nothing:
     scale() returns the loss as it is, and step() simply steps."""
 
     def __init__(

@@ -57,10 +57,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 
-from support.activations import note_kept
+from support.tensor_parallel.activations import note_kept
 
 # Re-exported (the "as"): tests and bench/ count the bytes kept through 06b's name.
-from support.activations import saved_activation_bytes as saved_activation_bytes
+from support.tensor_parallel.activations import (
+    saved_activation_bytes as saved_activation_bytes,
+)
 
 model_lib = importlib.import_module("02_model")
 mp_lib = importlib.import_module("06_mixed_precision")  # IGNORE: the padding target

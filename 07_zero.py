@@ -51,8 +51,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from support import distributed
+from support.ddp.gloo_exit import Collectives
 from support.distributed import print0
-from support.gloo_exit import Collectives
 
 model_lib = importlib.import_module("02_model")
 ddp = importlib.import_module("03_ddp")
@@ -159,7 +159,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Every collective goes through comm, for one workaround: gloo's worker thread
         # can hold the last reference to a finished collective, and freeing it at
         # interpreter exit aborted 1 in ~15 ZeRO-2 exits on torch 2.13.0 in our CI
-        # (commits 898a44c, 58afab9). comm keeps handles a while (support/gloo_exit.py).
+        # (commits 898a44c, 58afab9). comm keeps handles a while (support/ddp/gloo_exit.py).
         self.comm = Collectives(self, self.group)
         groups = [
             [p for p in g["params"] if p.requires_grad] for g in self.param_groups

@@ -74,9 +74,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from support import ring, sharding
-from support.activations import saved_activation_bytes
+from support.context_parallel import ring
 from support.distributed import print0, run_on_ranks
+from support.tensor_parallel import sharding
+from support.tensor_parallel.activations import saved_activation_bytes
 
 model_lib = importlib.import_module("02_model")
 mp_lib = importlib.import_module("06_mixed_precision")  # global_token_count

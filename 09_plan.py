@@ -60,13 +60,13 @@ import functools
 import importlib
 import sys
 
-from support import config as train_config
-from support import gpus, plan_report
-from support.gpus import get_gpu, link_of
+from support import gpus
 from support.meta import shapes_only
-from support.plan_report import Layout, Plan, layouts
-from support.run import adamw_groups
-from support.sharding import tp_layout
+from support.plan import plan_report
+from support.plan.plan_report import Layout, Plan, layouts
+from support.tensor_parallel.sharding import tp_layout
+from support.train import config as train_config
+from support.train.run import adamw_groups
 
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")
@@ -377,7 +377,7 @@ def check_layout(config, layout: Layout, batch: int, n_gpus: int, **run) -> int:
         schedule = lay.schedule if lay.pp > 1 else "1f1b"
         sched_lib.check_config(schedule, lay.pp, m, lay.virtual_stages, config.n_layer)
         assert lay.recompute in recompute_lib.RECOMPUTE, f"recompute {lay.recompute!r}"
-        if schedule == "zb1":  # train.py's refusals, its one list (support/config)
+        if schedule == "zb1":  # train.py's refusals, its one list (support/train/config)
             zb1 = train_config.TrainConfig(recompute=lay.recompute, cp=lay.cp, **run)
             zb1.sequence_parallel = lay.sequence_parallel
             train_config.check_zero_bubble(zb1)
@@ -403,7 +403,7 @@ def plan(
     """The memory (its fullest GPU) and time of a step of `batch` sequences of T;
     loss: "plain" (02's) or "chunked" (06b's); trainer=False: the lean step alone;
     compiled=False (train.py without --compile; zb1 always): eager's kernels."""
-    spec = get_gpu(gpu)
+    spec = gpus.get_gpu(gpu)
     T = seq_len or config.block_size
     lay = layout
     run = dict(dtype=dtype, lora_rank=lora_rank, loss=loss)  # zb1's refusals read them
@@ -460,15 +460,15 @@ def wire_seconds(spec, gpus_per_node, lay, groups, compute, attention, m) -> dic
     last W (05c), 1/3 of it. ZeRO-3's m windows hide 1/m each."""
     tp = groups["tp"]
     wire = 2 * tp["all_reduce"] + tp["all_gather"] + tp["reduce_scatter"]
-    t = dict(tp=(lay.tp - 1) / lay.tp * wire / link_of(spec, lay.tp, 1, gpus_per_node))
+    t = dict(tp=(lay.tp - 1) / lay.tp * wire / gpus.link_of(spec, lay.tp, 1, gpus_per_node))
     stride = lay.tp * lay.cp * lay.dp  # a pipeline's neighbours are a grid slice apart
     pp = groups["pp"]["send"] + groups["pp"]["all_reduce"]
-    t["pp"] = pp / link_of(spec, lay.pp, stride, gpus_per_node)
-    ring = groups["cp"]["ring"] / link_of(spec, lay.cp, lay.tp, gpus_per_node)
+    t["pp"] = pp / gpus.link_of(spec, lay.pp, stride, gpus_per_node)
+    ring = groups["cp"]["ring"] / gpus.link_of(spec, lay.cp, lay.tp, gpus_per_node)
     t["cp"] = max(0.0, ring - attention)
     N = lay.dp * lay.cp
     overlapped, exposed = _dp_wire(lay.zero, groups["dp"], N)
-    link = link_of(spec, N, lay.tp, gpus_per_node)
+    link = gpus.link_of(spec, N, lay.tp, gpus_per_node)
     windows = m if lay.zero == 3 else 1
     backward = compute / m * (1 / 3 if lay.schedule == "zb1" else 2 / 3)
     unhidden = windows * max(0.0, overlapped / windows / link - backward)
@@ -491,7 +491,7 @@ def _dp_wire(zero: int, dp: dict, N: int) -> tuple[float, float]:
 
 
 def plan_run(cfg, gpt_config, gpu: str, gpus_per_node: int = 8) -> Plan:
-    """The plan of train.py's settings (cfg: support/config.TrainConfig; gpt_config:
+    """The plan of train.py's settings (cfg: support/train/config.TrainConfig; gpt_config:
     the model it builds): train.py --plan prints it, and its first log lines."""
     cpu = gpu.lower() == "cpu"
     dtype = "fp32" if cfg.dtype == "fp32" or cfg.dtype == "auto" and cpu else "bf16"
@@ -575,7 +575,7 @@ def main(argv=None) -> None:
     try:
         if not argv:
             worked_example()
-        get_gpu(args.gpu)
+        gpus.get_gpu(args.gpu)
         if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
             nodes = f"whole nodes of {args.gpus_per_node}"
             raise PlanError(f"{args.gpus} GPUs are not {nodes}")

@@ -43,14 +43,14 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from support import checkpoint, config, distributed, recipe, run_log, vocab
-from support import export as export_lib
+from support import distributed
 from support import grid as grid_lib
-from support import run as run_lib
-from support.config import ConfigError, TrainConfig, parse_args
-from support.prefetch import Prefetcher
-from support.run import Run
-from support.lr_schedule import LR_SCHEDULES, lr_at  # warm-up, then a decay
+from support.train import checkpoint, command_line, config, recipe, run_log, vocab
+from support.train import export as export_lib
+from support.train.config import ConfigError, TrainConfig
+from support.train.lr_schedule import LR_SCHEDULES, lr_at  # warm-up, then a decay
+from support.train.prefetch import Prefetcher
+from support.train.run import Run, adamw_groups, describe
 
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
@@ -78,7 +78,7 @@ def resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def check_flags(cfg: TrainConfig, world_size: int) -> None:
-    """support/config's checks that need no file, given the lessons' choices and 05b's
+    """support/train/config's checks that need no file, given the lessons' choices and 05b's
     pipeline check (a known schedule, virtual stages only interleaved, ...)."""
     choices = {
         "dtype": ("auto", *mp_lib.DTYPES),
@@ -119,7 +119,7 @@ def validate(cfg: TrainConfig, world_size: int, rank: int = 0, plan: bool = Fals
         if fewer and rank == 0:  # Rows beyond the checkpoint's: from the init.
             print(fewer)
     checkpoint.check_out_dir(cfg)
-    config.check_resume_shape(cfg, gpt_config)  # Another shape: one line, up front.
+    checkpoint.check_resume_shape(cfg, gpt_config)  # Another shape: one line, up front.
     return gpt_config
 
 
@@ -160,7 +160,7 @@ def build_chunks(cfg: TrainConfig, gpt_config, grid: grid_lib.Grid, device) -> l
         for name, t in model.state_dict().items():  # Detached: t shares the storage.
             t[: len(weights[name])].copy_(weights[name][: len(t)])
         pretrained.cache_clear()  # Its memory back.
-    vocab.grow_rows(model, gpt_config)  # TP's padding: zero rows (support/vocab).
+    vocab.grow_rows(model, gpt_config)  # TP's padding: zero rows (support/train/vocab).
     if cfg.lora_rank:  # The base frozen as loaded; A alike on every rank (this seed).
         model_lib.apply_lora(model, cfg.lora_rank, cfg.lora_alpha)
     if grid.tp > 1:  # 04's split; with --sequence-parallel, 04b's, built on it.
@@ -191,7 +191,7 @@ def data_parallel(cfg: TrainConfig, chunks: list, grid: grid_lib.Grid, device):
     parallelism at --zero's stage. Returns (DP-wrapped chunks, optimizer, what the
     scaler steps)."""
     tied = [pp_lib.tied_parameter(c) for c in chunks] if grid.pp > 1 else []
-    groups = run_lib.adamw_groups(chunks, tied, cfg.weight_decay)
+    groups = adamw_groups(chunks, tied, cfg.weight_decay)
     AdamW = torch.optim.AdamW
     kw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
     if cfg.zero:  # (dp > 1: checked) One ZeroOptimizer over every chunk's units.
@@ -223,7 +223,7 @@ def build_run(cfg: TrainConfig, gpt_config, grid: grid_lib.Grid, device) -> Run:
     scaler = mp_lib.make_scaler(dtype)  # Group None: all ranks skip a step together.
     per_rank = cfg.batch_size // cfg.dp  # This DP rank's share of every batch.
     args = (per_rank, T, cfg.seed, grid.dp_rank, cfg.dp)
-    # The next step's batch read, pinned and copied during this one (support/prefetch).
+    # The next step's batch read, pinned and copied during this one (support/train/prefetch).
     # With CP, each rank keeps its 2 zigzag chunks of every sequence (08): (B/dp, T/cp).
     loader = data_lib.DataLoader(cfg.data_dir, "train", *args)
     train = Prefetcher(grid_lib.cp_chunks(loader, grid, cp_lib.zigzag_split), device)
@@ -459,7 +459,7 @@ def train(run: Run) -> None:
 def main(argv=None) -> None:
     # --help lists the lessons' values of these two.
     listed = {"model": tuple(model_lib.PRESETS), "recompute": recompute_lib.RECOMPUTE}
-    cfg, args = parse_args(argv, __doc__.split("\n")[0], listed)
+    cfg, args = command_line.parse_args(argv, __doc__.split("\n")[0], listed)
     if args.export:
         print(f"wrote {export(args.export)}")
         return
@@ -485,7 +485,7 @@ def main(argv=None) -> None:
     rank, _, world, device = distributed.init_distributed(timeout_s)
     try:
         run = build_run(cfg, gpt_config, build_grid(cfg, rank, world), device)
-        distributed.print0(run_lib.describe(run))
+        distributed.print0(describe(run))
         try:
             train(run)
         finally:  # Every exit, preempted too, stops the prefetch thread.

@@ -3,7 +3,7 @@
 On 4 ranks (torchrun, started for you; --ranks 2 leaves cp = 4 out), a GPT of 2 layers
 (C = 64, nh = 4, V = 256, fp32) whose context reaches 2,048 tokens, run whole (cp = 1, on each rank), and over CP
 groups of 2 and 4 ranks (08's zigzag ring):
-- activations: the bytes one rank keeps for backward (support/activations.py's
+- activations: the bytes one rank keeps for backward (support/tensor_parallel/activations.py's
   saved_activation_bytes) at T = 256 ... 2,048, against 06b's activation_formula / cp;
 - the ring: the bytes one rank sends per layer in a step, against ring_bytes_per_layer;
 - time: the median forward + backward step at cp = 1, 2, 4, and the share of the ring's
@@ -26,9 +26,10 @@ import torch.distributed as dist
 # The repo root, where the numbered files are.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import timing
-from support import distributed, ring
-from support.activations import saved_activation_bytes
-from support.ring import count_p2p
+from support import distributed
+from support.context_parallel import ring
+from support.context_parallel.ring import count_p2p
+from support.tensor_parallel.activations import saved_activation_bytes
 
 model_lib = importlib.import_module("02_model")
 recompute_lib = importlib.import_module("06b_recompute")  # activation_formula

@@ -27,7 +27,7 @@
    permutation of every window grew ~0.8 MB per MB of text.
 
 `--source` runs [1] to [3] on another text than the standard library: a local file, folder or
-glob, or `shakespeare` (01's source option: support/sources.py downloads tiny-shakespeare once
+glob, or `shakespeare` (01's source option: support/data/sources.py downloads tiny-shakespeare once
 into data/downloads/ when asked, the course's only network use). `--small-kb 20 --vocab-size
 300 --skip-reference` on a small local file only tries the script (tests/test_bench.py).
 """
@@ -52,7 +52,7 @@ from bench import timing  # noqa: E402
 data = importlib.import_module("01_data")
 clean = importlib.import_module("01b_cleaning")
 files_lib = importlib.import_module("support.files")
-sources = importlib.import_module("support.sources")
+sources = importlib.import_module("support.data.sources")
 
 
 def main(argv=None):

@@ -3,7 +3,7 @@ model, on a text the base model never saw.
 
 1. The base: `train.py --model small --tokenizer gpt2` (4 blocks of 128, GPT-2's 50,257-token
    vocabulary) trained for --base-steps on data/stdlib-gpt2 (Python's standard library), exported
-   and written in Hugging Face's GPT-2 layout (support/export.to_hf_state_dict, config.json):
+   and written in Hugging Face's GPT-2 layout (support/train/export.to_hf_state_dict, config.json):
    what `--init-from` reads, as it would read GPT-2's own files.
 2. The new text: this repository's docs/*.md (English prose about training), GPT-2's tokenizer.
 3. --steps of fine-tuning each, from the same base and the same batches: every weight (--lr-full)
@@ -32,7 +32,7 @@ from bench import timing  # noqa: E402
 
 data_lib = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
-export_lib = importlib.import_module("support.export")
+export_lib = importlib.import_module("support.train.export")
 train = importlib.import_module("train")
 
 

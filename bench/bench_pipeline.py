@@ -26,7 +26,7 @@ step after a warm-up) comes out as medians over --steps steps:
 
 Besides the table: the simulator's ideal timelines (05b's `simulate`, t_f = t_b = 1) as
 text, and for every (p, m) a Gantt PNG and a Chrome trace (open it in ui.perfetto.dev)
-of the median step, under --out-dir (support/gantt.py draws both).
+of the median step, under --out-dir (support/pipeline/gantt.py draws both).
 
 Run:  python bench/bench_pipeline.py                 (about 8 minutes on 2 CPU cores)
       python bench/bench_pipeline.py --p 4 --m 8 --figure docs/pipeline_p4_m8.png
@@ -50,7 +50,7 @@ from bench import timing  # noqa: E402
 pp = importlib.import_module("05_pipeline")  # the stages, the loops, the bubble
 sched = importlib.import_module("05b_schedules")  # the tables and their executor
 model_lib = importlib.import_module("02_model")
-from support.gantt import plot_timelines, write_chrome_trace  # noqa: E402
+from support.pipeline.gantt import plot_timelines, write_chrome_trace  # noqa: E402
 from tests.distributed import run_ranks  # noqa: E402
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import timing  # noqa: E402
+from support.train.command_line import parse_args  # noqa: E402
 
 train = importlib.import_module("train")
 
@@ -49,7 +50,7 @@ def draw(results: dict, steps: int, path: Path) -> None:
     fig = Figure(figsize=(11, 4))
     lr_ax, val_ax = fig.subplots(1, 2)
     for name in train.LR_SCHEDULES:
-        cfg, _ = train.parse_args(["--lr-schedule", name, "--max-steps", str(steps)])
+        cfg, _ = parse_args(["--lr-schedule", name, "--max-steps", str(steps)])
         lr_ax.plot([train.lr_at(cfg, s) for s in range(steps)], label=name)
         if (
             name in results

@@ -9,7 +9,7 @@ tp ranks:
   per rank, as a share of the whole model's;
 - time: the median forward + backward step of the whole model (rank 0 alone), of TP, and
   of TP + SP.
-tests/test_tensor_parallel.py checks support/sharding.py's count_comm and comm_formula
+tests/test_tensor_parallel.py checks support/tensor_parallel/sharding.py's count_comm and comm_formula
 against a count derived by hand.
 
 Run:  python bench/bench_tensor_parallel.py [--ranks 2]   (starts torchrun for you; ~30 s)
@@ -28,7 +28,8 @@ import torch.distributed as dist
 # The repo root, where the numbered files are.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import timing
-from support import distributed, sharding
+from support import distributed
+from support.tensor_parallel import sharding
 
 model_lib = importlib.import_module("02_model")
 tp_lib = importlib.import_module("04_tensor_parallel")

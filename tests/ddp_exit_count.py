@@ -10,7 +10,7 @@ why). It counts the jobs whose ranks did not all exit with 0.
 
 Run:  python tests/ddp_exit_count.py [--jobs 100] [--kinds DP,ZeRO-2,DP,ZeRO-3] [--control]
       (about 20 to 30 min per 100 jobs on 2 cores; --control runs as many jobs again with
-      KEEP=0: support/gloo_exit.py keeping no handle, the workaround off)
+      KEEP=0: support/ddp/gloo_exit.py keeping no handle, the workaround off)
 
 The history, all on torch 2.13.0 (CI has pinned torch==2.13.0 since the first commit,
 .ci/constraints.txt). Without a workaround, with this setting, about 6 to 12% of jobs aborted
@@ -25,7 +25,7 @@ removed the workaround and ran this bench (2026-11-29, the 2-core VM loaded by f
 sessions' tests, load 8 to 33): 0 of 100 jobs aborted (DP 0 of 50, ZeRO-2 0 of 25, ZeRO-3 0 of
 25; 2,108 s). That count has little power: at the 1% to 7% a job seen before, 25 ZeRO-2 jobs
 all exit cleanly 78% to 16% of the time, and the rate moves with the load. So the workaround
-is back (support/gloo_exit.py, one object per wrapper), and docs/results.md has the counts.
+is back (support/ddp/gloo_exit.py, one object per wrapper), and docs/results.md has the counts.
 """
 
 import argparse

@@ -7,7 +7,7 @@ and tests/ddp_exit_count.py.
         KINDS: default "DP,ZeRO-2,DP,ZeRO-3", in turn; also fp16 and powersgd (DataParallel
         with 03b_compression.py's hooks)
     BACKEND=nccl: the ranks on cuda:0 and cuda:1 (default gloo, on the CPU)
-    KEEP=0: the control, support/gloo_exit.py keeping no waited handle (the workaround off)
+    KEEP=0: the control, support/ddp/gloo_exit.py keeping no waited handle (the workaround off)
 
 What it catches: a collective launched inside backward whose last reference a gloo worker thread
 drops while Python is finalising. That thread must take the GIL to free the Python object the
@@ -16,7 +16,7 @@ ThreadLocalState); a finalising interpreter ends the thread instead, in the midd
 destructor, and the process aborts with "terminate called without an active exception"
 (SIGABRT). All measured on torch 2.13.0 (CI's pin since the first commit): without a workaround
 about 6% of jobs under load (issue 30), and 1 of 15 ZeRO-2 exits in a CI run (commit 898a44c).
-So 03 and 07 launch every collective through support/gloo_exit.py, which on gloo keeps each
+So 03 and 07 launch every collective through support/ddp/gloo_exit.py, which on gloo keeps each
 waited handle a while and drops what is left at exit from the main thread. Issue 39 counted 0
 of 100 jobs with the workaround removed, too few to clear it (tests/ddp_exit_count.py has the
 counts); this job is the check that no rank aborts.
@@ -58,7 +58,7 @@ zero_lib = importlib.import_module("07_zero")
 SWITCH_S = float(os.environ.get("SWITCH_S", 0.5))  # the amplifier: see rank_main
 BACKEND = os.environ.get("BACKEND", "gloo")
 if os.environ.get("KEEP", "1") == "0":  # the control: the workaround off
-    from support import gloo_exit  # noqa: E402
+    from support.ddp import gloo_exit  # noqa: E402
 
     gloo_exit._keep = lambda work: None
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from support import checkpoint
+from support.train import checkpoint
+from support.train.command_line import parse_args
 from tests.distributed import run_ranks
 from tests.test_train import BASE, data_dir, metrics  # noqa: F401 (data_dir: a fixture)
 
@@ -255,9 +256,9 @@ def test_resume_refuses_other_token_files_in_one_line(dp4, data_dir, tmp_path): 
     out = tmp_path / "run"
     shutil.copytree(tmp / "dp4-zero3" / "checkpoints", out / "checkpoints")
     argv = BASE + SOURCE + ["--out-dir", str(out), "--resume"]
-    cfg, _ = train.parse_args(argv + ["--data-dir", data_dir])
+    cfg, _ = parse_args(argv + ["--data-dir", data_dir])
     checkpoint.check_resume_layout(cfg)  # its own data: fine, on another layout too
-    cfg, _ = train.parse_args(argv + ["--data-dir", str(other)])
+    cfg, _ = parse_args(argv + ["--data-dir", str(other)])
     with pytest.raises(train.ConfigError) as err:
         checkpoint.check_resume_layout(cfg)
     message = str(err.value)

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from support import token_files
+from support.data import token_files
 
 data = importlib.import_module("01_data")
 clean = importlib.import_module("01b_cleaning")
@@ -223,7 +223,7 @@ def test_ngrams_are_the_word_5_grams_written_out_by_hand():
 
 
 def test_minhash_parameters_and_a_signature_are_pinned_across_library_versions():
-    """The hash parameters are splitmix64 integers (support/splitmix.py), not a NumPy
+    """The hash parameters are splitmix64 integers (support/data/splitmix.py), not a NumPy
     Generator's stream, which may change between versions and with it which documents a
     rerun removes. a_0, b_0 and the first signature entries of the worked text were printed
     once and are fixed here; entry 0 is recomputed on Python integers: crc32 per word, the

@@ -7,7 +7,7 @@ blocks of (T/cp)^2 = 16 scores, 1 (the diagonal) + 1/2 (half a block from the ot
 rank) = 1.5 on each rank, where the contiguous split costs rank 0 one block and rank 1
 two.
 
-Then the proofs. In one process, a ring of threads (support/ring.ThreadRing) runs the
+Then the proofs. In one process, a ring of threads (support/context_parallel/ring.ThreadRing) runs the
 lesson's own ring loops in fp64 and must give F.scaled_dot_product_attention(is_causal=
 True)'s output and gradients for both splits, while the blocks and bytes each thread
 computes and sends are counted against the formulas. On gloo, one world of 2 and one of 4
@@ -29,8 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from support.activations import saved_activation_bytes
-from support.ring import ThreadRing, attention_kept_bytes, attention_on_ranks
+from support.context_parallel.ring import (
+    ThreadRing,
+    attention_kept_bytes,
+    attention_on_ranks,
+)
+from support.tensor_parallel.activations import saved_activation_bytes
 from tests.distributed import case_results, nccl_p2p_rules, run_cases, run_ranks
 
 cp_lib = importlib.import_module("08_context_parallel")
@@ -485,7 +489,7 @@ def case_cp_tp(rank, world_size):
         return "4 ranks only"
     tp_lib = importlib.import_module("04_tensor_parallel")
     sp_lib = importlib.import_module("04b_sequence_parallel")
-    sharding = importlib.import_module("support.sharding")
+    sharding = importlib.import_module("support.tensor_parallel.sharding")
     tp_rank = rank % 2
     cp_rank = rank // 2
     tp_groups = [dist.new_group(r) for r in ([0, 1], [2, 3])]

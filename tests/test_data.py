@@ -19,7 +19,8 @@ import tiktoken
 import tiktoken.load
 import torch
 
-from support import files, sources, splitmix, token_files
+from support import files
+from support.data import sources, splitmix, token_files
 
 data = importlib.import_module("01_data")
 EOT = data.EOT
@@ -920,7 +921,7 @@ def test_the_computed_shuffle_spreads_each_position_evenly():
 
 
 def splitmix64_by_hand(seed: int, stream: int, i: int) -> int:
-    """support/splitmix.py's key chain on Python's own integers (no NumPy): splitmix64's step
+    """support/data/splitmix.py's key chain on Python's own integers (no NumPy): splitmix64's step
     x -> mix(x + 0x9E37...), chained over seed, stream and the index, mod 2^64."""
     m = 2**64 - 1
 
@@ -952,7 +953,7 @@ def test_the_shuffle_order_is_pinned_across_library_versions():
 
 PEAK_CHILD = """
 import importlib, sys
-from support import token_files
+from support.data import token_files
 token_files.ENCODE_BATCH_CHARS = 1_000_000  # a small batch: the corpus's share shows early
 importlib.import_module("01_data").main(sys.argv[1:])
 status = open("/proc/self/status").read().splitlines()

@@ -641,7 +641,7 @@ def _freed_wrappers_bucket_bytes(rank, world) -> dict:
 
 def test_a_freed_wrapper_leaves_no_bucket_memory():
     """The bug: anything that outlives a wrapper and holds what it sent (a waited handle,
-    which support/gloo_exit.py keeps a while on gloo against an exit-time abort, or a
+    which support/ddp/gloo_exit.py keeps a while on gloo against an exit-time abort, or a
     Then's closure) keeps the buckets alive, so a script that built wrappers one after
     another kept each freed one's 4Ψ bytes. Freed, a wrapper (model and hook gone too)
     must leave 0 bytes in its buckets' buffers, with the default hook, fp16 (its closure
@@ -709,7 +709,7 @@ def test_ranks_exit_cleanly_after_backward():
     every rank must exit with 0.
     Honestly: this is a plumbing check (every kind builds, trains, drops its wrapper, and
     exits 0), not a proof that can show the abort. All on torch 2.13.0 (CI's pin since the
-    first commit), without the workaround (support/gloo_exit.py keeps waited handles a
+    first commit), without the workaround (support/ddp/gloo_exit.py keeps waited handles a
     while) it struck about one job in 10 to 20 under load in issue 30, and 1 of 15 ZeRO-2
     exits in a CI run (commits 898a44c, 58afab9); issue 39 then ran 0 of 100 jobs without
     it, too few to tell (at 1% to 7% a job, 25 ZeRO-2 jobs are all clean 78% to 16% of the

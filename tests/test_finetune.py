@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tests.distributed import run_ranks
 
 train = importlib.import_module("train")
-to_hf_state_dict = importlib.import_module("support.export").to_hf_state_dict
+to_hf_state_dict = importlib.import_module("support.train.export").to_hf_state_dict
 data = importlib.import_module("01_data")
 model_lib = importlib.import_module("02_model")
 

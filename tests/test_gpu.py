@@ -14,7 +14,7 @@ own step (`gpu_tests`) on a GPU. About 15 s on an H200.
 7. train.py's plain steps make no host-device sync from the project's files, seen by CUDA itself
    (torch.cuda.set_sync_debug_mode("warn") during each step that neither logs, evaluates nor
    checkpoints; tests/test_train_sync.py counts the calls on a CPU, this is the GPU's word);
-8. support/prefetch.py on CUDA: the batches it copied ahead on its side stream equal 01's
+8. support/train/prefetch.py on CUDA: the batches it copied ahead on its side stream equal 01's
    DataLoader's, in order and after a jump (a resume), on this GPU;
 9. support/grid.py on NCCL bound to the GPU: its groups come from dist.split_group with the
    world's timeout (one GPU: one rank's split; two GPUs: build_grid's layouts, one split a
@@ -43,7 +43,7 @@ recompute_lib = importlib.import_module("06b_recompute")
 gpus = importlib.import_module("support.gpus")
 data_lib = importlib.import_module("01_data")
 train = importlib.import_module("train")
-Prefetcher = importlib.import_module("support.prefetch").Prefetcher
+Prefetcher = importlib.import_module("support.train.prefetch").Prefetcher
 distributed = importlib.import_module("support.distributed")
 grid_lib = importlib.import_module("support.grid")
 pipe = importlib.import_module("05_pipeline")
@@ -181,7 +181,7 @@ def test_plain_steps_make_no_sync(char_data, tmp_path):
     """train.py for 12 steps (a log line at steps 0, 10 and 11, no evaluation, no checkpoint),
     every train_step under CUDA's sync debug mode: each synchronizing call warns, in the
     thread that made it, where its stack is read. Steps 1-9 are plain. Syncs in the
-    prefetch thread (support/prefetch.py) stall only that thread, and are listed apart."""
+    prefetch thread (support/train/prefetch.py) stall only that thread, and are listed apart."""
     real_step = train.train_step
     seen = {"ours": [], "torch": [], "prefetch thread": []}
 

@@ -58,14 +58,71 @@ def test_a_lesson_imports_only_lower_numbers_and_support(lesson):
 
 
 def test_support_imports_no_lesson_and_nothing_imports_bench():
-    for path in sorted((ROOT / "support").glob("*.py")):
+    for path in sorted((ROOT / "support").rglob("*.py")):
         for module in imported_modules(path):
-            assert numbered(module) is None, f"support/{path.name} imports {module}"
-            assert not module.startswith(("bench", "train")), f"support/{path.name}: {module}"
+            assert numbered(module) is None, f"{path.relative_to(ROOT)} imports {module}"
+            assert not module.startswith(("bench", "train")), f"{path.name}: {module}"
     outside = [ROOT / "train.py", *ROOT.glob("tests/*.py")]
     for path in outside:
         for module in imported_modules(path):
             assert not module.startswith("bench"), f"{path.name} imports {module}"
+
+
+# support/ by owner. A package named after a parent lesson's stem (support/pipeline/ for
+# 05_pipeline.py) holds that lesson's plumbing and its lettered extensions'; support/train/
+# is train.py's; a module at the top is shared. SHARED lists those, so a new file must
+# choose its owner here.
+SHARED = {"distributed", "files", "gpus", "grid", "meta", "shape"}
+STEMS = {name[3:-3]: numbered(name) for name in LESSONS if numbered(name)[1] == ""}
+TRAIN = (100, "")  # train.py reads after every lesson
+
+
+def owner(module: str) -> tuple[int, str] | None:
+    """Where `module` sits in the reading order: a lesson's place, TRAIN, or None for
+    shared plumbing (and for anything outside support/). A stray module fails here."""
+    parts = module.split(".")
+    if parts[0] != "support" or len(parts) == 1:
+        return None
+    if parts[1] == "train":
+        return TRAIN
+    if parts[1] in STEMS:
+        return STEMS[parts[1]]
+    assert parts[1] in SHARED, f"{module}: no owner (a lesson's package, train/ or SHARED)"
+    return None
+
+
+def test_support_is_grouped_by_owner():
+    top = {p.stem for p in (ROOT / "support").glob("*.py")} - {"__init__"}
+    assert top == SHARED, f"support/'s shared modules changed: {top ^ SHARED}"
+    for folder in (p for p in (ROOT / "support").iterdir() if p.is_dir()):
+        if folder.name != "__pycache__":
+            assert folder.name in {*STEMS, "train"}, f"support/{folder.name}/: whose?"
+            assert (folder / "__init__.py").exists(), f"support/{folder.name}/ is no package"
+    assert owner("support.pipeline.gantt") == (5, "") and owner("support.files") is None
+    assert owner("support.train.config") == TRAIN and STEMS["data"] == (1, "")
+
+
+def importers():
+    """(file, its place in the reading order) for each file the owner rule binds."""
+    for lesson in LESSONS:
+        yield ROOT / lesson, numbered(lesson)
+    yield ROOT / "train.py", TRAIN
+    for path in (ROOT / "support").rglob("*.py"):
+        package = path.relative_to(ROOT / "support").parts[0]
+        yield path, TRAIN if package == "train" else STEMS.get(package, (-1, ""))
+
+
+def test_a_file_imports_support_only_of_its_owner_or_earlier():
+    """Lesson N imports a package of lesson <= N (04b may read 04's sharding); a shared
+    module imports shared ones only; 09_plan.py may read train/ (it plans train.py's
+    settings), no other lesson may. Move support/train/config.py's import into 07 and
+    this goes red."""
+    for path, place in importers():
+        for module in imported_modules(path):
+            mine = owner(module)
+            if mine is None or (path.name == "09_plan.py" and mine == TRAIN):
+                continue
+            assert mine <= place, f"{path.relative_to(ROOT)} imports {module}"
 
 
 BENCH = sorted((ROOT / "bench").glob("*.py"))

@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-from support import config
 from support.grid import Grid
+from support.train.command_line import parse_args
 from tests.distributed import run_ranks
 from tests.test_finetune import FLAGS, checkpoint, gpt2_data  # noqa: F401 - fixtures
 
@@ -26,7 +26,7 @@ model_lib = importlib.import_module("02_model")
 def built_wpe(argv) -> tuple[torch.Tensor, object]:
     """The wpe train.py builds for these flags on one process, before any step:
     validate's checks (which print the positions line), then build_chunks."""
-    cfg, _ = config.parse_args(argv)
+    cfg, _ = parse_args(argv)
     gpt_config = train.validate(cfg, 1)
     chunks = train.build_chunks(cfg, gpt_config, Grid(), torch.device("cpu"))
     return chunks[0].transformer.wpe.weight.detach().clone(), gpt_config
@@ -111,7 +111,7 @@ def test_lora_on_a_shorter_checkpoint_is_one_line(
     message = str(e.value)
     assert "\n" not in message
     assert "has 64 positions; --lora-rank freezes wpe, so positions 64..127" in message
-    cfg, _ = config.parse_args(lora + ["--block-size", "64"])
+    cfg, _ = parse_args(lora + ["--block-size", "64"])
     assert train.validate(cfg, 1).block_size == 64
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 model_lib = importlib.import_module("02_model")
-to_hf_state_dict = importlib.import_module("support.export").to_hf_state_dict
+to_hf_state_dict = importlib.import_module("support.train.export").to_hf_state_dict
 meta_lib = importlib.import_module("support.meta")
 shapes_only = meta_lib.shapes_only
 GPT, GPTConfig = model_lib.GPT, model_lib.GPTConfig

@@ -9,10 +9,10 @@ and one step runs. Then, per rank:
   that exist after a backward) equal plan's exactly, and so do ZeRO-3's whole flats at
   their most (seen at every module's forward: the root and two blocks);
 - the payload bytes handed to each collective during the step (the dist functions
-  wrapped, as support/sharding.count_comm does) equal plan's exactly, 08's ring's sends
+  wrapped, as support/tensor_parallel/sharding.count_comm does) equal plan's exactly, 08's ring's sends
   among them;
 - the bytes kept for backward at the pipeline's peak, counted as 06b counts them
-  (support/activations.saved_activation_bytes per chunk, replayed in the order the
+  (support/tensor_parallel/activations.saved_activation_bytes per chunk, replayed in the order the
   step's Events ran; zb1's W queue from each B to its W, which equals 05c's
   stage_w_bytes at tp 1 and 2), are within 5% of plan's (10% under full
   recomputation), and the microbatches alive then equal 05's count. Two layouts run
@@ -36,8 +36,8 @@ import torch.nn as nn
 
 from support import gpus
 from support import grid as grid_lib
-from support.activations import saved_activation_bytes
-from support.run import adamw_groups
+from support.tensor_parallel.activations import saved_activation_bytes
+from support.train.run import adamw_groups
 from tests.distributed import case_results, run_cases, run_ranks
 
 plan_lib = importlib.import_module("09_plan")
@@ -471,7 +471,7 @@ def test_a_run_without_compile_is_charged_eagers_kernels():
     gpt2-medium pp 4 1f1b's kernels cost EAGER_SLOWDOWN more without it (the bubble
     scales with them); zb1 costs the same either way. Where the fitted run was eager
     (the CPU's), no factor."""
-    from support.config import TrainConfig
+    from support.train.config import TrainConfig
 
     config = plan_lib.model_config("gpt2-medium")
     rates = {}
@@ -567,7 +567,7 @@ def test_zero_1_and_2_expose_what_07_sends_after_backward():
     plain DP's all-reduce hides behind backward (0 s exposed); ZeRO-1 exposes both
     halves, 2 h / link, and ZeRO-2 one, h / link, with h = (N-1)/N · 4Ψ (fp32)."""
     config = plan_lib.model_config("gpt2")
-    spec = plan_lib.get_gpu("h100")
+    spec = gpus.get_gpu("h100")
     exposed = {}
     for zero in range(3):
         layout = Layout(dp=8, zero=zero, micro_batch=16)
@@ -591,7 +591,7 @@ ROOT = V * C + T * C + 2 * C
 PSI = L * BLOCK + ROOT
 M = 4  # microbatches a step
 E = B * T * C * 4  # a microbatch's activations (b, T, C), fp32
-H100 = plan_lib.get_gpu("h100")  # links one way: NVLink 450e9, network 50e9 B/s
+H100 = gpus.get_gpu("h100")  # links one way: NVLink 450e9, network 50e9 B/s
 
 
 def small_plan(layout: Layout, gpus_per_node: int = 8):
@@ -715,10 +715,10 @@ def test_zb1_hides_dp_behind_the_last_w_alone():
 
 
 def test_zb1_at_pp_1_and_an_odd_block_at_cp_1_are_what_train_py_says():
-    """train.py refuses --schedule zb1 at --pp 1 (support/config); 09 with its line.
+    """train.py refuses --schedule zb1 at --pp 1 (support/train/config); 09 with its line.
     An odd --block-size splits into no zigzag chunks, but cp 1 splits nothing: both
     plan it, and 09's search finds layouts for it."""
-    from support import config as train_config
+    from support.train import config as train_config
 
     config = plan_lib.model_config("gpt2")
     cfg = train_config.TrainConfig(schedule="zb1")

@@ -1,4 +1,4 @@
-"""Recipes (support/recipe.py, recipes/*.toml): every recipe parses, validates against
+"""Recipes (support/train/recipe.py, recipes/*.toml): every recipe parses, validates against
 train.py's TrainConfig and fits the GPU its [plan] names by 09's plan; `base =` and the
 command line override in that order; bad files are one-line errors naming file and key;
 the resolved settings write back as TOML. cpu-demo.toml runs through train.py --config
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from support import recipe
-from support.config import TrainConfig, parse_args
+from support.train import recipe
+from support.train.command_line import parse_args
+from support.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.toml"))

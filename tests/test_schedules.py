@@ -923,8 +923,8 @@ def test_simulator_catches_a_deadlock():
 def test_figures_are_written(tmp_path, monkeypatch):
     """The lesson's Gantt PNGs (`--plot`'s simulated one, drawn by 05b), and the Chrome
     trace bench/bench_pipeline.py writes (one X slice per action, a thread per rank),
-    drawn by support/gantt.py."""
-    from support.gantt import plot_timelines, write_chrome_trace
+    drawn by support/pipeline/gantt.py."""
+    from support.pipeline.gantt import plot_timelines, write_chrome_trace
 
     monkeypatch.chdir(tmp_path)  # --plot writes under out/pipeline/
     simulated = pp.plot_simulated(2, 4, 2)

@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from support.activations import saved_activation_bytes
+from support.tensor_parallel.activations import saved_activation_bytes
 from tests import test_tensor_parallel as tp_tests
 from tests.distributed import run_ranks
 
 tp_lib = importlib.import_module("04_tensor_parallel")
 sp_lib = importlib.import_module("04b_sequence_parallel")
 model_lib = importlib.import_module("02_model")
-sharding = importlib.import_module("support.sharding")  # count_comm
+sharding = importlib.import_module("support.tensor_parallel.sharding")  # count_comm
 B = tp_tests.B
 T = tp_tests.T
 close = tp_tests.close

@@ -25,7 +25,7 @@ from tests.distributed import run_ranks
 tp_lib = importlib.import_module("04_tensor_parallel")
 sp_lib = importlib.import_module("04b_sequence_parallel")
 model_lib = importlib.import_module("02_model")
-sharding = importlib.import_module("support.sharding")  # count_comm, comm_formula
+sharding = importlib.import_module("support.tensor_parallel.sharding")  # count_comm, comm_formula
 GPT = model_lib.GPT
 GPTConfig = model_lib.GPTConfig
 
@@ -151,7 +151,7 @@ def gather(t, group):
 def merge_shards(state_dicts):
     """train.py's export: the TP ranks' state dicts, in tp_rank order -> 02's full state
     dict."""
-    export = importlib.import_module("support.export")
+    export = importlib.import_module("support.train.export")
     return export.merge_shards(state_dicts, tp_lib.tp_layout, tp_lib.merge_tensors)
 
 
@@ -601,7 +601,7 @@ def case_bad_config(rank, tp, group, sp):
 
 
 def case_comm_volume(rank, tp, group, sp):
-    """The collectives of one training step, counted (support/sharding's count_comm wraps
+    """The collectives of one training step, counted (support/tensor_parallel/sharding's count_comm wraps
     torch.distributed's functions), against the lesson's formula (its comm_formula),
     derived here: E = B*T*C fp32 elements. Without SP: the embedding's g, per layer 2 g
     (forward) + 2 f (backward), the head's f = 4L+2 all-reduces of E, plus the loss's 3

@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support import checkpoint
-from support import export as export_lib
+from support.train import checkpoint
+from support.train import export as export_lib
+from support.train.command_line import parse_args
 from tests.distributed import run_ranks
 
 train = importlib.import_module("train")
@@ -180,7 +181,7 @@ def check_compressed(name, got, reference, uncompressed, data_dir):
     """comm_bytes, the bytes each rank all-reduced per step: fp16 half of fp32's (4Ψ, measured
     by the dp2 run); PowerSGD r=1 4Ψ in its exact step, then 4·(Σ(m+n) + Σ vectors). The
     loss: fp16 within 16-bit rounding of one process; PowerSGD r=1 a sketch, near it."""
-    cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir])
+    cfg, _ = parse_args(BASE + ["--data-dir", data_dir])
     gpt = train.model_lib.GPT(train.validate(cfg, 1))
     psi = sum(p.numel() for p in gpt.parameters())
     assert [r["comm_bytes"] for r in uncompressed] == [4 * psi] * 4, "dp2: fp32, every parameter"
@@ -460,7 +461,7 @@ def test_resume_loads_shards_to_the_cpu_whatever_the_run_device(data_dir, tmp_pa
     AdamW's state (on its parameters' device) and the RNG exactly."""
     argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "2"]
     run_main(argv)
-    cfg, _ = train.parse_args(argv + ["--resume"])
+    cfg, _ = parse_args(argv + ["--resume"])
     run = train.build_run(cfg, train.validate(cfg, 1), train.grid_lib.Grid(), torch.device("cpu"))
     run = dataclasses.replace(run, device=torch.device("meta"))
     torch.manual_seed(0)  # somewhere else: the restore must bring back the saved state
@@ -509,7 +510,7 @@ def _one_rank_of_two_damaged(rank, world, data_dir, tmp):
         newest = checkpoint.complete_checkpoints(f"{tmp}/corrupt")[0] / checkpoint.shard_name(1)
         newest.write_bytes(newest.read_bytes()[:1000])
     dist.barrier()
-    cfg, _ = train.parse_args(argv + ["--resume"])
+    cfg, _ = parse_args(argv + ["--resume"])
     grid = train.build_grid(cfg, rank, world)
     run = train.build_run(cfg, train.validate(cfg, world), grid, torch.device("cpu"))
     resumed = train.checkpoint.load_checkpoint(run)
@@ -593,7 +594,7 @@ def _sharded_logits(rank, world, data_dir, tmp):
     argv = BASE + ["--data-dir", data_dir, "--out-dir", tmp, "--tp", "2", "--pp", "2",
                    "--micro-batch-size", "4", "--max-steps", "2"]  # fmt: skip
     train.main(argv)
-    cfg, _ = train.parse_args(argv + ["--resume"])  # rebuild it, from its checkpoint
+    cfg, _ = parse_args(argv + ["--resume"])  # rebuild it, from its checkpoint
     gpt_config = train.validate(cfg, world)
     run = train.build_run(cfg, gpt_config, train.build_grid(cfg, rank, world), torch.device("cpu"))
     train.checkpoint.load_checkpoint(run)
@@ -731,7 +732,7 @@ def test_bad_configurations_fail_fast_with_one_line(data_dir, argv, world, messa
     """Each bad flag is one line naming it, from validate(), before any process group. "DATA"
     stands for the data folder (a file inside it: meta.json)."""
     argv = [a.replace("DATA", data_dir) for a in argv]
-    cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir] + argv)
+    cfg, _ = parse_args(BASE + ["--data-dir", data_dir] + argv)
     with pytest.raises(train.ConfigError) as err:
         train.validate(cfg, world)
     message = message.replace("DATA", data_dir)
@@ -743,7 +744,7 @@ def test_a_rank_that_never_sees_the_default_data_says_why(tmp_path, monkeypatch)
     (or after rank 0 failed) it never comes: one line naming the folder and the fix."""
     monkeypatch.chdir(tmp_path)  # no data/ here
     monkeypatch.setattr(train.config, "PREPARE_WAIT_S", 0)
-    cfg, _ = train.parse_args(["--model", "tiny", "--tokenizer", "char"])
+    cfg, _ = parse_args(["--model", "tiny", "--tokenizer", "char"])
     with pytest.raises(train.ConfigError, match="rank 1 waited 0 s for .*meta.json: use a"):
         train.config.prepare_default_data(cfg, 1, prepare=None)
 
@@ -753,7 +754,7 @@ def test_a_tp_that_splits_no_head_is_refused_before_any_data_is_made(monkeypatch
     01 prepares the default data, which took 25 s and wrote data/ before the model's check."""
     made = []
     monkeypatch.setattr(train.config, "prepare_default_data", lambda *a: made.append(a))
-    cfg, _ = train.parse_args(["--model", "small", "--tp", "3"])
+    cfg, _ = parse_args(["--model", "small", "--tp", "3"])
     with pytest.raises(train.ConfigError, match="--tp 3 does not divide --n-head 4"):
         train.validate(cfg, 3)
     assert made == [], "the default data was prepared before the flags were all checked"
@@ -761,9 +762,9 @@ def test_a_tp_that_splits_no_head_is_refused_before_any_data_is_made(monkeypatch
 
 def test_resume_with_other_batches_or_a_fresh_run_over_old_ones_is_refused(data_dir, tmp_path):
     run_main(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "1"])
-    cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path),
+    cfg, _ = parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path),
                                       "--resume", "--tp", "2"])  # fmt: skip
-    train.validate(cfg, 2)  # another layout resumes: support/checkpoint cuts its pieces anew
+    train.validate(cfg, 2)  # another layout resumes: support/train/checkpoint cuts its pieces anew
     changed = [(["--lora-rank", "4"], "--lora-rank 0, this run has --lora-rank 4"),
                (["--seed", "7"], "--seed 1337, this run has --seed 7"),  # these passed silently
                (["--batch-size", "16"], "--batch-size 8, this run has --batch-size 16"),
@@ -777,12 +778,12 @@ def test_resume_with_other_batches_or_a_fresh_run_over_old_ones_is_refused(data_
     del old["config"]["powersgd_rank"]  # its default, 4, stands in
     meta.write_text(json.dumps(old))
     for argv, message in changed:
-        cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path),
+        cfg, _ = parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path),
                                           "--resume"] + argv)  # fmt: skip
         with pytest.raises(train.ConfigError) as err:
             checkpoint.check_resume_layout(cfg)
         assert message in str(err.value) and "\n" not in str(err.value), argv
-    fresh, _ = train.parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path)])
+    fresh, _ = parse_args(BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path)])
     with pytest.raises(train.ConfigError, match="already holds checkpoints .* pass --resume"):
         train.validate(fresh, 1)  # a second run without --resume would mix two runs' files
 
@@ -838,7 +839,7 @@ def test_a_checkpoint_of_another_model_stops_the_run_in_one_line(data_dir, tmp_p
     hang (and instead of a traceback at one process)."""
     argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "1"]
     run_main(argv)
-    # config.check_resume_shape reads meta.json's shape up front (a one-line error there:
+    # checkpoint.check_resume_shape reads meta.json's shape up front (a one-line error there:
     # tests/test_train_shape.py): told 2 blocks, it lets the restore meet the shards' 4.
     meta = next(tmp_path.glob("checkpoints/step_*")) / "meta.json"
     saved = json.loads(meta.read_text())

@@ -27,7 +27,7 @@ LAYOUTS = [("dp2", ["--dp", "2", *MICRO]), ("pp2", ["--pp", "2", *MICRO])]
 def quiet_steps(data, out_dir, extra) -> dict:
     """train.main with, for each step, how many all-reduces took the very loss tensor
     train_step returned (in the step, or after it before the next one: the log's); and the
-    syncs the final evaluation made, less the preemption vote's (support/checkpoint.py's,
+    syncs the final evaluation made, less the preemption vote's (support/train/checkpoint.py's,
     asked before each batch on purpose)."""
     real_all_reduce = dist.all_reduce
     real_step = train.train_step

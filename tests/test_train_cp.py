@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support import run_log
+from support.train import run_log
+from support.train.command_line import parse_args
 from tests import test_train
 from tests.distributed import run_ranks
 from tests.test_train import (
@@ -317,11 +318,11 @@ def test_cp_flags_fail_in_one_line(data_dir, capsys):
         ),
     ]
     for extra, world, message in cases:
-        cfg, _ = train.parse_args(argv + extra)
+        cfg, _ = parse_args(argv + extra)
         with pytest.raises(train.ConfigError, match="^" + re.escape(message)):
             train.validate(cfg, world)
     with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
+        parse_args(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--cp CP context-parallel ranks" in help_text
     assert "for long --block-size" in help_text

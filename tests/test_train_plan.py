@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import train
-from support import run_log
-from support.config import parse_args
+from support.train import run_log
+from support.train.command_line import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 plan_lib = importlib.import_module("09_plan")
@@ -151,7 +151,7 @@ def test_a_bad_recipe_is_one_line_and_nothing_starts(tmp_path, capsys, monkeypat
 def test_plan_prints_09s_plan_of_the_run_and_starts_nothing(tmp_path, capsys):
     """--plan with dp x pp on H100s: the lines are 09's for the layout written out here
     by hand; no data is read or made, no process group or out dir appears. (tp 1: the
-    vocabulary's padding is support/vocab's business, not --plan's.)"""
+    vocabulary's padding is support/train/vocab's business, not --plan's.)"""
     args = ["--plan", "--plan-gpu", "h100", "--model", "gpt2", "--tokenizer", "gpt2"]
     args += ["--dp", "4", "--pp", "2", "--schedule", "gpipe", "--zero", "1"]
     args += ["--max-steps", "10"]

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from support import recipe
-from support.config import ConfigError, parse_args
+from support.train import recipe
+from support.train.command_line import parse_args
+from support.train.config import ConfigError
 
 train = importlib.import_module("train")
 data = importlib.import_module("01_data")
@@ -56,7 +57,7 @@ def straight(data_dir, tmp_path_factory):
     folder, what it printed)."""
     out = tmp_path_factory.mktemp("straight")
     argv = FLAGS + RUN + ["--data-dir", data_dir, "--out-dir", str(out)]
-    printed = []  # rank 0's lines: the run's first ones are support/run.describe's
+    printed = []  # rank 0's lines: the run's first ones are support/train/run.describe's
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train.distributed, "print0", lambda *a: printed.extend(a))
         train.main(argv + ["--sample-tokens", "60"])

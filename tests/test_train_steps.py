@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from support import checkpoint
+from support.train import checkpoint
+from support.train.command_line import parse_args
 from tests.distributed import run_ranks
 from tests.test_finetune import FLAGS as FINETUNE_FLAGS
 from tests.test_finetune import checkpoint as snapshot  # noqa: F401 (a fixture)
@@ -24,7 +25,7 @@ train = importlib.import_module("train")
 
 def build(argv, rank, world):
     """A Run as train.main builds it, without training: (cfg, run)."""
-    cfg, _ = train.parse_args(argv)
+    cfg, _ = parse_args(argv)
     gpt_config = train.validate(cfg, world, rank)
     grid = train.build_grid(cfg, rank, world)
     return cfg, train.build_run(cfg, gpt_config, grid, torch.device("cpu"))
@@ -41,7 +42,7 @@ def test_lr_schedule_at_the_warmup_and_decay_edges():
     (min_lr) at the last step trained, 109, never below, never rising again. Catches an
     off-by-one warm-up (0 at step 0, or the peak a step late), a decay that starts at min_lr,
     overshoots past max_steps, or reaches min_lr only at step 110, which never trains."""
-    cfg, _ = train.parse_args(["--lr", "6", "--min-lr", "1", "--warmup-steps", "10",
+    cfg, _ = parse_args(["--lr", "6", "--min-lr", "1", "--warmup-steps", "10",
                                "--max-steps", "110"])  # fmt: skip
     expected = {0: 0.6, 4: 3.0, 9: 6.0, 10: 6.0, 43: 4.75, 109: 1.0, 110: 1.0, 111: 1.0,
                 10_000: 1.0}  # fmt: skip
@@ -70,7 +71,7 @@ def test_the_other_schedules_at_their_edges(schedule, extra, expected):
     """The same lr 6, min_lr 1, 10 warm-up steps and 110 steps (warm-up as above: 0.6 at 0, 6 at
     9). Catches a decay that starts a step early or late, ends above min_lr, a triangle that
     starts at its bottom (a jump after the warm-up) or has the wrong period."""
-    cfg, _ = train.parse_args(["--lr", "6", "--min-lr", "1", "--warmup-steps", "10",
+    cfg, _ = parse_args(["--lr", "6", "--min-lr", "1", "--warmup-steps", "10",
                                "--max-steps", "110", "--lr-schedule", schedule, *extra])  # fmt: skip
     for step, lr in expected.items():
         assert train.lr_at(cfg, step) == pytest.approx(lr, rel=1e-12), f"step {step}"
@@ -251,7 +252,7 @@ def two_steps(rank, world, argv):
 def test_tp_3_trains_as_one_process_though_3_does_not_divide_64_rows(data_dir, tmp_path):  # noqa: F811
     """The char data's 257 tokens pad to 320 rows (5·64), which 3 ranks cannot split: before,
     --tp 3 failed ("the vocabulary has 320 rows"), as gpt2-xl's 25 heads ran at tp 1 only.
-    Padded to a multiple of 64·3 (support/vocab), 384 rows, each rank holds 128; the 64 rows TP
+    Padded to a multiple of 64·3 (support/train/vocab), 384 rows, each rank holds 128; the 64 rows TP
     added are zero and the 320 keep one process's init, so two steps equal one process's
     (fp32: assert_same_curve's tolerance; a different init is off by > 1e-2)."""
     argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path)] + TWELVE_HEADS
@@ -330,7 +331,7 @@ def test_default_data_that_cannot_be_prepared_is_one_train_line(tmp_path, monkey
 def test_auto_dtype_is_bf16_only_on_a_gpu_that_has_it(monkeypatch):
     """resolve_dtype's CUDA branch with the GPU's answer faked: bf16 where the card supports it
     (Ampere and later), fp32 on an older card and on the CPU; an explicit --dtype always wins."""
-    cfg, _ = train.parse_args([])
+    cfg, _ = parse_args([])
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     assert train.resolve_dtype(cfg, cuda) == torch.bfloat16

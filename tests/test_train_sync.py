@@ -25,9 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support import checkpoint, run_log
 from support.grid import Grid
-from support.prefetch import Prefetcher
+from support.train import checkpoint, run_log
+from support.train.prefetch import Prefetcher
 from tests.distributed import run_ranks
 from tests.test_train import BASE, data_dir, metrics  # noqa: F401 (data_dir: the fixture)
 
@@ -372,7 +372,7 @@ def test_the_grid_answers_to_design_s_names():
 # The next batch, prefetched
 # ---------------------------------------------------------------------------------------------
 def test_the_prefetched_batch_is_the_one_read_on_demand_across_a_resume(data_dir):  # noqa: F811
-    """support/prefetch reads step s+1's batch on a thread while step s computes. A step's
+    """support/train/prefetch reads step s+1's batch on a thread while step s computes. A step's
     batch must stay the loader's pure function of (seed, step, dp rank): over 6 steps of an
     epoch boundary (9 steps an epoch here, at 4 of 8 rows and dp rank 1 of 2), and after a
     "resume" (a new Prefetcher started at step 12, as train() is after a checkpoint), every

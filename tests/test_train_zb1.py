@@ -8,6 +8,7 @@ line that says why, before any process group exists."""
 import pytest
 import torch
 
+from support.train.command_line import parse_args
 from tests.distributed import run_ranks
 from tests.test_train import (  # noqa: F401 - fixtures: data_dir, reference
     BASE,
@@ -136,7 +137,7 @@ def test_zb1_with_zero_and_tp_on_4_ranks(data_dir, tmp_path, reference):  # noqa
     ],
 )
 def test_unsupported_flags_fail_with_one_line(data_dir, argv, world, message):  # noqa: F811
-    cfg, _ = train.parse_args(BASE + ["--data-dir", data_dir] + argv)
+    cfg, _ = parse_args(BASE + ["--data-dir", data_dir] + argv)
     with pytest.raises(train.ConfigError) as err:
         train.validate(cfg, world)
     assert message in str(err.value) and "\n" not in str(err.value)

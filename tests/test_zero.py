@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support import gloo_exit
+from support.ddp import gloo_exit
 from tests.distributed import case_results, run_cases, run_ranks
 from tests.test_readme import run_output
 
@@ -165,7 +165,7 @@ def case_stages(rank, world):
         res = {"loss": [], "pieces": [], "log_backward": [], "log_step": []}
         model, wrapper, opt = make(stage)
         # the collectives NCCL gets: on gloo 07's comm all-reduces in place instead of
-        # reduce-scattering (support/gloo_exit.py says why; every other case runs that path)
+        # reduce-scattering (support/ddp/gloo_exit.py says why; every other case runs that path)
         if stage > 0:
             opt.comm.gloo = False
         for step in range(STEPS):
@@ -654,7 +654,7 @@ def _kept_handles_hold_no_memory(rank, world):
 
 
 def test_kept_collective_handles_hold_no_memory():
-    """On gloo 07 keeps every waited handle a while (support/gloo_exit.py: an exit-time
+    """On gloo 07 keeps every waited handle a while (support/ddp/gloo_exit.py: an exit-time
     abort on torch 2.13.0, tests/ddp_exit_job.py), and a kept handle must not keep its
     buffers: gloo's reduce-scatter handle holds a copy of the whole flat gradient (64 MB
     here), so there 07's comm all-reduces in place and empties what it hands over. Each
@@ -715,7 +715,7 @@ def test_a_dropped_zero_wrapper_is_freed_and_silent():
     None (moved into a flat gradient no optimizer reads), and a ZeRO-3 forward still
     all-gathered. Dropped (and gc.collect()), ZeRO-2's and ZeRO-3's wrapper and optimizer must
     be freed, their hooks removed: no collective, and every p.grad plain autograd's. Their
-    last waited handles must outlive them (support/gloo_exit.py keeps them against an abort
+    last waited handles must outlive them (support/ddp/gloo_exit.py keeps them against an abort
     at exit on gloo): with the workaround gone that check fails."""
     for res in run_ranks(_dropped_wrappers, 2, timeout=120):
         for stage in (2, 3):

@@ -427,7 +427,7 @@ def test_the_planner_knows_zb1s_bubble_and_memory():
     waiting for its W keeps what W reads, not its activations."""
     plan_lib = importlib.import_module("09_plan")
     from support import gpus
-    from support.plan_report import Layout
+    from support.plan.plan_report import Layout
 
     config = plan_lib.model_config("gpt2-medium")
     plans = {}
@@ -475,11 +475,11 @@ PLANNED = dict(pp=2, micro_batch=4, schedule="zb1")
 )
 def test_the_planner_refuses_what_train_refuses_with_zb1(layout, run, refused):
     """09's check_layout refuses a zb1 layout exactly when train.py does, with its
-    line: both read support/config's one list (train.py's --compile and
+    line: both read support/train/config's one list (train.py's --compile and
     --grad-compression are no planner input: 09 plans neither)."""
     plan_lib = importlib.import_module("09_plan")
-    from support import config as train_config
-    from support.plan_report import Layout
+    from support.plan.plan_report import Layout
+    from support.train import config as train_config
 
     lay = Layout(**{**PLANNED, **layout})
     n = lay.dp * lay.tp * lay.pp * lay.cp

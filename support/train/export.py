@@ -3,9 +3,9 @@
 model.pt holds the model's config and state dict (02_model.GPT's), the step, and the
 tokenizer: a name ("gpt2", "char") or a trained BPE's vocabulary, merges and special
 tokens, so that it samples from any folder. This file knows the files; train.py builds
-the model. The weights are assembled from the checkpoint's pieces (support/checkpoint),
+the model. The weights are assembled from the checkpoint's pieces (support/train/checkpoint),
 whatever layout wrote them. Its vocabulary is padded to a multiple of 64 rows, whatever
-tp trained it (support/vocab).
+tp trained it (support/train/vocab).
 """
 
 from dataclasses import asdict
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from support.checkpoint import assemble, read_files, read_newest
 from support.files import atomic_write
-from support.vocab import trim_rows
+from support.train.checkpoint import assemble, read_files, read_newest
+from support.train.vocab import trim_rows
 
 
 def merge_shards(state_dicts, tp_layout, merge_tensors) -> dict:
@@ -37,7 +37,7 @@ def read_model(ckpt) -> tuple[dict, dict]:
     """A checkpoint folder -> (its meta.json, the whole model's state dict).
 
     Each weight is assembled on the CPU, one at a time, from the pieces every file
-    holds of it (its TP cuts, its ZeRO ranges: support/checkpoint's slice map); the
+    holds of it (its TP cuts, its ZeRO ranges: support/train/checkpoint's slice map); the
     files are memory-mapped, so AdamW's moments beside them are never read. The tied
     lm_head.weight is wte's tensor, as in 02's state dict.
     """

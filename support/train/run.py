@@ -1,16 +1,16 @@
 """train.py's Run: everything one training step needs, built once, and its summary line.
 
 A plain container: train.build_run fills it from the lessons (the model chunks, the
-optimizer, the loss scaler, the loaders); support/checkpoint.py saves and restores it.
+optimizer, the loss scaler, the loaders); support/train/checkpoint.py saves and restores it.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from support.config import TrainConfig
 from support.grid import Grid
 from support.shape import shape_text
+from support.train.config import TrainConfig
 
 
 @dataclass

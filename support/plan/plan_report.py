@@ -84,7 +84,7 @@ class Plan:
 
 
 def train_layout(cfg) -> Layout:
-    """The Layout of train.py's settings (support/config.TrainConfig)."""
+    """The Layout of train.py's settings (support/train/config.TrainConfig)."""
     cp = getattr(cfg, "cp", 1)
     grid = (cfg.dp, cfg.tp, cfg.pp, cp, cfg.zero, cfg.recompute, cfg.micro_batch_size)
     return Layout(*grid, cfg.schedule, cfg.virtual_stages, cfg.sequence_parallel)
@@ -103,7 +103,7 @@ def grid_problem(lay: Layout, batch: int, n_gpus: int) -> str | None:
         return f"zero {lay.zero} needs a stage 0-3, dp > 1 and, at 3, pp 1"
     if lay.sequence_parallel and lay.tp == 1:
         return "sequence parallelism needs tp > 1"
-    if lay.schedule == "zb1" and lay.pp == 1:  # train.py's line (support/config)
+    if lay.schedule == "zb1" and lay.pp == 1:  # train.py's line (support/train/config)
         return "--schedule zb1 splits PP's backward, but --pp is 1: it would do nothing"
     return None
 

@@ -12,7 +12,7 @@ file, the key and what was expected, raised before any process starts.
     dp tp pp schedule ...  batch_size ...       model n_layer  lr max_steps    out_dir ...
                            block_size           n_head ...
 
-Run as a script: `python -m support.recipe FILE` prints the resolved settings as TOML,
+Run as a script: `python -m support.train.recipe FILE` prints the resolved settings as TOML,
 `--argv FILE` them as train.py's flags.
 """
 
@@ -21,8 +21,8 @@ import tomllib
 from dataclasses import fields
 from pathlib import Path
 
-from support.config import ConfigError, TrainConfig, check_numbers, flag_name
 from support.files import atomic_write
+from support.train.config import ConfigError, TrainConfig, check_numbers, flag_name
 
 # train.py's settings by table, in TrainConfig's order; a field not listed (a flag
 # added later) belongs to [run].
@@ -117,7 +117,7 @@ def merge(base: dict, override: dict) -> dict:
 
 def load(path, _seen=()) -> tuple[dict, dict]:
     """A recipe with its bases resolved: -> (TrainConfig values, [plan] values).
-    The values are checked as train.py checks numbers (support/config.check_numbers)."""
+    The values are checked as train.py checks numbers (support/train/config.check_numbers)."""
     path = Path(path).resolve()
     if path in _seen:
         raise RecipeError(f"{path}: base: a cycle through {_seen[-1].name}")
@@ -150,7 +150,7 @@ def to_argv(values: dict) -> list[str]:
 
 def recipe_to_argv(path) -> list[str]:
     """The recipe as train.py's flags: parse_args(recipe_to_argv(path) + argv) lets the
-    command line win (train.py --config FILE does this: support/config.recipe_argv)."""
+    command line win (train.py --config FILE does this: support/train/command_line.recipe_argv)."""
     return to_argv(load(path)[0])
 
 
@@ -203,7 +203,7 @@ def write(cfg: TrainConfig, path) -> Path:
     return path
 
 
-if __name__ == "__main__":  # python -m support.recipe [--argv] FILE
+if __name__ == "__main__":  # python -m support.train.recipe [--argv] FILE
     try:
         if sys.argv[1] == "--argv":  # the flags train.py --config FILE reads
             print(" ".join(recipe_to_argv(sys.argv[2])))

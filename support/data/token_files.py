@@ -16,7 +16,7 @@ import numpy as np
 import tiktoken
 
 from support.files import atomic_write
-from support.progress import progress
+from support.data.progress import progress
 
 # Text per tiktoken call: this bounds the memory of encode_documents.
 ENCODE_BATCH_CHARS = 8_000_000

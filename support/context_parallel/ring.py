@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from support import sharding
-from support.activations import saved_activation_bytes
+from support.tensor_parallel import sharding
+from support.tensor_parallel.activations import saved_activation_bytes
 
 
 def add_arguments(parser):
@@ -70,7 +70,7 @@ def count_p2p():
 def count_sent(cp: int):
     """`with count_sent(cp) as sent: step()`: the bytes this rank sent meanwhile, filled
     in at the end: count_p2p's isends, then, for each collective over cp ranks that
-    support/sharding.count_comm logs, what a ring algorithm sends of its payload:
+    support/tensor_parallel/sharding.count_comm logs, what a ring algorithm sends of its payload:
     (cp-1)/cp of an all-gather's or a reduce-scatter's list, 2(cp-1)/cp of an
     all-reduce's tensor."""
     sent = []

@@ -5,7 +5,7 @@ here; bench/bench_schedules.py draws them (docs/lr_schedules.png).
 
 import math
 
-from support.config import TrainConfig
+from support.train.config import TrainConfig
 
 # After the warm-up (lr_at); docs/lr_schedules.png draws them.
 LR_SCHEDULES = ("cosine", "wsd", "cyclic", "constant")

@@ -23,12 +23,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from support import gpus, plan_report
-from support.config import ConfigError
+from support import gpus
 from support.distributed import print0
 from support.files import atomic_write
 from support.gpus import GPUS, plannable
+from support.plan import plan_report
 from support.shape import shape_text
+from support.train.config import ConfigError
 
 GIB = 2**30
 

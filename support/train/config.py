@@ -1,4 +1,4 @@
-"""train.py's configuration: its flags, their parsing, and the checks needing no lesson.
+"""train.py's configuration: its flags and the checks needing no lesson.
 
 Every field of TrainConfig is a command-line flag (`batch_size` is `--batch-size`); its
 help text says what it does and why its default. The checks here raise ConfigError, one
@@ -7,9 +7,7 @@ that need the model, the pipeline or the data loader stay in train.py, which pas
 the lessons' own lists of choices.
 """
 
-import argparse
 import json
-import sys
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -139,7 +137,7 @@ class TrainConfig:
     seed: int = flag(1337, "seed of the model's init, the data order and dropout")
     # A vote is an all-reduce and a sync. At 0.1-0.5 s a step on GPUs, 10 steps keep a
     # signal's wait under ~5 s, far inside Slurm's usual warning of a minute or more;
-    # slower steps vote more often (support/checkpoint.Preemption: ~10 s apart at most).
+    # slower steps vote more often (support/train/checkpoint.Preemption: ~10 s apart at most).
     vote_interval: int = flag(
         10,
         "most steps between the ranks' votes on a preemption signal (fewer when a step is "
@@ -178,68 +176,6 @@ POSITIVE = (
 def flag_name(name: str) -> str:
     """A TrainConfig field's flag: batch_size -> --batch-size."""
     return "--" + name.replace("_", "-")
-
-
-def recipe_argv(argv: list[str]) -> tuple[list[str], dict]:
-    """--config FILE's settings as flags put before the others (argparse keeps the last
-    of a repeated flag, so the command line wins), and the recipe's [plan] table."""
-    from support import recipe  # Here, not above: support/recipe imports this file.
-
-    path, rest = recipe.split_config_flag(argv)
-    if path is None:
-        return argv, {}
-    values, planned = recipe.load(path)
-    return recipe.to_argv(values) + rest, planned
-
-
-def parse_args(argv=None, description: str = "train.py", choices: dict | None = None):
-    """TrainConfig's fields as flags, the one-shot --export, --sample and --plan, and
-    --config FILE, a recipe whose settings the other flags override.
-
-    `choices` maps a field to the values a lesson allows (02's presets for "model"), so
-    that its help lists them. Returns (cfg, args): the TrainConfig, and argparse's
-    namespace for the others (with gpus_per_node: the recipe's [plan], else 8). A bad
-    recipe exits with one line.
-    """
-    choices = choices or {}
-    formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(description=description, formatter_class=formatter)
-    for f in fields(TrainConfig):
-        # --no-compile too: a flag turns off what a --config recipe turned on.
-        on_off = {"action": argparse.BooleanOptionalAction}
-        kind = on_off if f.type is bool else {"type": f.type}
-        help = f.metadata["help"]
-        if f.name in choices:
-            help = f"{help}: {', '.join(choices[f.name])}"
-        parser.add_argument(flag_name(f.name), default=f.default, help=help, **kind)
-    export = "merge RUN_DIR's newest checkpoint into RUN_DIR/model.pt, then exit"
-    parser.add_argument("--export", metavar="RUN_DIR", help=export)
-    sample = "sample from an exported model, then exit"
-    parser.add_argument("--sample", metavar="MODEL_PT", help=sample)
-    parser.add_argument("--prompt", default="def ", help="the prompt for --sample")
-    recipe = "a TOML recipe (recipes/) of settings; flags given here override it"
-    parser.add_argument("--config", metavar="FILE", help=recipe)
-    plan = "print 09_plan.py's plan of these settings and exit: no process starts"
-    parser.add_argument("--plan", action="store_true", help=plan)
-    gpus = "--plan's GPU, h100, h200, a100 or cpu; empty: the recipe's, else this machine's"
-    parser.add_argument("--plan-gpu", default="", metavar="GPU", help=gpus)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    planned = {}  # The recipe's [plan] table: the GPU 09 plans it for.
-    try:
-        argv, planned = recipe_argv(argv)
-    except ConfigError as e:  # A RecipeError: one line, before anything starts.
-        parser.exit(2, f"train.py: error: {e}\n")  # As train.py's other errors.
-    args = parser.parse_args(argv)
-    args.plan_gpu = args.plan_gpu or planned.get("gpu", "")
-    args.gpus_per_node = planned.get("gpus_per_node", 8)
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
-    # An empty --data-dir means the default data of --tokenizer ("" for an unknown one,
-    # which check_flags reports).
-    cfg.data_dir = cfg.data_dir or DEFAULT_DATA.get(cfg.tokenizer or "bpe", "")
-    named = any(a == "--model" or a.startswith("--model=") for a in argv)
-    if cfg.init_from and not named:  # The checkpoint's shape: validate reads it.
-        cfg.model = ""
-    return cfg, args
 
 
 def check_numbers(cfg: TrainConfig) -> None:
@@ -462,27 +398,6 @@ def model_sizes(cfg: TrainConfig, data_vocab: int | None) -> dict:
         what = f"the tokenizer of --data-dir {cfg.data_dir} writes {data_vocab} ids"
         raise ConfigError(f"--vocab-size {cfg.vocab_size}: {what}; use at least that")
     return {"vocab_size": data_vocab, **sizes}
-
-
-def check_resume_shape(cfg: TrainConfig, gpt_config) -> None:
-    """--resume: the newest readable checkpoint holds a model of `gpt_config`'s shape
-    (meta.json's model_config), else one line naming the flags that differ, before any
-    process group exists (its shards would not fit the model: a vote, after the start).
-    The vocabulary is the data's unless --vocab-size says."""
-    from support.checkpoint import complete_checkpoints  # checkpoint imports this file
-
-    for ckpt in complete_checkpoints(cfg.out_dir) if cfg.resume else []:
-        try:
-            saved = json.loads((ckpt / "meta.json").read_text())["model_config"]
-        except (OSError, ValueError, KeyError):
-            continue  # Damaged: load_newest names it and falls back, as check_out_dir.
-        differ = [k for k in SHAPE if saved[k] != getattr(gpt_config, k)]
-        was = ", ".join(f"{flag_name(k)} {saved[k]}" for k in differ)
-        now = ", ".join(f"{flag_name(k)} {getattr(gpt_config, k)}" for k in differ)
-        if differ:
-            fix = "resume with the same --model and shape flags (or a new --out-dir)"
-            raise ConfigError(f"--resume: {ckpt} holds {was}, this run {now}: {fix}")
-        return  # Only the newest readable checkpoint counts.
 
 
 def check_block_size(cfg: TrainConfig, context: int) -> str:

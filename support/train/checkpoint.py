@@ -35,10 +35,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from support import sharding, vocab
-from support.config import ConfigError, TrainConfig, flag_name
 from support.distributed import print0
 from support.files import atomic_write, fsync_dir
+from support.shape import SHAPE
+from support.tensor_parallel import sharding
+from support.train import vocab
+from support.train.config import ConfigError, TrainConfig, flag_name
 
 # The flags a resume keeps: the batches (the seed and the batch's shape), PowerSGD's and
 # LoRA's state. The layout (RESHARDED) may change: loading cuts the pieces anew.
@@ -87,6 +89,25 @@ def check_out_dir(cfg: TrainConfig) -> None:
         fix = "pass --resume to continue that run, or another --out-dir"
         where = f"--out-dir {cfg.out_dir} already holds checkpoints"
         raise ConfigError(f"{where} (newest: {ckpts[0].name}): {fix}")
+
+
+def check_resume_shape(cfg: TrainConfig, gpt_config) -> None:
+    """--resume: the newest readable checkpoint holds a model of `gpt_config`'s shape
+    (meta.json's model_config), else one line naming the flags that differ, before any
+    process group exists (its shards would not fit the model: a vote, after the start).
+    The vocabulary is the data's unless --vocab-size says."""
+    for ckpt in complete_checkpoints(cfg.out_dir) if cfg.resume else []:
+        try:
+            saved = json.loads((ckpt / "meta.json").read_text())["model_config"]
+        except (OSError, ValueError, KeyError):
+            continue  # Damaged: load_newest names it and falls back, as check_out_dir.
+        differ = [k for k in SHAPE if saved[k] != getattr(gpt_config, k)]
+        was = ", ".join(f"{flag_name(k)} {saved[k]}" for k in differ)
+        now = ", ".join(f"{flag_name(k)} {getattr(gpt_config, k)}" for k in differ)
+        if differ:
+            fix = "resume with the same --model and shape flags (or a new --out-dir)"
+            raise ConfigError(f"--resume: {ckpt} holds {was}, this run {now}: {fix}")
+        return  # Only the newest readable checkpoint counts.
 
 
 def check_resume_layout(cfg: TrainConfig) -> None:
@@ -423,7 +444,7 @@ def assemble(pieces: list) -> torch.Tensor:
 
 def fit_rows(t: torch.Tensor, shape: list, name: str) -> torch.Tensor:
     """A global tensor at another TP's vocabulary padding: wte's zero rows (64·tp of
-    them, support/vocab) cut or added. Any other difference does not fit."""
+    them, support/train/vocab) cut or added. Any other difference does not fit."""
     if list(t.shape) == list(shape):
         return t
     if name not in vocab.KEYS or list(t.shape[1:]) != list(shape[1:]):
