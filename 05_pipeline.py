@@ -356,19 +356,25 @@ def max_difference(grads: dict, ref: dict):
 LOOPS = {"gpipe, naive": gpipe_naive, "1f1b, loop": one_f_one_b}
 
 
+def one_process(m: int, device) -> tuple:
+    """The demo's model and batch, and one process's loss and gradients on the whole
+    batch: what every pipeline must give (05b's schedules too). 8 blocks, C = 256, so
+    that matmuls outweigh messages."""
+    torch.manual_seed(0)  # the same model on every rank, cut afterwards
+    config = dict(n_layer=8, n_head=4, n_embd=256, block_size=64, vocab_size=256)
+    model = model_lib.GPT(model_lib.GPTConfig(**config)).to(device)
+    (batch,) = model_lib.byte_batches(64, 4 * m, device=device)  # (4m, 64)
+    _, ref_loss = model(*batch)
+    ref_loss.backward()
+    named = model.named_parameters(remove_duplicate=False)  # lm_head: the tied copy
+    return model, batch, ref_loss, {n: q.grad.clone() for n, q in named}
+
+
 def demo(args, rank: int, p: int, device) -> None:
     """Both loops on one batch, checked against one process and each other."""
     m = args.microbatches
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // p))  # a fair share of cores
-    torch.manual_seed(0)  # the same model on every rank, cut afterwards
-    # 8 blocks, C = 256: matmuls outweigh messages. (05b cuts the same model.)
-    config = dict(n_layer=8, n_head=4, n_embd=256, block_size=64, vocab_size=256)
-    model = model_lib.GPT(model_lib.GPTConfig(**config)).to(device)
-    (batch,) = model_lib.byte_batches(64, 4 * m, device=device)  # (4m, 64)
-    _, ref_loss = model(*batch)  # one process on the whole batch: what both loops give
-    ref_loss.backward()
-    named = model.named_parameters(remove_duplicate=False)  # lm_head: the tied copy
-    ref = {n: q.grad.clone() for n, q in named}
+    model, batch, ref_loss, ref = one_process(m, device)
     embed_group = embedding_group([list(range(p))])
     (chunk,) = split_model(model, rank, p)
     where = f"{os.cpu_count()} CPU cores" if device.type == "cpu" else "a GPU each"

@@ -63,7 +63,6 @@ from support.distributed import print0
 from support.pipeline.gantt import plot_timelines
 
 pipe = importlib.import_module("05_pipeline")  # split_model, Microbatches, the loops
-model_lib = importlib.import_module("02_model")  # GPT, GPTConfig, byte_batches
 
 Action = namedtuple("Action", "op mb chunk")  # "F", "B" or "W" of mb on a chunk
 Tick = namedtuple("Tick", "actions sends recvs")  # run actions, then ONE p2p group
@@ -511,15 +510,7 @@ def demo(args, rank: int, p: int, device) -> None:
     """Every schedule on one batch, checked against one process and 05's loops."""
     m = args.microbatches
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // p))  # a fair share of cores
-    torch.manual_seed(0)  # the same model on every rank, cut afterwards
-    # 8 blocks: one per stage at p·v = 8. C = 256, so that matmuls outweigh messages.
-    config = dict(n_layer=8, n_head=4, n_embd=256, block_size=64, vocab_size=256)
-    model = model_lib.GPT(model_lib.GPTConfig(**config)).to(device)
-    (batch,) = model_lib.byte_batches(64, 4 * m, device=device)  # (4m, 64)
-    _, ref_loss = model(*batch)  # one process on the whole batch: what all rows give
-    ref_loss.backward()
-    named = model.named_parameters(remove_duplicate=False)  # lm_head: the tied copy
-    ref = {n: q.grad.clone() for n, q in named}
+    model, batch, ref_loss, ref = pipe.one_process(m, device)  # 8 blocks: p·v = 8
     embed_group = pipe.embedding_group([list(range(p))])
     where = f"{os.cpu_count()} CPU cores" if device.type == "cpu" else "a GPU each"
     print0(f"p={p} stages on {where}; m={m} microbatches of (b, T) = (4, 64), C=256")
