@@ -103,9 +103,9 @@ def _items(config) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _flops(config_items: tuple, T: int) -> int:
+def _flops(config_items: tuple, T: int, lora_rank: int = 0) -> int:
     """02's flops_per_token, once per model (it builds the model on the meta device)."""
-    return model_lib.flops_per_token(model_lib.GPTConfig(**dict(config_items)), T)
+    return model_lib.flops_per_token(model_lib.GPTConfig(**dict(config_items)), T, lora_rank)
 
 
 @functools.lru_cache(maxsize=8)
@@ -123,16 +123,16 @@ def calibrate(dtype: str, gpu: str) -> dict:
     return gpus.fit_roofline(row["gpu"], dtype, runs)
 
 
-def roofline_counts(config, T, tokens, layout: Layout, memory: dict) -> tuple:
+def roofline_counts(config, T, tokens, layout: Layout, memory: dict, lora_rank=0):
     """A GPU's work for `tokens` tokens, as support/gpus.roofline_seconds times it:
-    matmul FLOPs (02's count a token, + recomputation's), attention's, the width C/tp,
-    the memory-bound kernels' L·C and V a token times tokens, the parameters stepped
-    (AdamW's 8 bytes each in this rank's `memory`)."""
+    matmul FLOPs (02's count a token, LoRA's without frozen weights' gradients, +
+    recomputation's), attention's, the width C/tp, the memory-bound kernels' L·C and V
+    a token times tokens, the parameters stepped (AdamW's 8 bytes each in `memory`)."""
     L = config.n_layer
     C = config.n_embd
     attention = tokens * 12 * L * C * T
     extra = model_lib.recompute_flops_per_token(config, T, layout.recompute)
-    matmuls = tokens * (_flops(_items(config), T) + extra) - attention
+    matmuls = tokens * (_flops(_items(config), T, lora_rank) + extra) - attention
     vocab = tokens * config.padded_vocab_size
     stepped = memory["optimizer"] / 8
     return matmuls, attention, C / layout.tp, tokens * L * C, vocab, stepped
@@ -429,9 +429,9 @@ def plan(
         rank = dict(memory=memory, collectives=comm, groups=groups, in_flight=alive)
         ranks.append(dict(rank, dtype=dtype))
     fullest = max(ranks, key=lambda x: x["memory"]["total"])
-    fpt = _flops(_items(config), T)
+    fpt = _flops(_items(config), T, lora_rank)
     tokens = batch * T
-    counts = roofline_counts(config, T, tokens / n_gpus, lay, fullest["memory"])
+    counts = roofline_counts(config, T, tokens / n_gpus, lay, fullest["memory"], lora_rank)
     fit = calibrate(dtype, gpu.lower())
     kernels, attention = gpus.roofline_seconds(spec, fit, dtype, *counts)
     kernels *= gpus.SELECTIVE_SLOWDOWN if lay.recompute == "selective" else 1.0

@@ -425,6 +425,22 @@ def test_each_gpu_by_its_own_hbm_and_peak():
     assert steps["b200"].mfu != steps["h100"].mfu
 
 
+def test_a_lora_run_computes_no_frozen_weight_gradient():
+    """LoRA (02's apply_lora) trains the factors only: the backward computes each frozen
+    weight's input gradient (2N) but not its own (2N more), so a token's matmuls are
+    4N + 6·16·r·C·L, not 6N (PaLM's 6N counts both). Charge 6N and this goes red."""
+    config = plan_lib.model_config("gpt2")
+    lay = Layout(micro_batch=8)
+    full = plan_lib.plan(config, lay, 8, "h200", 1, trainer=False)
+    lora = plan_lib.plan(config, lay, 8, "h200", 1, lora_rank=8, trainer=False)
+    N = model_lib.count_params(config, non_embedding=True)
+    L, C, T = 12, 768, 1024
+    assert lora.flops_per_token == 4 * N + 6 * 16 * 8 * C * L + 12 * L * C * T
+    counts = plan_lib.roofline_counts(config, T, 100, lay, lora.memory, lora_rank=8)
+    assert counts[0] == 100 * (4 * N + 6 * 16 * 8 * C * L)  # attention's kept apart
+    assert lora.time["compute"] < 0.8 * full.time["compute"], (lora.time, full.time)
+
+
 def test_the_matmuls_run_nearer_the_peak_when_wider():
     """e(C) = e_max C / (C + knee) passes through the profile's two measured matmul
     rates (721 TFLOP/s at C = 768, 742 at 1,024, of 989.5) and rises with C."""
