@@ -402,7 +402,7 @@ def test_train_py_pays_its_loop_a_microbatch(micro_batch, m, low, high):
 def test_each_gpu_by_its_own_hbm_and_peak():
     """The roofline (support/gpus.roofline_seconds): H100 and H200 share a peak and
     differ in HBM (3.35 against 4.8 TB/s), so GPT-2 124M's steps differ by exactly its
-    memory-bound bytes over each: (a·L·C + b·V) a token and AdamW's bytes a parameter.
+    memory-bound bytes over each: (β_L·L·C + β_V·V) a token and AdamW's bytes a parameter.
     An A100 runs the FLOPs at its own 312 TFLOP/s and the bytes at 2.039 TB/s."""
     config = plan_lib.model_config("gpt2")
     lay = Layout(micro_batch=32)
