@@ -26,6 +26,11 @@ from tests.distributed import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+# A script that starts its own worlds runs in this process, not in a forked rank: its worlds
+# then fork from the session's zygotes, which have imported torch already. A forked rank has
+# no zygotes, so it would start fresh ones: bench_pipeline's row took 33 s so, mostly their
+# imports, on this VM's 2 shared cores.
+WORLDS = -1
 
 
 def run_script(rank, world_size, script: str, argv: list, distributed: bool) -> str:
@@ -63,7 +68,8 @@ def gpt2_data(tmp_path_factory, gpt2_encoding):
     return str(out)
 
 
-# script -> (its smallest arguments, ranks (0: not distributed), a line it must print).
+# script -> (its smallest arguments, ranks (0: not distributed; WORLDS: it starts its own
+# gloo worlds with tests/distributed.py's run_ranks), a line it must print).
 # "{tmp}", "{char}" and "{gpt2}" are filled in by the test.
 SMOKE = {
     "bench_compiled_step.py": (
@@ -106,7 +112,7 @@ SMOKE = {
     ),
     "bench_pipeline.py": (
         "--p 2 --m 2 --steps 1 --b 1 --T 16 --n-embd 32 --out-dir {tmp}",
-        0,
+        WORLDS,
         "formula: (p-1)/(v·m+p-1)",
     ),
     "bench_ring_kernel.py": (
@@ -158,7 +164,19 @@ def test_bench_script_runs(script, tmp_path, request):
     if "{gpt2}" in argv:
         fill["gpt2"] = request.getfixturevalue("gpt2_data")
     argv = [a.format(**fill).replace("-by-", " by ") for a in argv.split()]
-    printed = run_ranks(
-        run_script, max(1, ranks), script, argv, ranks > 0, timeout=300, init=False
-    )
+    if ranks == WORLDS:
+        printed = [in_this_process(script, argv)]
+    else:
+        printed = run_ranks(
+            run_script, max(1, ranks), script, argv, ranks > 0, timeout=300, init=False
+        )
     assert expected in printed[0], printed[0]
+
+
+def in_this_process(script: str, argv: list) -> str:
+    """run_script in this process, its sys.argv and sys.path given back afterwards."""
+    saved = (sys.argv, list(sys.path))
+    try:
+        return run_script(0, 1, script, argv, distributed=False)
+    finally:
+        sys.argv, sys.path[:] = saved
