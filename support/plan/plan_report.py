@@ -230,7 +230,9 @@ def cost_of(best, rival) -> str:
         parts = [k for k in best.time if k != "total"]
         worse = max(parts, key=lambda k: rival.time[k] - best.time[k])
         grows = 1e3 * (rival.time[worse] - best.time[worse])
-        return f"{slower:.1%} slower ({worse} +{grows:.1f} ms)"
+        zb1 = "zb1" in (rival.layout.schedule, best.layout.schedule)
+        eager = "; zb1 runs eager: train.py cannot compile it" if zb1 else ""
+        return f"{slower:.1%} slower ({worse} +{grows:.1f} ms{eager})"
     a = best.layout
     b = rival.layout
     if b.zero > a.zero:
