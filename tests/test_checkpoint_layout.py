@@ -7,6 +7,7 @@ measurements, and resume its step-2 checkpoints on other layouts.
 """
 
 import importlib
+import json
 import shutil
 import weakref
 from pathlib import Path
@@ -136,10 +137,14 @@ def test_a_dp4_save_writes_the_distinct_state_once(dp4, name):
     assert tensors == distinct, f"{name}: tensors {tensors:,} B, distinct 12Ψ = {distinct:,} B"
     overhead = disk - distinct
     assert 0 < overhead < 4 * 64 * 1024, f"{name}: {disk:,} B on disk, 12Ψ = {distinct:,} B"
-    if name == "dp4-zero0":  # DP rank 0 writes it all; its replicas write none of it.
-        assert pieces[0] > 0 and pieces[1:] == [0, 0, 0], pieces
-    else:  # ZeRO: each rank its shards' pieces.
-        assert all(n > 0 for n in pieces), pieces
+    assert all(n > 0 for n in pieces), pieces  # ZeRO: its shards; ZeRO 0: its share (below)
+    if name == "dp4-zero0":  # the 4 replicas share the writing, largest tensor first, each to
+        # the least loaded: none writes more than its quarter plus the largest tensor (wte).
+        largest = 4 * V_SAVED * 32  # wte's fp32 bytes: (320, C = 32)
+        files = sorted(ckpt.glob("rank_*.pt"))
+        mine = [sum(p["tensor"].nbytes for p in torch.load(f, weights_only=True)["pieces"])
+                for f in files]  # fmt: skip
+        assert max(mine) <= distinct / 4 + largest, (mine, distinct / 4 + largest)
 
 
 def test_a_tp2_pp2_save_writes_each_cut_once(dp4):
@@ -181,19 +186,104 @@ def test_export_assembles_the_model_from_zero3_shards(dp4):
 # ---------------------------------------------------------------------------------------------
 # Resume on another layout
 # ---------------------------------------------------------------------------------------------
+class ReadBytes(TorchDispatchMode):
+    """The bytes read from checkpoint files (storages torch.load returned: memory-mapped,
+    so their bytes are read only when an op takes them): each op that is not a view
+    counts the elements of its inputs that live in one of those storages."""
+
+    def __init__(self, storages: set):
+        super().__init__()
+        self.storages = storages
+        self.read = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages:
+                    self.read += a.numel() * a.element_size()
+        return func(*args, **(kwargs or {}))
+
+
 def _resume(rank, world, data_path, tmp, source, flags):
     """Step 2's checkpoint of `source`, copied into a new folder, resumed there at `flags`'s
-    layout for steps 3..5. Rank 0 returns its train rows."""
+    layout for steps 3..5. Returns, per rank, rank 0's train rows and folder, and what this
+    rank read to resume: the checkpoint files it opened (torch.load, wrapped), the bytes its
+    restore copied out of them (ReadBytes), and what its layout holds (reads_needed)."""
     out = Path(tmp) / f"{source}-to-{'-'.join(f.strip('-') for f in flags)}"
     if rank == 0:
         src = Path(tmp) / source / "checkpoints" / "step_0000002"
         shutil.copytree(src, out / "checkpoints" / src.name)
     if dist.is_initialized():
         dist.barrier()
-    train.main(BASE + SOURCE + flags + ["--data-dir", data_path, "--out-dir", str(out), "--resume"])
+    opened = []
+    storages = set()
+    real_load = torch.load
+    real_restore = checkpoint.restore
+    seen = {}
+
+    def counting_load(path, *args, **kwargs):
+        data = real_load(path, *args, **kwargs)
+        if "step_0000002" in str(path):  # the resumed checkpoint's files, not model.pt's
+            opened.append(Path(path).name)
+            for t in torch.utils._pytree.tree_leaves(data):
+                if isinstance(t, torch.Tensor):
+                    storages.add(t.untyped_storage().data_ptr())
+        return data
+
+    def counting_restore(run, shard):
+        with ReadBytes(storages) as mode:
+            then = real_restore(run, shard)
+        seen["read"] = mode.read
+        seen["needed"] = reads_needed(run)
+        return then
+
+    torch.load = counting_load
+    checkpoint.restore = counting_restore
+    try:
+        train.main(BASE + SOURCE + flags + ["--data-dir", data_path, "--out-dir", str(out),
+                                            "--resume"])  # fmt: skip
+    finally:
+        torch.load = real_load
+        checkpoint.restore = real_restore
     if dist.is_initialized():
         dist.barrier()
-    return (metrics(out), str(out)) if rank == 0 else None
+    rows = (metrics(out), str(out)) if rank == 0 else None
+    return rows, sorted(opened), seen["read"], seen["needed"]
+
+
+V_SAVED = 320  # the sources' wte rows in the checkpoints: 257 padded to 64 (dp 4) ...
+ROWS_TP2 = 384  # ... or to 64·2 at tp 2 (tp2-pp2): rows past 320 are zero padding
+
+
+def reads_needed(run) -> dict:
+    """What a resumed rank must read, from its own layout alone (not from the checkpoint
+    code): the elements it holds x 12 bytes (an fp32 weight and AdamW's two fp32 moments),
+    and, where the source was dp 4 ZeRO (its files are its 4 ranks' flat shards), the files
+    those elements are in. 07 cuts a flat of n elements into N shards of S = ⌈n/N⌉: rank r
+    holds [r·S, (r+1)·S) ∩ [0, n). So at ZeRO, this rank's [lo, lo + S_new) of each flat is in
+    the old ranks r whose [r·⌈n/4⌉, (r+1)·⌈n/4⌉) meets it, and without ZeRO it holds its
+    parameters whole (its TP cut: wte's rows past the checkpoint's 320 are padding, zero, and
+    in no file)."""
+    if run.cfg.zero:
+        files = set()
+        elements = 0
+        for f in run.optimizer.flats:
+            n = sum(f.numels)
+            hi = min(f.lo + f.S, n)
+            elements += max(0, hi - f.lo)
+            old = -(-n // 4)  # ⌈n/4⌉
+            files.update(r for r in range(4) if max(f.lo, r * old) < min(hi, (r + 1) * old))
+        return {"bytes": 12 * elements, "files": sorted(files)}
+    elements = 0
+    tp_rank = run.grid.tp_rank
+    for module in run.modules():
+        for name, p in module.named_parameters():
+            rows = p.size(0)
+            if name in ("transformer.wte.weight", "lm_head.weight"):  # (V/tp, C), rows cut
+                rows = min(rows, max(0, V_SAVED - tp_rank * rows))
+            elements += rows * (p.numel() // p.size(0))
+    whole = run.grid.tp == 1 and run.grid.pp == 1  # the whole model: every source file
+    return {"bytes": 12 * elements, "files": list(range(4)) if whole else None}
 
 
 def windows(step: int, dp: int, data_path) -> list:
@@ -207,8 +297,11 @@ def windows(step: int, dp: int, data_path) -> list:
     "source, world, flags, old_dp, new_dp",
     [("dp4-zero1", 2, ["--dp", "2", "--zero", "1"], 4, 2),
      ("tp2-pp2", 4, ["--dp", "4"], 1, 4),
-     ("dp4-zero3", 1, [], 4, 1)],
-    ids=["dp4-zero1-to-dp2", "tp2-pp2-to-dp4", "dp4-zero3-to-dp1-zero0"],
+     ("dp4-zero3", 1, [], 4, 1),
+     ("dp4-zero3", 2, ["--dp", "2", "--zero", "3"], 4, 2),
+     ("dp4-zero1", 4, ["--tp", "2", "--pp", "2"], 4, 1)],
+    ids=["dp4-zero1-to-dp2", "tp2-pp2-to-dp4", "dp4-zero3-to-dp1-zero0", "dp4-zero3-to-dp2",
+         "dp4-zero1-to-tp2-pp2"],
 )  # fmt: skip
 def test_resume_on_another_layout_continues_as_that_layout_would(dp4, data_dir, source,  # noqa: F811
                                                                  world, flags, old_dp, new_dp):
@@ -221,13 +314,18 @@ def test_resume_on_another_layout_continues_as_that_layout_would(dp4, data_dir, 
     The windows check at the end proves less: that 01's loader, by itself, deals each step's
     global batch alike at the old dp and the new (its windows are a function of (seed,
     step), not of dp), so the new layout CAN read the source's batches; it reads no batch
-    the resumed run took."""
+    the resumed run took.
+
+    What each rank read to resume: exactly the bytes of the slices it holds (reads_needed:
+    12 bytes an element it holds), and only the files that hold them (where reads_needed
+    derives them). Before, every rank opened every file and copied every piece of each
+    tensor it needed whole (at dp 4 ZeRO-1 -> dp 2: 4 files and ~12Ψ a rank, not 12Ψ/2)."""
     tmp, _ = dp4
     if world == 1:
-        resumed, out = _resume(0, 1, data_dir, str(tmp), source, flags)
+        ranks = [_resume(0, 1, data_dir, str(tmp), source, flags)]
     else:
-        resumed, out = run_ranks(_resume, world, data_dir, str(tmp), source, flags,
-                                 timeout=300)[0]  # fmt: skip
+        ranks = run_ranks(_resume, world, data_dir, str(tmp), source, flags, timeout=300)
+    (resumed, out), *_ = ranks[0]
     straight = metrics(tmp / source)
     assert [r["step"] for r in resumed] == [3, 4, 5]
     for key in ("loss", "grad_norm"):
@@ -241,6 +339,16 @@ def test_resume_on_another_layout_continues_as_that_layout_would(dp4, data_dir, 
     # 01's loader alone (see above): the resumed run's batches are proven by the losses.
     for step in (3, 4, 5):
         assert windows(step, new_dp, data_dir) == windows(step, old_dp, data_dir), step
+    for rank, (_, opened, read, needed) in enumerate(ranks):
+        what = f"rank {rank}: opened {opened}, read {read:,} B; needed {needed}"
+        print(what)
+        assert read == needed["bytes"], what
+        files = [checkpoint.shard_name(r) for r in needed["files"] or []]
+        assert opened == files or needed["files"] is None, what
+        assert len(opened) == len(set(opened)) <= 4, what  # each file opened once at most
+    # Every element of the model's state is held by one rank of a ZeRO layout: 12Ψ in all.
+    if "--zero" in flags:
+        assert sum(r[2] for r in ranks) == 12 * psi()
 
 
 def test_resume_refuses_other_token_files_in_one_line(dp4, data_dir, tmp_path):  # noqa: F811
@@ -266,14 +374,14 @@ def test_resume_refuses_other_token_files_in_one_line(dp4, data_dir, tmp_path): 
 
 
 def test_a_checkpoint_from_before_the_pieces_stops_in_one_line(data_dir, tmp_path):  # noqa: F811
-    """A rank file of the old format (a 'model' state dict, no pieces) is no damage to fall
-    back from: read as one, --resume found no readable checkpoint and started at step 0."""
+    """A checkpoint whose meta.json lists no pieces (written before the slice index) is no
+    damage to fall back from: read as one, --resume found no readable checkpoint and started
+    at step 0."""
     argv = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--max-steps", "1"]
     train.main(argv)
-    path = checkpoint.complete_checkpoints(tmp_path)[0] / checkpoint.shard_name(0)
-    old = torch.load(path, weights_only=True)
-    del old["pieces"], old["scalars"]
-    old["model"] = [{}]
-    torch.save(old, path)
+    meta = checkpoint.complete_checkpoints(tmp_path)[0] / "meta.json"
+    old = json.loads(meta.read_text())
+    del old["pieces"]
+    meta.write_text(json.dumps(old))
     with pytest.raises(SystemExit, match="does not fit this run"):
         train.main(argv[:-1] + ["2", "--resume"])

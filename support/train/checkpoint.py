@@ -6,14 +6,16 @@ on disk, so a folder without the suffix is complete: a crash leaves a .partial f
 never a torn checkpoint. The last K complete ones are kept.
 
 Each distinct piece of state is written once. Weights and AdamW's moments that DP and
-CP replicas hold alike are written by DP rank 0 and CP rank 0 of each (pp, tp)
-coordinate; under ZeRO each rank writes the pieces of its own shards (ZeRO-3 without
-gathering a weight). Every piece is recorded by its global name, global shape and the
-slice it holds: its TP cut (dim, chunks, tp rank, tp) and a range of that cut,
-flattened. Loading assembles each tensor from the pieces of every file, then cuts what
-this rank holds in its own layout: a run resumes on another (dp, tp, pp, cp, zero).
-Every rank's file also holds its RNG streams and PowerSGD's state (restored on the same
-layout only), the scaler, the step and the config.
+CP replicas hold alike are spread over them, each tensor written by one (spread); under
+ZeRO each rank writes the pieces of its own shards (ZeRO-3 without gathering a weight).
+Every piece is described by its global name, global shape and the slice it holds: its
+TP cut (dim, chunks, tp rank, tp) and a range of that cut, flattened. meta.json lists
+every file's pieces (gathered to rank 0), with what all ranks hold alike: the step, the
+data position, the config, the scaler, AdamW's hyperparameters and step counts.
+Loading reads meta.json, opens only the files that hold a piece overlapping a slice
+this rank holds in its own layout, and copies only the overlap, rectangle by
+rectangle: a run resumes on another (dp, tp, pp, cp, zero). Every rank's file also
+holds its RNG streams and PowerSGD's state, read back on the same layout only.
 
 Loading needs every rank to agree on one checkpoint: rank 0's listing is shared, each
 rank votes whether the files read (MIN: all must), and a damaged newest checkpoint
@@ -37,7 +39,7 @@ import torch.distributed as dist
 
 from support.distributed import print0
 from support.files import atomic_write, fsync_dir
-from support.shape import SHAPE
+from support.plan.shape import SHAPE
 from support.tensor_parallel import sharding
 from support.train import vocab
 from support.train.config import ConfigError, TrainConfig, flag_name
@@ -190,7 +192,8 @@ def save(
 ):
     """Every rank writes its shard into step_N.partial/; rank 0 adds meta.json, renames
     the folder to step_N and keeps the newest `keep`. `meta()` builds meta.json's
-    contents (rank 0, once every shard is written).
+    contents (rank 0, once every shard is written); meta.json also gets every file's
+    piece descriptors (gathered to rank 0, see describe) and AdamW's scalars by name.
 
     Each of the three parts ends in a vote, not a barrier: a rank that failed (a full
     disk, a data folder gone for meta()) says so, and every rank raises at once. Behind
@@ -206,7 +209,13 @@ def save(
         partial.mkdir(parents=True)
 
     def publish():
-        text = json.dumps({"step": step, **meta()}, indent=1)
+        fields = {"step": step, **meta(), "scalars": {}, "pieces": "@rows"}
+        for _, scalars in gathered:
+            fields["scalars"].update(scalars)
+        text = json.dumps(fields, indent=1)
+        # One piece a line: 07's shards make thousands of pieces at a cluster's scale.
+        rows = [json.dumps(row) for rows, _ in gathered for row in rows]
+        text = text.replace('"@rows"', "[\n" + ",\n".join(rows) + "\n]")
         atomic_write(partial / "meta.json", lambda tmp: tmp.write_text(text))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)  # Every shard's name is on disk already.
@@ -217,9 +226,30 @@ def save(
     def write_shard():
         atomic_write(partial / shard_name(rank), lambda tmp: torch.save(shard, tmp))
 
-    for part in (empty_folder, write_shard, publish):
+    for part in (empty_folder, write_shard):
         mine = part if part is write_shard or rank == 0 else None
         all_or_none(mine, f"saving step {step}", world, device)
+    # Every rank wrote its file (the vote): each one's descriptors to rank 0.
+    mine = (describe(shard.get("pieces", []), rank), shard.get("scalars", {}))
+    gathered = [mine] if rank == 0 else None
+    if world > 1:
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    all_or_none(publish if rank == 0 else None, f"saving step {step}", world, device)
+
+
+# The columns of meta.json's "pieces": one row per piece of every file.
+PIECE_FIELDS = ["name", "state", "shape", "tp", "range", "file", "at"]
+
+
+def describe(pieces: list, rank: int) -> list:
+    """A file's pieces as meta.json's rows (PIECE_FIELDS): what each holds, and where:
+    the file (its rank) and its place in the file's list of pieces."""
+    rows = []
+    for at, pc in enumerate(pieces):
+        rows.append([pc["name"], pc["state"], pc["shape"], pc["tp"], pc["range"]])
+        rows[-1] += [rank, at]
+    return rows
 
 
 def all_or_none(action, what: str, world: int, device) -> None:
@@ -240,40 +270,45 @@ def all_or_none(action, what: str, world: int, device) -> None:
         raise RuntimeError(f"{what} failed on another rank (its error is above)")
 
 
-def read_files(ckpt, rank: int, reading: list | None = None) -> dict:
-    """A checkpoint's files for one rank: its own (the first one's if the world grew) as
-    a dict, with `index` added: (global name, state) -> the pieces of every file. Files
-    are memory-mapped: a piece's bytes are read when they are copied out. `reading`
-    gets each path before it is read (the one that failed is the last)."""
+def read_files(ckpt, wanted, reading: list | None = None) -> dict:
+    """A checkpoint's meta.json and the files `wanted(meta)` names (a set of ranks),
+    memory-mapped: a piece's bytes are read only when copied out. Returns meta.json's
+    fields with "files" (rank -> its file) and "index" ((name, state) -> its pieces'
+    rows, as dicts). `reading` gets each path before it is read (the one that failed is
+    the last). Raises if a file's pieces are not those meta.json says it holds."""
     reading = [] if reading is None else reading
     reading.append(ckpt / "meta.json")
     meta = json.loads(reading[-1].read_text())
-    files = [ckpt / shard_name(r) for r in range(meta.get("world", 1))]
     index = {}
-    scalars = {}  # name -> AdamW's step (every file that holds a piece of it says it)
-    mine = None
-    for r, path in enumerate(files):
-        reading.append(path)
-        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        # A file from before the pieces (2026-11-29) holds none: it does not fit (one
-        # line from load_newest), rather than reading as damage and starting at step 0.
-        for piece in data.get("pieces", []):
-            index.setdefault((piece["name"], piece["state"]), []).append(piece)
-        scalars.update(data.get("scalars", {}))
-        if r == rank or (r == 0 and rank >= len(files)):
-            mine = data
-    return {**mine, "index": index, "scalars": scalars, "meta": meta}
+    for row in meta.get("pieces", []):
+        pc = dict(zip(PIECE_FIELDS, row, strict=True))
+        index.setdefault((pc["name"], pc["state"]), []).append(pc)
+    files = {}
+    for r in sorted(wanted({**meta, "index": index})):
+        reading.append(ckpt / shard_name(r))
+        files[r] = torch.load(
+            reading[-1], map_location="cpu", weights_only=True, mmap=True
+        )
+    for pcs in index.values():
+        for pc in pcs:
+            if pc["file"] not in files:
+                continue
+            held = files[pc["file"]]["pieces"][pc["at"]]
+            if (held["name"], held["state"]) != (pc["name"], pc["state"]):
+                raise ValueError(f"{pc['file']}'s piece {pc['at']} is not {pc['name']}")
+    return {**meta, "files": files, "index": index}
 
 
-def load_newest(out_dir, rank: int, world: int, device, restore) -> dict | None:
-    """The newest checkpoint every rank can read, restored by `restore(shard)`.
+def load_newest(out_dir, rank: int, world: int, device, read, restore) -> dict | None:
+    """The newest checkpoint every rank can read (`read(ckpt, reading)`: read_files),
+    restored by `restore(shard)`.
 
     A file that cannot be read is named and the previous checkpoint tried, all ranks
     agreeing. A checkpoint that reads but does not fit (`restore` raises: another model)
     is no damage to fall back from: every rank hears of it and the run stops. `restore`
     runs no collective (a rank that raised would miss it: a hang); what it returns, if
     anything, runs on every rank after the vote. Files load to the CPU, since RNG states
-    must stay CPU tensors. Returns this rank's file (read_files), or None.
+    must stay CPU tensors. Returns what `read` returned, or None.
     """
     names = [[d.name for d in complete_checkpoints(out_dir)]]
     if world > 1:
@@ -285,7 +320,7 @@ def load_newest(out_dir, rank: int, world: int, device, restore) -> dict | None:
         ckpt = ckpt_root(out_dir) / name
         reading = []
         try:
-            shard = read_files(ckpt, rank, reading)
+            shard = read(ckpt, reading)
             ok = 1.0
         except Exception as e:  # noqa: BLE001 - any unreadable file: name it, go on.
             error = f"{type(e).__name__}: {str(e)[:120]}"
@@ -373,13 +408,12 @@ def distinct_pieces(run) -> tuple[list, dict]:
     """This rank's pieces of the distinct state, and the optimizer's scalars by name.
 
     ZeRO: the pieces of this rank's shards (its slice of each flat's weights and AdamW
-    moments: no gathering), and what no flat holds (frozen weights) from DP and CP rank
-    0. No ZeRO: DP and CP rank 0 write every weight and its AdamW state; the others,
-    whose copies are alike, write none. A tensor 04 does not cut (LayerNorms, wpe, a
-    row-parallel bias) is TP rank 0's to write.
+    moments: no gathering). What DP and CP replicas hold alike (every weight and its
+    AdamW state without ZeRO, the frozen weights no flat holds with it) is spread over
+    them (spread): each piece written by one replica. A tensor 04 does not cut
+    (LayerNorms, wpe, a row-parallel bias) is TP rank 0's to write.
     """
     grid = run.grid
-    first = grid.dp_rank == 0 and grid.cp_rank == 0
     names = global_names(run, skip_copies=True)
     if grid.tp_rank > 0:  # What 04 does not cut, every TP rank holds alike: rank 0's.
         names = {i: n for i, n in names.items() if tp_cut(n, grid)}
@@ -402,7 +436,8 @@ def distinct_pieces(run) -> tuple[list, dict]:
                     continue
                 t = on_cpu(t[a - f.lo : b - f.lo])
                 pieces.append(piece(name, key, p, t, grid, span))
-    for module in run.modules() if first else []:
+    alike = []  # (name, state, p, tensor): the same on every DP and CP replica
+    for module in run.modules():
         for p in module.parameters():
             if id(p) in in_flats or id(p) not in names:
                 continue
@@ -412,60 +447,164 @@ def distinct_pieces(run) -> tuple[list, dict]:
                 if t.dim() == 0:
                     scalars.setdefault(name, {})[key] = t.item()
                     continue
-                pieces.append(piece(name, key, p, on_cpu(t), grid))
+                alike.append((name, key, p, t))
+    for name, key, p, t in spread(alike, grid):
+        pieces.append(piece(name, key, p, on_cpu(t), grid))
     return pieces, scalars
 
 
-def assemble(pieces: list) -> torch.Tensor:
-    """A global tensor from its pieces: each TP cut filled from its ranges, the cuts
-    merged as 04 splits them. Raises if any element is in no piece (a piece held twice
-    is harmless here: the save's byte count is what keeps the writers distinct)."""
-    head = pieces[0]
-    cut = head["tp"]
-    n = cut[3] if cut else 1
-    shape = list(head["shape"])
-    if cut:
-        shape[cut[0]] //= n
-    numel = torch.Size(shape).numel()
-    cuts = [head["tensor"].new_empty(numel) for _ in range(n)]
-    filled = torch.zeros(n, numel, dtype=torch.bool)
-    for pc in pieces:
-        r = pc["tp"][2] if cut else 0
-        a, b = pc["range"] or (0, numel)
-        cuts[r][a:b] = pc["tensor"].reshape(-1)
-        filled[r, a:b] = True
-    if not filled.all():
-        where = f"{head['name']} ({head['state']})"
-        missing = int((~filled).sum())
-        raise ValueError(f"{where}: {missing} of {n * numel} elements in no piece")
-    cuts = [c.view(shape) for c in cuts]
-    return sharding.merge_tensors(cuts, *cut[:2]) if cut else cuts[0]
+def spread(alike: list, grid) -> list:
+    """Which of the tensors the dp·cp replicas hold alike this one writes: the largest
+    first, each to the replica that has the fewest bytes so far (ties: the lowest).
+    Every replica computes the same answer, so each tensor is written once, and no
+    replica writes more than the mean plus the largest tensor (greedy scheduling's
+    bound). One writer for all (the rule before) wrote 19 GB alone at dp 64."""
+    me = grid.dp_rank * grid.cp + grid.cp_rank  # 0 .. dp·cp - 1
+    load = [0] * grid.dp_cp
+    mine = []
+    sizes = [t.numel() * t.element_size() for _, _, _, t in alike]
+    for i in sorted(range(len(alike)), key=lambda i: -sizes[i]):  # Stable: ties alike.
+        who = load.index(min(load))
+        load[who] += sizes[i]
+        if who == me:
+            mine.append(i)
+    return [alike[i] for i in sorted(mine)]
 
 
-def fit_rows(t: torch.Tensor, shape: list, name: str) -> torch.Tensor:
-    """A global tensor at another TP's vocabulary padding: wte's zero rows (64·tp of
-    them, support/train/vocab) cut or added. Any other difference does not fit."""
-    if list(t.shape) == list(shape):
-        return t
-    if name not in vocab.KEYS or list(t.shape[1:]) != list(shape[1:]):
-        raise ValueError(f"{name}: checkpoint shape {list(t.shape)}, here {shape}")
-    if t.size(0) > shape[0]:
-        return t[: shape[0]]
-    return torch.cat([t, t.new_zeros(shape[0] - t.size(0), *t.shape[1:])])
+def rectangles(shape: list, cut, span) -> tuple[int, list]:
+    """A slice of a global tensor as rectangles of it: (width, [(r0, r1, c0, c1, at)]).
+
+    The slice is `span` (a flat range; None: all) of 04's `cut` (None: no cut) of a
+    tensor of global `shape`, seen as 2-D (a vector as one row). Each rectangle is rows
+    [r0, r1) x columns [c0, c1) of the global tensor; the slice's flat storage holds it
+    from element `at`, a row every `width` (the cut's row length). A flat range of the
+    cut is at most three rectangles (a partial row, whole rows, a partial row), and
+    each one splits at the edges of 04's chunks (a fused [q|k|v]: three), inside which
+    the cut is the global tensor shifted."""
+    rows, cols = shape if len(shape) == 2 else (1, shape[0])
+    dim, chunks, tp_rank, tp = cut if cut else (0, 1, 0, 1)
+    dim = 1 if len(shape) == 1 else dim  # A vector's one dim: the row's columns.
+    size = cols if dim else rows  # Along the cut, globally.
+    part = size // (chunks * tp)  # One chunk's share of one rank, along the cut.
+    width = cols // tp if dim else cols
+    height = rows if dim else rows // tp
+    a, b = span if span else (0, height * width)
+    r0, c0 = divmod(a, width)
+    r1, c1 = divmod(b, width)
+    whole = r0 + (c0 > 0)  # The first whole row.
+    flat = []  # Rectangles of the cut, (r0, r1, c0, c1): the range [a, b) of its rows.
+    if r0 == r1:
+        flat.append((r0, r0 + 1, c0, c1))
+    else:
+        flat.append((r0, whole, c0, width))  # Empty when c0 = 0: dropped below.
+        flat.append((whole, r1, 0, width))
+        flat.append((r1, r1 + 1, 0, c1))
+    flat = [(r0, r1, c0, c1) for r0, r1, c0, c1 in flat if r0 < r1 and c0 < c1]
+    out = []
+    for r0, r1, c0, c1 in flat:
+        lo, hi = (c0, c1) if dim else (r0, r1)
+        for k in range(chunks):  # Chunk k: [k·part, (k+1)·part) of the cut, on dim.
+            x0 = max(lo, k * part)
+            x1 = min(hi, (k + 1) * part)
+            if x0 >= x1:
+                continue
+            shift = k * (size // chunks) + tp_rank * part - k * part
+            at = r0 * width + c0 - a + (x0 - lo) * (1 if dim else width)
+            if dim:
+                out.append((r0, r1, x0 + shift, x1 + shift, at))
+            else:
+                out.append((x0 + shift, x1 + shift, c0, c1, at))
+    return width, out
 
 
-def local_tensor(index: dict, name: str, state: str, p, grid) -> torch.Tensor:
-    """What this rank holds of `name`'s `state` (the shape of p, its TP cut): the global
-    tensor assembled from the checkpoint's pieces, fitted, then cut as 04 cuts it."""
+def overlaps(src: tuple, dst: tuple):
+    """(rows, columns, where in src, where in dst) of each block that two slices'
+    rectangles (rectangles()) share: the intervals' intersections, no mask."""
+    src_width, src_rects = src
+    dst_width, dst_rects = dst
+    for sr0, sr1, sc0, sc1, s_at in src_rects:
+        for dr0, dr1, dc0, dc1, d_at in dst_rects:
+            i0 = max(sr0, dr0)
+            i1 = min(sr1, dr1)
+            j0 = max(sc0, dc0)
+            j1 = min(sc1, dc1)
+            if i0 >= i1 or j0 >= j1:
+                continue
+            s = s_at + (i0 - sr0) * src_width + (j0 - sc0)
+            d = d_at + (i0 - dr0) * dst_width + (j0 - dc0)
+            yield i1 - i0, j1 - j0, s, d
+
+
+def check_shape(name: str, saved: list, shape: list) -> None:
+    """Raise unless a checkpoint's global shape fits this run's: the same, or wte's at
+    another TP's vocabulary padding (64·tp zero rows, support/train/vocab: the rows
+    past the saved ones stay zero, the saved ones past this run's are not read)."""
+    same_rows = list(saved[1:]) == list(shape[1:])
+    if list(saved) != list(shape) and not (name in vocab.KEYS and same_rows):
+        raise ValueError(f"{name}: checkpoint shape {list(saved)}, here {list(shape)}")
+
+
+def pieces_over(index: dict, name: str, state: str, need: tuple) -> list:
+    """The pieces of `name`'s `state` that overlap a slice (shape, cut, span)."""
     pieces = index.get((name, state))
     if not pieces:
         raise ValueError(f"the checkpoint holds no {state} of {name}")
+    check_shape(name, pieces[0]["shape"], need[0])
+    mine = rectangles(*need)
+    found = []
+    for pc in pieces:
+        theirs = rectangles(pc["shape"], pc["tp"], pc["range"])
+        if next(overlaps(theirs, mine), None) is not None:
+            found.append(pc)
+    return found
+
+
+def read_slice(files: dict, index: dict, name: str, state: str, need: tuple, out):
+    """Copy the elements of a slice (shape, cut, span) of `name`'s `state` from the
+    pieces that overlap it into `out` (its flat storage, on any device), block by
+    block: nothing else is read. Raises if an element the checkpoint's shape holds is
+    in no piece (or in two)."""
+    shape, cut, span = need
+    mine = rectangles(shape, cut, span)
+    saved = index[(name, state)][0]["shape"]
+    bounds = saved if len(saved) == 2 else [1, saved[0]]
+    wanted = 0  # The slice's elements inside the saved shape (the rest: padding rows).
+    for r0, r1, c0, c1, _ in mine[1]:
+        wanted += max(0, min(r1, bounds[0]) - r0) * max(0, min(c1, bounds[1]) - c0)
+    if wanted < out.numel():
+        out.zero_()
+    copied = 0
+    for pc in pieces_over(index, name, state, need):
+        src = files[pc["file"]]["pieces"][pc["at"]]["tensor"]
+        theirs = rectangles(pc["shape"], pc["tp"], pc["range"])
+        for n, m, s, d in overlaps(theirs, mine):
+            block = src.as_strided((n, m), (theirs[0], 1), src.storage_offset() + s)
+            into = out.as_strided((n, m), (mine[0], 1), out.storage_offset() + d)
+            into.copy_(block)
+            copied += n * m
+    if copied != wanted:
+        where = f"{name} ({state})"
+        raise ValueError(f"{where}: {wanted} elements wanted, {copied} in the pieces")
+
+
+def whole(shard: dict, name: str, state: str = "param") -> torch.Tensor:
+    """A global tensor at its saved shape, read from its pieces (read_files' `shard`
+    must hold their files): --export's weights, one at a time."""
+    pieces = shard["index"][(name, state)]
+    head = shard["files"][pieces[0]["file"]]["pieces"][pieces[0]["at"]]["tensor"]
+    shape = pieces[0]["shape"]
+    out = head.new_empty(torch.Size(shape).numel())
+    read_slice(shard["files"], shard["index"], name, state, (shape, None, None), out)
+    return out.view(shape)
+
+
+def need_of(name: str, p, grid, span=None) -> tuple:
+    """The slice of `name` this rank holds in p (its TP cut), or a flat span of it."""
     cut = tp_cut(name, grid)
     shape = list(p.shape)
     if cut:
         shape[cut[0]] *= cut[3]
-    full = fit_rows(assemble(pieces), shape, name)
-    return sharding.shard_tensor(full, *cut) if cut else full
+    return shape, cut, span
 
 
 def state_kinds(index: dict, name: str) -> list:
@@ -501,58 +640,103 @@ def check_names(saved: set, names: dict, run) -> None:
         raise ValueError(f"the checkpoint holds {extra}, not {missing}")
 
 
-def restore_model(run, index: dict, scalars: dict, saved_groups: list):
-    """Weights and AdamW's state from the pieces into this rank's layout. ZeRO: into
-    each flat's shard (its weights, its moments) and frozen weights; no ZeRO: into each
-    parameter and torch's AdamW."""
+def slices(run, index: dict):
+    """Each slice of the state this rank holds: (name, state, need, p, f). need is
+    (global shape, TP cut, flat span of the cut or None: all of it); f is the ZeRO flat
+    whose shard holds p's span, or None: p itself (and torch's AdamW state of it).
+    The optimizer's states are the ones the checkpoint holds for the name."""
+    grid = run.grid
+    names = global_names(run, skip_copies=False)
+    flats = run.optimizer.flats if run.cfg.zero else []
+    in_flats = {id(p) for f in flats for p in f.params}
+    for module in run.modules():
+        for p in module.parameters():
+            if id(p) in in_flats:
+                continue
+            name = names[id(p)]
+            kinds = [] if run.cfg.zero else state_kinds(index, name)
+            for state in ["param", *kinds]:
+                yield name, state, need_of(name, p, grid), p, None
+    for f in flats:
+        for p, o in f.offset.items():
+            a = max(o, f.lo)
+            b = min(o + p.numel(), f.lo + f.S)
+            if a >= b:
+                continue
+            name = names[id(p)]
+            for state in ["param", *state_kinds(index, name)]:
+                yield name, state, need_of(name, p, grid, [a - o, b - o]), p, f
+
+
+def files_needed(run, meta: dict) -> set:
+    """The files (ranks) this rank reads: those holding a piece that overlaps a slice
+    it holds, and, on the layout that wrote the checkpoint, its own (its RNG streams and
+    PowerSGD's state). A checkpoint of another model reads as far as it can: restore
+    says it does not fit, in one line."""
+    index = meta["index"]
+    files = set()
+    for name, state, need, _, _ in slices(run, index):
+        try:
+            files.update(pc["file"] for pc in pieces_over(index, name, state, need))
+        except ValueError:
+            continue
+    if same_layout(meta.get("config", {}), run.cfg):
+        files.add(run.grid.rank)
+    return files
+
+
+def same_layout(saved: dict, cfg) -> bool:
+    """Whether a checkpoint's config has this run's layout (RANK_ROLE)."""
+    return all(saved.get(k) == getattr(cfg, k) for k in RANK_ROLE)
+
+
+def restore_model(run, shard: dict):
+    """Weights and AdamW's state into this rank's layout, each slice copied from the
+    pieces that overlap it (read_slice): into each parameter and torch's AdamW without
+    ZeRO; into each flat's shard and its moments with it. Nothing is assembled whole."""
+    index = shard["index"]
+    if not index:
+        raise ValueError("meta.json lists no pieces (a checkpoint from before them)")
     names = global_names(run, skip_copies=False)
     check_names({n for n, state in index if state == "param"}, names, run)
-    grid = run.grid
     opt = run.optimizer
     flats = opt.flats if run.cfg.zero else []
-    in_flats = {id(p) for f in flats for p in f.params}
-
-    def state_of(name, p, span=None):
-        kinds = state_kinds(index, name)
-        out = {k: torch.tensor(v) for k, v in scalars.get(name, {}).items()}
-        for k in kinds:
-            t = local_tensor(index, name, k, p, grid)
-            out[k] = t if span is None else t.reshape(-1)[span[0] : span[1]]
-        return out
-
+    read = partial(read_slice, shard["files"], index)
+    saved_groups = [
+        {k: tuple(v) if isinstance(v, list) else v for k, v in g.items()}
+        for g in shard["param_groups"]
+    ]  # JSON's lists back to tuples (AdamW's betas).
+    states = {}  # id(p), or id(f.shard) with ZeRO -> its AdamW state
     with torch.no_grad():
-        for module in run.modules():
-            for p in module.parameters():
-                if id(p) not in in_flats:
-                    t = local_tensor(index, names[id(p)], "param", p, grid)
-                    p.copy_(t)
+        for f in flats:
+            f.shard.zero_()  # The padding past the flat's last weight: 0, as at init.
+        for name, state, need, p, f in slices(run, index):
+            key = id(p) if f is None else id(f.shard)
+            if key not in states:
+                steps = shard["scalars"].get(name, {})
+                states[key] = {k: torch.tensor(v) for k, v in steps.items()}
+            mine = states[key]
+            if f is None:
+                out = p.detach().view(-1)
+                if state != "param":
+                    out = torch.empty(p.numel(), dtype=p.dtype)
+                read(name, state, need, out)
+                if state != "param":
+                    mine[state] = out.view(p.shape)
+                continue
+            a, b = need[2]
+            at = f.offset[p] + a - f.lo  # p's span in this rank's shard
+            out = f.shard.detach() if state == "param" else mine.get(state)
+            if out is None:
+                out = mine[state] = torch.zeros(f.S, dtype=f.shard.dtype)
+            read(name, state, need, out[at : at + b - a])
         if not run.cfg.zero:
             params = [p for g in opt.param_groups for p in g["params"]]
-            states = [state_of(names[id(p)], p) or None for p in params]
-            load_optimizer(opt, params, states, saved_groups)
+            ordered = [states.get(id(p)) or None for p in params]
+            load_optimizer(opt, params, ordered, saved_groups)
             return
-        states = {}
-        for f in flats:
-            shard = torch.zeros(f.S, dtype=f.shard.dtype)
-            mine = {}
-            for p, o in f.offset.items():
-                a = max(o, f.lo)
-                b = min(o + p.numel(), f.lo + f.S)
-                if a >= b:
-                    continue
-                name = names[id(p)]
-                w = local_tensor(index, name, "param", p, grid).reshape(-1)
-                shard[a - f.lo : b - f.lo] = w[a - o : b - o]
-                for k, t in state_of(name, p, [a - o, b - o]).items():
-                    if t.dim() == 0:
-                        mine[k] = t
-                        continue
-                    mine.setdefault(k, torch.zeros(f.S, dtype=t.dtype))
-                    mine[k][a - f.lo : b - f.lo] = t
-            f.shard.copy_(shard)
-            states[id(f.shard)] = mine or None
         local = [p for g in opt.local.param_groups for p in g["params"]]
-        ordered = [states.get(id(p)) for p in local]
+        ordered = [states.get(id(p)) or None for p in local]
         load_optimizer(opt.local, local, ordered, saved_groups)
         for g, saved in zip(opt.param_groups, saved_groups, strict=True):
             g.update(
@@ -589,24 +773,25 @@ def shard_of(run, step: int) -> dict:
 
 
 def restore(run, shard: dict):
-    """A checkpoint (read_files: this rank's file, every file's pieces) into a train.Run,
-    with no collective; raises if it does not fit (another model). Returns what is left
-    for every rank to run once all agree that it fits: ZeRO-1/2's all-gather of the
-    weights, or None. The RNG streams and PowerSGD's state come back on the layout they
-    were saved on; on another, this run's own (a new run's) go on."""
-    restore_model(run, shard["index"], shard["scalars"], shard["param_groups"])
+    """A checkpoint (read_files: meta.json's fields and the files this rank reads) into
+    a train.Run, with no collective; raises if it does not fit (another model). Returns
+    what is left for every rank to run once all agree that it fits: ZeRO-1/2's
+    all-gather of the weights, or None. The RNG streams and PowerSGD's state come back
+    from this rank's own file on the layout that wrote it; on another, this run's own
+    (a new run's) go on."""
+    restore_model(run, shard)
     if shard["scaler"]:
         run.scaler.load_state_dict(shard["scaler"])
-    saved = shard["config"]
-    if all(saved.get(k) == getattr(run.cfg, k) for k in RANK_ROLE):
+    if same_layout(shard["config"], run.cfg):
+        own = shard["files"][run.grid.rank]
         states = powersgd_states(run.chunks)
-        for p, state in zip(states, shard.get("powersgd", []), strict=True):
+        for p, state in zip(states, own.get("powersgd", []), strict=True):
             p.load_state_dict(state)
-        if shard["tp_rng"] is not None:
-            run.modules()[0].tp_rng.load_state_dict(shard["tp_rng"])
-        torch.set_rng_state(shard["rng"]["torch"])
-        if "cuda" in shard["rng"]:
-            torch.cuda.set_rng_state(shard["rng"]["cuda"], run.device)
+        if own["tp_rng"] is not None:
+            run.modules()[0].tp_rng.load_state_dict(own["tp_rng"])
+        torch.set_rng_state(own["rng"]["torch"])
+        if "cuda" in own["rng"]:
+            torch.cuda.set_rng_state(own["rng"]["cuda"], run.device)
     return run.optimizer.gather_weights if run.cfg.zero else None
 
 
@@ -622,6 +807,8 @@ def save_checkpoint(run, step: int) -> None:
         fields["tokenizer"] = tokenizer_name(cfg.data_dir)
         fields["data_fingerprint"] = data_fingerprint(cfg.data_dir)
         fields["config"] = asdict(cfg)
+        for key in ("data_position", "scaler", "param_groups"):  # Alike on all ranks.
+            fields[key] = shard[key]
         return fields
 
     shard = shard_of(run, step)
@@ -633,10 +820,12 @@ def load_checkpoint(run) -> int:
     """Restore a train.Run from the newest checkpoint every rank can read (load_newest);
     returns the step to continue from (0: none)."""
     grid = run.grid
-    out_dir = run.cfg.out_dir
-    shard = load_newest(
-        out_dir, grid.rank, grid.world, run.device, partial(restore, run)
-    )
+
+    def read(ckpt, reading):
+        return read_files(ckpt, partial(files_needed, run), reading)
+
+    where = (run.cfg.out_dir, grid.rank, grid.world, run.device)
+    shard = load_newest(*where, read, partial(restore, run))
     return 0 if shard is None else shard["step"] + 1
 
 

@@ -3,7 +3,7 @@
 model.pt holds the model's config and state dict (02_model.GPT's), the step, and the
 tokenizer: a name ("gpt2", "char") or a trained BPE's vocabulary, merges and special
 tokens, so that it samples from any folder. This file knows the files; train.py builds
-the model. The weights are assembled from the checkpoint's pieces (support/train/checkpoint),
+the model. The weights are read from the checkpoint's pieces (support/train/checkpoint),
 whatever layout wrote them. Its vocabulary is padded to a multiple of 64 rows, whatever
 tp trained it (support/train/vocab).
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from support.files import atomic_write
-from support.train.checkpoint import assemble, read_files, read_newest
+from support.train.checkpoint import read_files, read_newest, whole
 from support.train.vocab import trim_rows
 
 
@@ -36,20 +36,28 @@ def merge_shards(state_dicts, tp_layout, merge_tensors) -> dict:
 def read_model(ckpt) -> tuple[dict, dict]:
     """A checkpoint folder -> (its meta.json, the whole model's state dict).
 
-    Each weight is assembled on the CPU, one at a time, from the pieces every file
-    holds of it (its TP cuts, its ZeRO ranges: support/train/checkpoint's slice map); the
-    files are memory-mapped, so AdamW's moments beside them are never read. The tied
-    lm_head.weight is wte's tensor, as in 02's state dict.
+    Each weight is read on the CPU, one at a time, from the pieces that hold it (its
+    TP cuts, its ZeRO ranges: the slice map in meta.json, support/train/checkpoint);
+    only the files that hold weights are opened, memory-mapped, so AdamW's moments
+    beside them are never read. The tied lm_head.weight is wte's tensor, as in 02's
+    state dict.
     """
-    shard = read_files(ckpt, rank=0)
-    meta = shard["meta"]
+
+    def weights(meta):  # The files that hold a piece of a weight.
+        files = set()
+        for (_, state), pieces in meta["index"].items():
+            if state == "param":
+                files.update(pc["file"] for pc in pieces)
+        return files
+
+    shard = read_files(ckpt, weights)
     full = {}
-    for (name, state), pieces in shard["index"].items():
+    for name, state in shard["index"]:
         if state == "param":
-            full[name] = assemble(pieces)
-    if meta["model_config"].get("tie_embeddings"):
+            full[name] = whole(shard, name)
+    if shard["model_config"].get("tie_embeddings"):
         full["lm_head.weight"] = full["transformer.wte.weight"]
-    return meta, full
+    return shard, full
 
 
 def export(run_dir, fold_lora, build_model, get_tokenizer):
