@@ -7,6 +7,15 @@ from pathlib import Path
 
 import pytest
 
+# One torch thread in this process and in every process it starts (train.py jobs, the
+# zygotes' ranks, the demos), unless the caller sets another count. The suite's models are
+# tiny: a second thread has almost nothing to share, and on CI's 2 cores it spins while the
+# ranks and subprocesses wait for a core (tests/test_train.py's first two tests measured
+# 27.7 s of CPU at 2 threads, 13.5 s at 1, on this loaded 2-core VM). Set here, before any
+# test module imports torch, which reads it once. README's `OMP_NUM_THREADS=2` run still
+# checks the quoted numbers at 2 threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session")
 def gpt2_encoding():
