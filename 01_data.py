@@ -35,8 +35,8 @@ Launch: `python 01_data.py` (a 4,096-token BPE on the standard library's source,
 in data/; --source FILES.jsonl for a real corpus; timings: bench/bench_data.py). It keeps
 every document: `prepare(..., cleaner=None)`. 01b_cleaning.py passes its cleaner, so
 `python 01b_cleaning.py --dedup minhash` is this pipeline, cleaned, in one command; the
-`prepare` that cleans (--dedup, --quality) is `01b_cleaning.prepare`. Plumbing: support/
-(sources, files, token_files, progress, splitmix, data_flags). Left out on purpose:
+`prepare` that cleans (--dedup, --quality) is `01b_cleaning.prepare`. Plumbing: support/data/
+(sources, token_files, splitmix, data_flags) and support/files. Left out on purpose:
 cleaning (01b), Unicode normalisation, fast trainers, packing masks.
 """
 

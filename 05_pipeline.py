@@ -56,8 +56,7 @@ import torch
 import torch.distributed as dist
 
 from support import distributed
-from support.distributed import print0
-from support.grid import new_groups
+from support.distributed import new_groups, print0
 
 model_lib = importlib.import_module("02_model")  # GPT, GPTConfig, byte_batches
 
@@ -136,7 +135,7 @@ def embedding_group(pp_groups_ranks):
     """Megatron's embedding group: {first, last} rank of this rank's pipeline, or None
     (a middle stage; p = 1: one copy). subtle: making groups is a world collective (on
     NCCL a split of the world's communicator), so EVERY rank passes EVERY pipeline's
-    ranks, and all the pairs are made in one call (support/grid.py says why)."""
+    ranks, and all the pairs are made in one call (support/distributed.py says why)."""
     pairs = [sorted({ranks[0], ranks[-1]}) for ranks in pp_groups_ranks]
     return new_groups(pairs) if len(pairs[0]) > 1 else None
 

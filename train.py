@@ -7,7 +7,7 @@ Long sequences are cut over --cp ranks, K and V passed around a ring in attentio
 Checkpoint (resumable bit for bit), evaluate, log and measure every step. Or fine-tune
 GPT-2's weights (--init-from): all of them, or LoRA's factors only (--lora-rank, 02).
 
-The grid is arange(world).view(pp, dp, cp, tp), built by support/grid.py: TP and CP
+The grid is arange(world).view(pp, dp, cp, tp), built by support/train/grid.py: TP and CP
 peers share a node's NVLink, and only pipeline sends cross nodes. --dp 2 --tp 2 --pp 2:
 
                    tp_rank 0   tp_rank 1
@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 
 from support import distributed
-from support import grid as grid_lib
 from support.train import checkpoint, command_line, config, recipe, run_log, vocab
 from support.train import export as export_lib
+from support.train import grid as grid_lib
 from support.train.config import ConfigError, TrainConfig
 from support.train.lr_schedule import LR_SCHEDULES, lr_at  # warm-up, then a decay
 from support.train.prefetch import Prefetcher
@@ -143,7 +143,7 @@ def pretrained(path: str):
     return model_lib.GPT.load_pretrained(Path(path).resolve(strict=True))
 
 
-# ---------------------------------------------- the process grid (support/grid.py)
+# ---------------------------------------------- the process grid (support/train/grid.py)
 def build_grid(cfg: TrainConfig, rank: int, world: int) -> grid_lib.Grid:
     """This rank's place in arange(world).view(pp, dp, cp, tp) and its groups, with 05's
     embedding group (the first and last stage, which hold the tied embeddings)."""

@@ -1,4 +1,17 @@
-"""Joining a torchrun job, printing from rank 0, self-launching ranks, collectives' old names."""
+"""Joining a torchrun job, printing from rank 0, self-launching ranks, collectives' old names,
+and process groups made a dimension at a time.
+
+A few world-wide calls: each dimension's groups come from ONE call (new_groups), so
+startup makes O(dimensions) world-wide collectives, not O(world). On NCCL bound to a
+GPU (init_process_group's device_id, as init_distributed binds it) every new_group
+is a world-wide ncclCommSplit, non-members included: one per group made 448 of them at
+1,024 GPUs (tp 8, pp 8, dp 16); dist.split_group cuts a whole dimension in one, every
+rank calling it in the same order with the same lists (NCCL's rule), as torch's
+DeviceMesh does. Unbound (gloo on CPU) split_group refuses, and a new_group is no
+collective: a non-member returns at once, members meet through the store alone.
+(new_subgroups_by_enumeration is a loop of new_group; use_local_synchronization=True
+hangs a bound NCCL, whose members split the world's communicator without the rest.)
+"""
 
 import argparse
 import importlib
@@ -105,3 +118,28 @@ def all_gather_tensor(output, input, group=None, async_op=False):
     if hasattr(dist, "all_gather_single"):
         return dist.all_gather_single(output, input, group=group, async_op=async_op)
     return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def bound_to_device() -> bool:
+    """The world's communicator is bound to a GPU (NCCL's eager init): groups split it."""
+    return dist.group.WORLD.bound_device_id is not None
+
+
+def world_timeout():
+    """The timeout init_process_group gave the world (init_distributed passes
+    train.py's --timeout-minutes): a group made without one waits torch's default
+    instead, 10 minutes on NCCL and 30 on gloo, however short the world's."""
+    world = dist.group.WORLD
+    return world._get_backend(world._device_types[0]).options._timeout
+
+
+def new_groups(rank_lists: list):
+    """Groups of the ranks in each list (disjoint lists), made in one world-wide call
+    when bound (see the top): -> this rank's group, or None if it is in none. Every rank
+    passes the same lists."""
+    timeout = world_timeout()  # Not torch's default: the world's (--timeout-minutes).
+    if bound_to_device():
+        return dist.split_group(split_ranks=rank_lists, timeout=timeout)  # one split
+    rank = dist.get_rank()
+    groups = [dist.new_group(m, timeout=timeout) for m in rank_lists]  # no collective
+    return next((g for g, m in zip(groups, rank_lists) if rank in m), None)

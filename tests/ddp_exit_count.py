@@ -19,7 +19,7 @@ for (issue 30: 3, 1, 5 and 0 of 30 DataParallel jobs; ZeRO-3's all-gathers 1 of 
 45); without the busy processes it almost never showed (0 of 80). In CI, ZeRO-2 keeping only
 its last reduce-scatter handle aborted 1 of 15 exits (commit 898a44c), and 03's demo aborted
 once when its last ZeRO wrapper, freed on return, dropped its handles (58afab9). From issue 30
-to issue 39 the lessons kept every waited handle (support/handles.py's retire()): 0 of 150, 0
+to issue 39 the lessons kept every waited handle (support/handles.py's retire(), since removed): 0 of 150, 0
 of 60 and 0 of 100; the control (retire() a no-op) 0 of 40 and 0 of 100 (2026-11-27). Issue 39
 removed the workaround and ran this bench (2026-11-29, the 2-core VM loaded by four other
 sessions' tests, load 8 to 33): 0 of 100 jobs aborted (DP 0 of 50, ZeRO-2 0 of 25, ZeRO-3 0 of

@@ -16,7 +16,7 @@ own step (`gpu_tests`) on a GPU. About 15 s on an H200.
    checkpoints; tests/test_train_sync.py counts the calls on a CPU, this is the GPU's word);
 8. support/train/prefetch.py on CUDA: the batches it copied ahead on its side stream equal 01's
    DataLoader's, in order and after a jump (a resume), on this GPU;
-9. support/grid.py on NCCL bound to the GPU: its groups come from dist.split_group with the
+9. support/distributed.new_groups on NCCL bound to the GPU: its groups come from dist.split_group with the
    world's timeout (one GPU: one rank's split; two GPUs: build_grid's layouts, one split a
    dimension, each group the formula's ranks and working).
 """
@@ -45,7 +45,7 @@ data_lib = importlib.import_module("01_data")
 train = importlib.import_module("train")
 Prefetcher = importlib.import_module("support.train.prefetch").Prefetcher
 distributed = importlib.import_module("support.distributed")
-grid_lib = importlib.import_module("support.grid")
+grid_lib = importlib.import_module("support.train.grid")
 pipe = importlib.import_module("05_pipeline")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -265,7 +265,7 @@ def _grid_on_nccl(rank, world):
     try:
         bound = dist.group.WORLD.bound_device_id is not None
         if world == 1:  # build_grid makes no group at world 1: split the world itself.
-            return {"one": (bound, list(splits), facts({"g": grid_lib.new_groups([[0]])}))}
+            return {"one": (bound, list(splits), facts({"g": distributed.new_groups([[0]])}))}
         out = {}
         for pp, dp, tp in GRID_LAYOUTS:
             del splits[:]
@@ -279,7 +279,7 @@ def _grid_on_nccl(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_grid_splits_nccl_with_the_worlds_timeout(world):
-    """Bound to a GPU (init_process_group's device_id), support/grid makes each dimension's
+    """Bound to a GPU (init_process_group's device_id), support/distributed.new_groups makes each dimension's
     groups in one dist.split_group, passing the world's timeout: every group's NCCL
     communicator holds GRID_TIMEOUT_S, not torch's 10 minutes, and sums over its ranks.
     At 2 ranks each layout's groups are tests/test_grid.py's formula's, one split a

@@ -1,4 +1,4 @@
-"""support/grid.py's process groups: each dimension's groups made in ONE world-wide call.
+"""support/train/grid.py's process grid: each dimension's groups made in ONE world-wide call.
 
 The worked example: 8 ranks as (pp 2, dp 2, tp 2), rank = ((pp_rank * dp + dp_rank) * cp +
 cp_rank) * tp + tp_rank. Rank 5 is (pp 1, dp 0, tp 1): its TP group is {4, 5}, its DP group
@@ -19,7 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from support import grid as grid_lib
+from support import distributed
+from support.train import grid as grid_lib
 from tests.distributed import GRACE_S, run_ranks
 
 pipe = importlib.import_module("05_pipeline")
@@ -66,7 +67,7 @@ def _build_all(rank, world):
     then, non-members included). The emulation makes its groups with the real new_group,
     uncounted, as every rank entering one call would."""
     real_new_group = dist.new_group
-    real_bound = grid_lib.bound_to_device
+    real_bound = distributed.bound_to_device
     calls = []
     bound = [False]
 
@@ -83,7 +84,7 @@ def _build_all(rank, world):
     dist.new_group = new_group
     real_split = dist.split_group
     dist.split_group = split_group
-    grid_lib.bound_to_device = lambda: bound[0]
+    distributed.bound_to_device = lambda: bound[0]
     out = {}
     try:
         for is_bound in (False, True):
@@ -98,7 +99,7 @@ def _build_all(rank, world):
     finally:
         dist.new_group = real_new_group
         dist.split_group = real_split
-        grid_lib.bound_to_device = real_bound
+        distributed.bound_to_device = real_bound
     return out
 
 

@@ -22,17 +22,26 @@ LONG_SHARE = 0.05  # at most 5% of a file's lines longer than LONG
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module a file imports: `import x`, `from x import y`, import_module("x")."""
+    """Every module a file imports: `import x`, `from x import y` (x, and x.y: y may be a
+    module, as in `from support import train`), import_module("x"). No relative imports:
+    a path must say what it reads."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name}:{node.lineno}: a relative import"
             names.add(node.module)
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module":
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and call_name(node) == "import_module":
             if node.args and isinstance(node.args[0], ast.Constant):
                 names.add(node.args[0].value)
     return names
+
+
+def call_name(node: ast.Call) -> str:
+    """f for f(...) and m.f(...) alike."""
+    return getattr(node.func, "attr", getattr(node.func, "id", ""))
 
 
 def numbered(module: str) -> tuple[int, str] | None:
@@ -72,7 +81,7 @@ def test_support_imports_no_lesson_and_nothing_imports_bench():
 # 05_pipeline.py) holds that lesson's plumbing and its lettered extensions'; support/train/
 # is train.py's; a module at the top is shared. SHARED lists those, so a new file must
 # choose its owner here.
-SHARED = {"distributed", "files", "gpus", "grid", "meta", "shape"}
+SHARED = {"distributed", "files", "gpus", "meta"}
 STEMS = {name[3:-3]: numbered(name) for name in LESSONS if numbered(name)[1] == ""}
 TRAIN = (100, "")  # train.py reads after every lesson
 
@@ -91,15 +100,42 @@ def owner(module: str) -> tuple[int, str] | None:
     return None
 
 
-def test_support_is_grouped_by_owner():
+def test_support_is_grouped_by_owner(tmp_path):
+    """A module at the top is SHARED or named after a lesson (support/ring.py would be
+    08's, were 08's plumbing one file); a folder is a lesson's package or train/."""
     top = {p.stem for p in (ROOT / "support").glob("*.py")} - {"__init__"}
-    assert top == SHARED, f"support/'s shared modules changed: {top ^ SHARED}"
+    assert top - set(STEMS) == SHARED, f"support/'s shared modules changed: {top ^ SHARED}"
     for folder in (p for p in (ROOT / "support").iterdir() if p.is_dir()):
         if folder.name != "__pycache__":
             assert folder.name in {*STEMS, "train"}, f"support/{folder.name}/: whose?"
             assert (folder / "__init__.py").exists(), f"support/{folder.name}/ is no package"
     assert owner("support.pipeline.gantt") == (5, "") and owner("support.files") is None
     assert owner("support.train.config") == TRAIN and STEMS["data"] == (1, "")
+    # Each way to spell an import is seen: `from support import train` too.
+    spelled = "from support import train\nimport_module('support.pipeline.gantt')\n"
+    probe = tmp_path / "probe.py"
+    probe.write_text(spelled)
+    assert {"support.train", "support.pipeline.gantt"} <= imported_modules(probe)
+
+
+def test_support_has_no_import_cycle():
+    """support/ modules import each other without a cycle (a lazy import inside a
+    function counts too): config.py and recipe.py once imported each other."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts): p
+             for p in (ROOT / "support").rglob("*.py")}
+    edges = {m: {i for i in imported_modules(p) if i in paths and i != m}
+             for m, p in paths.items()}
+    done = set()
+
+    def visit(module, chain):
+        assert module not in chain, f"an import cycle: {' -> '.join([*chain, module])}"
+        if module not in done:
+            for nxt in sorted(edges[module]):
+                visit(nxt, [*chain, module])
+            done.add(module)
+
+    for module in sorted(paths):
+        visit(module, [])
 
 
 def importers():

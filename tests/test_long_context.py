@@ -14,8 +14,8 @@ import json
 import pytest
 import torch
 
-from support.grid import Grid
 from support.train.command_line import parse_args
+from support.train.grid import Grid
 from tests.distributed import run_ranks
 from tests.test_finetune import FLAGS, checkpoint, gpt2_data  # noqa: F401 - fixtures
 

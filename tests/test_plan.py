@@ -35,8 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from support import gpus
-from support import grid as grid_lib
 from support.tensor_parallel.activations import saved_activation_bytes
+from support.train import grid as grid_lib
 from support.train.run import adamw_groups
 from tests.distributed import case_results, run_cases, run_ranks
 

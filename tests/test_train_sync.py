@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support.grid import Grid
 from support.train import checkpoint, run_log
+from support.train.grid import Grid
 from support.train.prefetch import Prefetcher
 from tests.distributed import run_ranks
 from tests.test_train import BASE, data_dir, metrics  # noqa: F401 (data_dir: the fixture)

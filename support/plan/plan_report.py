@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from support.gpus import GPUS, plannable, roofline_seconds
-from support.shape import SHAPE, shape_problem, shape_text
+from support.plan.shape import SHAPE, shape_problem, shape_text
 
 GIB = 2**30
 MIB = 2**20

@@ -1,4 +1,5 @@
-"""Bytes kept for the backward: the measuring tool behind 06b's recomputation numbers.
+"""Bytes kept for the backward: the measuring tool behind 04b's SP savings, 06b's
+recomputation numbers and 08's ring.
 
 saved_activation_bytes(fn) runs fn under autograd's saved-tensors hooks and adds up the
 distinct storages that autograd keeps for the backward. Inside torch's checkpoint, the

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from support.shape import SHAPE, shape_problem
+from support.plan.shape import SHAPE, shape_problem
 
 # What `python 01_data.py --tokenizer T` writes, per T: the default --data-dir,
 # prepared if it is missing.

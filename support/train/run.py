@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from support.grid import Grid
-from support.shape import shape_text
+from support.plan.shape import shape_text
 from support.train.config import TrainConfig
+from support.train.grid import Grid
 
 
 @dataclass

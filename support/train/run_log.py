@@ -28,7 +28,7 @@ from support.distributed import print0
 from support.files import atomic_write
 from support.gpus import GPUS, plannable
 from support.plan import plan_report
-from support.shape import shape_text
+from support.plan.shape import shape_text
 from support.train.config import ConfigError
 
 GIB = 2**30
