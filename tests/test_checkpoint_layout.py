@@ -186,10 +186,15 @@ def test_export_assembles_the_model_from_zero3_shards(dp4):
 # ---------------------------------------------------------------------------------------------
 # Resume on another layout
 # ---------------------------------------------------------------------------------------------
+# Ops that read only a tensor's shape and dtype, not its bytes (x.new_empty(n) and the like).
+NO_READ = {"new_empty", "new_zeros", "new_ones", "new_full", "empty_like", "zeros_like",
+           "ones_like", "full_like"}  # fmt: skip
+
+
 class ReadBytes(TorchDispatchMode):
     """The bytes read from checkpoint files (storages torch.load returned: memory-mapped,
-    so their bytes are read only when an op takes them): each op that is not a view
-    counts the elements of its inputs that live in one of those storages."""
+    so their bytes are read only when an op takes them): each op that is not a view (and
+    not in NO_READ) counts the elements of its inputs that live in one of those storages."""
 
     def __init__(self, storages: set):
         super().__init__()
@@ -197,7 +202,7 @@ class ReadBytes(TorchDispatchMode):
         self.read = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
+        if not func.is_view and func._schema.name.split("::")[-1] not in NO_READ:
             for a in torch.utils._pytree.tree_leaves((args, kwargs)):
                 if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.storages:
                     self.read += a.numel() * a.element_size()
