@@ -32,7 +32,7 @@ Who holds what, N = 2, one m×n gradient matrix, PowerSGD at rank r:
 
 Launch:  python 03b_compression.py [--ranks N]                     (runs torchrun for you)
          torchrun --standalone --nproc_per_node=2 03b_compression.py    (or 4)
-It trains 02's small GPT for 30 steps with each hook and prints the bytes all-reduced in
+It trains 02's small GPT for 10 steps with each hook and prints the bytes all-reduced in
 a step beside the formula, and the loss on held-out rows. Each hook on the main job
 (train.py --grad-compression) and the link bandwidth below which each pays are measured
 by bench/bench_compression.py, its numbers in docs/results.md.
@@ -181,7 +181,7 @@ class PowerSGD:
 
 
 # ------------- the demo: each hook's bytes beside its formula, and the loss it reaches
-STEPS = 30
+STEPS = 10  # PowerSGD's 5 exact steps, then 5 sketched: the last one sends the sketch.
 WARMUP = 5  # PowerSGD's exact steps first
 HOOKS = ("none", "fp16", "bf16", "powersgd r=1", "powersgd r=4")
 

@@ -305,7 +305,7 @@ def test_powersgd_resumes_bit_for_bit_from_any_step():
 
 def test_the_demo_prints_each_hooks_bytes_beside_the_formula():
     """`python 03b_compression.py` (2 ranks, the small GPT, 1 MB buckets) prints, per hook, the
-    bytes its DataParallel counted in the last of 30 steps and the formula's bytes. Both must
+    bytes its DataParallel counted in the last of 10 steps and the formula's bytes. Both must
     equal the formula worked out here from the GPT's shapes, not from the lesson's code: 4Ψ
     without compression, 2Ψ with fp16 and bf16, and for PowerSGD at rank r, after its 5 exact
     steps, 4·(Σ(m+n)·r + Σ vectors) (every matrix of this GPT has m, n >= 4 >= r). A hook that
