@@ -175,9 +175,10 @@ class PowerSGD:
         the first sketch draws the seed's, as the run that never stopped does."""
         self.steps = state["steps"]
         pairs = zip(state["errors"], self.matrices, strict=True)
-        self.errors = [e.to(p.device) for e, p in pairs]
+        # A copy: on a CPU, to() would keep the checkpoint's memory-mapped file open.
+        self.errors = [e.to(p.device, copy=True) for e, p in pairs]
         pairs = zip(state["qs"], self.matrices, strict=bool(state["qs"]))
-        self.qs = [q.to(p.device) for q, p in pairs]
+        self.qs = [q.to(p.device, copy=True) for q, p in pairs]
 
 
 # ------------- the demo: each hook's bytes beside its formula, and the loss it reaches

@@ -10,8 +10,9 @@ CP replicas hold alike are spread over them, each tensor written by one (spread)
 ZeRO each rank writes the pieces of its own shards (ZeRO-3 without gathering a weight).
 Every piece is described by its global name, global shape and the slice it holds: its
 TP cut (dim, chunks, tp rank, tp) and a range of that cut, flattened. meta.json lists
-every file's pieces (gathered to rank 0), with what all ranks hold alike: the step, the
-data position, the config, the scaler, AdamW's hyperparameters and step counts.
+every file's pieces (rank 0 reads them back from the files), with what all ranks hold
+alike: the step, the data position, the config, the scaler, AdamW's hyperparameters and
+step counts.
 Loading reads meta.json, opens only the files that hold a piece overlapping a slice
 this rank holds in its own layout, and copies only the overlap, rectangle by
 rectangle: a run resumes on another (dp, tp, pp, cp, zero). Every rank's file also
@@ -193,7 +194,8 @@ def save(
     """Every rank writes its shard into step_N.partial/; rank 0 adds meta.json, renames
     the folder to step_N and keeps the newest `keep`. `meta()` builds meta.json's
     contents (rank 0, once every shard is written); meta.json also gets every file's
-    piece descriptors (gathered to rank 0, see describe) and AdamW's scalars by name.
+    piece descriptors (rank 0 reads them back from the files, see describe) and AdamW's
+    scalars by name.
 
     Each of the three parts ends in a vote, not a barrier: a rank that failed (a full
     disk, a data folder gone for meta()) says so, and every rank raises at once. Behind
@@ -210,12 +212,16 @@ def save(
 
     def publish():
         fields = {"step": step, **meta(), "scalars": {}, "pieces": "@rows"}
-        for _, scalars in gathered:
-            fields["scalars"].update(scalars)
+        rows = []
+        for r in range(world):  # Every file's descriptors, read back from the file.
+            held = torch.load(partial / shard_name(r), weights_only=True, mmap=True)
+            rows += describe(held.get("pieces", []), r)
+            fields["scalars"].update(held.get("scalars", {}))
         text = json.dumps(fields, indent=1)
         # One piece a line: 07's shards make thousands of pieces at a cluster's scale.
-        rows = [json.dumps(row) for rows, _ in gathered for row in rows]
-        text = text.replace('"@rows"', "[\n" + ",\n".join(rows) + "\n]")
+        rows = [json.dumps(row) for row in rows]
+        head, _, tail = text.rpartition('"@rows"')  # the last: a config string may match
+        text = head + "[\n" + ",\n".join(rows) + "\n]" + tail
         atomic_write(partial / "meta.json", lambda tmp: tmp.write_text(text))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)  # Every shard's name is on disk already.
@@ -229,12 +235,9 @@ def save(
     for part in (empty_folder, write_shard):
         mine = part if part is write_shard or rank == 0 else None
         all_or_none(mine, f"saving step {step}", world, device)
-    # Every rank wrote its file (the vote): each one's descriptors to rank 0.
-    mine = (describe(shard.get("pieces", []), rank), shard.get("scalars", {}))
-    gathered = [mine] if rank == 0 else None
-    if world > 1:
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
+    # Every rank wrote its file (the vote): rank 0 reads their descriptors back (a
+    # mapped load reads the pickled list, not the tensors), with no collective: NCCL has
+    # no gather, and gather_object would open a channel to every rank.
     all_or_none(publish if rank == 0 else None, f"saving step {step}", world, device)
 
 
@@ -696,7 +699,8 @@ def restore_model(run, shard: dict):
     ZeRO; into each flat's shard and its moments with it. Nothing is assembled whole."""
     index = shard["index"]
     if not index:
-        raise ValueError("meta.json lists no pieces (a checkpoint from before them)")
+        old = "written before meta.json listed them (2026-11-29)"
+        raise ValueError(f"meta.json lists no pieces: {old}; resume with the code that wrote it")
     names = global_names(run, skip_copies=False)
     check_names({n for n, state in index if state == "param"}, names, run)
     opt = run.optimizer
@@ -719,7 +723,7 @@ def restore_model(run, shard: dict):
             if f is None:
                 out = p.detach().view(-1)
                 if state != "param":
-                    out = torch.empty(p.numel(), dtype=p.dtype)
+                    out = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
                 read(name, state, need, out)
                 if state != "param":
                     mine[state] = out.view(p.shape)
@@ -728,7 +732,7 @@ def restore_model(run, shard: dict):
             at = f.offset[p] + a - f.lo  # p's span in this rank's shard
             out = f.shard.detach() if state == "param" else mine.get(state)
             if out is None:
-                out = mine[state] = torch.zeros(f.S, dtype=f.shard.dtype)
+                out = mine[state] = torch.zeros_like(f.shard)  # on its GPU, not the host
             read(name, state, need, out[at : at + b - a])
         if not run.cfg.zero:
             params = [p for g in opt.param_groups for p in g["params"]]
