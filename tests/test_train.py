@@ -427,6 +427,22 @@ def test_a_corrupt_checkpoint_is_named_and_the_previous_one_used(data_dir, tmp_p
     assert "(step 1)" in out
 
 
+def test_a_file_whose_piece_disagrees_with_meta_json_falls_back(data_dir, tmp_path, capsys):
+    """A file that reads but holds a piece of another size than meta.json's row (a stale
+    file, another job's write) is named before the restore and the previous checkpoint used;
+    inside the restore it would stop the run (an out-of-bounds copy)."""
+    args = BASE + ["--data-dir", data_dir, "--out-dir", str(tmp_path), "--ckpt-interval", "2"]
+    run_main(args)  # checkpoints at steps 1 and 3
+    newest = checkpoint.complete_checkpoints(tmp_path)[0] / checkpoint.shard_name(0)
+    shard = torch.load(newest, weights_only=True)
+    shard["pieces"][0]["tensor"] = shard["pieces"][0]["tensor"].reshape(-1)[:-1]  # cut short
+    torch.save(shard, newest)
+    run_main(args + ["--resume", "--max-steps", "5"])
+    out = capsys.readouterr().out
+    assert f"checkpoint file {newest} is unreadable" in out and "is not meta.json's" in out
+    assert "(step 1)" in out
+
+
 def test_resume_survives_ordinary_damage(data_dir, tmp_path, capsys):
     """What a kill or a full disk leaves behind, all at once: an empty meta.json in the newest
     checkpoint (--export and --resume fall back to the previous one instead of a JSON error), a

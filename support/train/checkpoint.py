@@ -27,6 +27,7 @@ lesson.
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -278,7 +279,8 @@ def read_files(ckpt, wanted, reading: list | None = None) -> dict:
     memory-mapped: a piece's bytes are read only when copied out. Returns meta.json's
     fields with "files" (rank -> its file) and "index" ((name, state) -> its pieces'
     rows, as dicts). `reading` gets each path before it is read (the one that failed is
-    the last). Raises if a file's pieces are not those meta.json says it holds."""
+    the last). Raises if a file's pieces are not those meta.json says it holds (name,
+    state, size), so a damaged file falls back before the restore, not inside it."""
     reading = [] if reading is None else reading
     reading.append(ckpt / "meta.json")
     meta = json.loads(reading[-1].read_text())
@@ -297,9 +299,17 @@ def read_files(ckpt, wanted, reading: list | None = None) -> dict:
             if pc["file"] not in files:
                 continue
             held = files[pc["file"]]["pieces"][pc["at"]]
-            if (held["name"], held["state"]) != (pc["name"], pc["state"]):
-                raise ValueError(f"{pc['file']}'s piece {pc['at']} is not {pc['name']}")
+            size = held["tensor"].numel()  # Its header: no byte of it is read.
+            if (held["name"], held["state"], size) != (pc["name"], pc["state"], numel(pc)):
+                raise ValueError(f"{pc['file']}'s piece {pc['at']} is not meta.json's")
     return {**meta, "files": files, "index": index}
+
+
+def numel(pc: dict) -> int:
+    """A piece's elements, from its meta.json row: its range, else its whole TP cut."""
+    if pc["range"] is not None:
+        return pc["range"][1] - pc["range"][0]
+    return math.prod(pc["shape"]) // (pc["tp"][3] if pc["tp"] else 1)
 
 
 def load_newest(out_dir, rank: int, world: int, device, read, restore) -> dict | None:
