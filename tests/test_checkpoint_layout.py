@@ -138,13 +138,13 @@ def test_a_dp4_save_writes_the_distinct_state_once(dp4, name):
     overhead = disk - distinct
     assert 0 < overhead < 4 * 64 * 1024, f"{name}: {disk:,} B on disk, 12Ψ = {distinct:,} B"
     assert all(n > 0 for n in pieces), pieces  # ZeRO: its shards; ZeRO 0: its share (below)
-    if name == "dp4-zero0":  # the 4 replicas share the writing, largest tensor first, each to
-        # the least loaded: none writes more than its quarter plus the largest tensor (wte).
-        largest = 4 * V_SAVED * 32  # wte's fp32 bytes: (320, C = 32)
+    if name == "dp4-zero0":  # the 4 replicas share the writing: the 3Ψ elements (weights
+        # and two moments) cut in 4 ranges of ⌈3Ψ/4⌉, as 07 cuts a flat: a quarter each.
+        quarter = 4 * -(-3 * psi() // 4)  # fp32 bytes
         files = sorted(ckpt.glob("rank_*.pt"))
         mine = [sum(p["tensor"].nbytes for p in torch.load(f, weights_only=True)["pieces"])
                 for f in files]  # fmt: skip
-        assert max(mine) <= distinct / 4 + largest, (mine, distinct / 4 + largest)
+        assert mine[:-1] == [quarter] * 3 and mine[-1] == distinct - 3 * quarter, (mine, quarter)
 
 
 def test_a_tp2_pp2_save_writes_each_cut_once(dp4):

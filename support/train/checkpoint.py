@@ -6,7 +6,7 @@ on disk, so a folder without the suffix is complete: a crash leaves a .partial f
 never a torn checkpoint. The last K complete ones are kept.
 
 Each distinct piece of state is written once. Weights and AdamW's moments that DP and
-CP replicas hold alike are spread over them, each tensor written by one (spread); under
+CP replicas hold alike are spread over them, a share to an element each (spread); under
 ZeRO each rank writes the pieces of its own shards (ZeRO-3 without gathering a weight).
 Every piece is described by its global name, global shape and the slice it holds: its
 TP cut (dim, chunks, tp rank, tp) and a range of that cut, flattened. meta.json lists
@@ -423,7 +423,7 @@ def distinct_pieces(run) -> tuple[list, dict]:
     ZeRO: the pieces of this rank's shards (its slice of each flat's weights and AdamW
     moments: no gathering). What DP and CP replicas hold alike (every weight and its
     AdamW state without ZeRO, the frozen weights no flat holds with it) is spread over
-    them (spread): each piece written by one replica. A tensor 04 does not cut
+    them (spread): each element written by one replica. A tensor 04 does not cut
     (LayerNorms, wpe, a row-parallel bias) is TP rank 0's to write.
     """
     grid = run.grid
@@ -461,27 +461,32 @@ def distinct_pieces(run) -> tuple[list, dict]:
                     scalars.setdefault(name, {})[key] = t.item()
                     continue
                 alike.append((name, key, p, t))
-    for name, key, p, t in spread(alike, grid):
-        pieces.append(piece(name, key, p, on_cpu(t), grid))
+    for name, key, p, part, span in spread(alike, grid):
+        pieces.append(piece(name, key, p, on_cpu(part), grid, span))
     return pieces, scalars
 
 
 def spread(alike: list, grid) -> list:
-    """Which of the tensors the dp·cp replicas hold alike this one writes: the largest
-    first, each to the replica that has the fewest bytes so far (ties: the lowest).
-    Every replica computes the same answer, so each tensor is written once, and no
-    replica writes more than the mean plus the largest tensor (greedy scheduling's
-    bound). One writer for all (the rule before) wrote 19 GB alone at dp 64."""
+    """This replica's part of the tensors the dp·cp replicas hold alike. Laid end to end
+    in their order (the same on every replica) they are one stream of elements, cut into
+    dp·cp equal ranges as 07 cuts a flat; replica r writes the r-th: (name, state, p, its
+    part, flattened, and that part's span of the tensor). Every replica computes the same
+    cut without a message, each writes its share to an element, and a tensor larger than
+    a share (wte) is split where an edge falls inside it. One writer for all (the rule
+    before) wrote 19 GB alone at dp 64."""
     me = grid.dp_rank * grid.cp + grid.cp_rank  # 0 .. dp·cp - 1
-    load = [0] * grid.dp_cp
+    share = -(-sum(t.numel() for *_, t in alike) // grid.dp_cp)  # ceil, as 07's shards
+    lo = me * share
     mine = []
-    sizes = [t.numel() * t.element_size() for _, _, _, t in alike]
-    for i in sorted(range(len(alike)), key=lambda i: -sizes[i]):  # Stable: ties alike.
-        who = load.index(min(load))
-        load[who] += sizes[i]
-        if who == me:
-            mine.append(i)
-    return [alike[i] for i in sorted(mine)]
+    start = 0  # where this tensor begins in the stream
+    for name, key, p, t in alike:
+        a = max(lo, start)
+        b = min(lo + share, start + t.numel())
+        if a < b:
+            span = [a - start, b - start]
+            mine.append((name, key, p, t.detach().reshape(-1)[span[0] : span[1]], span))
+        start += t.numel()
+    return mine
 
 
 def rectangles(shape: list, cut, span) -> tuple[int, list]:
